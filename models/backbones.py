@@ -1,0 +1,107 @@
+"""Backbone registry: an open catalogue, so a registry with `list_backbones()`.
+
+Every backbone maps raw-normalised inputs [B, *input_shape] to embeddings [B, d] and
+exposes `embed_dim`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+_REGISTRY: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_backbone(name: str):
+    def wrap(fn: Callable[..., nn.Module]):
+        if name in _REGISTRY:
+            raise ValueError(f"backbone {name!r} registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def list_backbones() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_backbone(name: str, input_shape: tuple[int, ...] | list[int], **params) -> nn.Module:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown backbone {name!r}; known: {', '.join(list_backbones())}")
+    return _REGISTRY[name](tuple(int(s) for s in input_shape), **params)
+
+
+class _Flatten(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, *shape] -> [B, prod(shape)]
+        return x.reshape(x.shape[0], -1)
+
+
+class Linear(nn.Module):
+    """No hidden layer: the embedding is the flattened input (for fast tests)."""
+
+    def __init__(self, input_shape: tuple[int, ...]):
+        super().__init__()
+        self.embed_dim = math.prod(input_shape)
+        self.flatten = _Flatten()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.flatten(x)
+
+
+class MLP(nn.Module):
+    """The PoLS paper's MNIST network: FC layers of 500 units, each BatchNorm then ReLU."""
+
+    def __init__(self, input_shape: tuple[int, ...], hidden: int = 500, layers: int = 2):
+        super().__init__()
+        dims = [math.prod(input_shape)] + [hidden] * layers
+        blocks: list[nn.Module] = [_Flatten()]
+        for d_in, d_out in zip(dims[:-1], dims[1:]):
+            blocks += [nn.Linear(d_in, d_out), nn.BatchNorm1d(d_out), nn.ReLU()]
+        self.net = nn.Sequential(*blocks)
+        self.embed_dim = dims[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _conv_bn_relu(c_in: int, c_out: int, k: int) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, k, padding=k // 2), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+
+class CNN6(nn.Module):
+    """The PoLS paper's CNN for 32x32 colour images.
+
+    Six conv layers (5x5, 1x1, 5x5, 1x1, 5x5, 1x1; 128, 128, 256, 256, 512, 512 maps), a 3x3
+    max-pool with stride 2 after the 2nd, 4th and 6th, then a dense layer of 1024; batch
+    norm + ReLU after every layer. `width` scales the maps (1.0 = the paper).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], width: float = 1.0, dense: int = 1024):
+        super().__init__()
+        if len(input_shape) != 3:
+            raise ValueError(f"cnn6 needs input_shape (C, H, W), got {input_shape}")
+        c, h, w = input_shape
+        maps = [max(1, int(round(m * width))) for m in (128, 128, 256, 256, 512, 512)]
+        kernels = (5, 1, 5, 1, 5, 1)
+        layers: list[nn.Module] = []
+        c_in = c
+        for i, (m, k) in enumerate(zip(maps, kernels)):
+            layers += _conv_bn_relu(c_in, m, k)
+            c_in = m
+            if i % 2 == 1:
+                layers.append(nn.MaxPool2d(3, stride=2, padding=1))
+                h, w = (h + 1) // 2, (w + 1) // 2
+        self.features = nn.Sequential(*layers)
+        self.dense = nn.Sequential(_Flatten(), nn.Linear(c_in * h * w, dense), nn.BatchNorm1d(dense), nn.ReLU())
+        self.embed_dim = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, H, W] -> [B, dense]
+        return self.dense(self.features(x))
+
+
+register_backbone("linear")(Linear)
+register_backbone("mlp")(MLP)
+register_backbone("cnn6")(CNN6)

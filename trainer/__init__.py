@@ -1,0 +1,1 @@
+"""Training, metrics, calibration and export. Importing the package imports no torch."""

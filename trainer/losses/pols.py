@@ -1,0 +1,181 @@
+"""Losses that satisfy the Principle of Logit Separation (DESIGN.md §4; Keren, Sabato & Schuller).
+
+A small loss forces every true logit above every false logit *across* examples, so one
+logit z_j(x) compared with a threshold answers "is x of class j?".
+
+`batch_ce`, `batch_max_margin` and `lgl_inr` are defined on the batch as a whole; under
+torch.distributed they gather logits and targets of all ranks first, so their value is the
+single-process value on the global batch (gradient convention: trainer/distributed.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.distributed import gather_batch
+from trainer.losses import register_loss
+from trainer.losses.standard import max_false_logits, true_logits
+
+
+@register_loss("self_norm")
+class SelfNormalization(nn.Module):
+    """−log p_y + α·(logsumexp_j z_j)² (Devlin et al. 2014). Default alpha=0.1 (Devlin et al.'s value).
+
+    The second term pins the softmax normaliser at 1, so e^{z_j} is itself a probability.
+    """
+
+    pols = True
+
+    def __init__(self, num_classes: int, alpha: float = 0.1):
+        super().__init__()
+        if alpha <= 0:
+            raise ValueError("alpha must be > 0 (alpha = 0 is plain ce, which is not PoLS)")
+        self.num_classes, self.alpha = num_classes, float(alpha)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        log_norm = torch.logsumexp(logits, dim=1)  # [B]
+        ce = log_norm - true_logits(logits, target)  # [B]
+        return (ce + self.alpha * log_norm**2).mean()
+
+
+@register_loss("nce")
+class NoiseContrastive(nn.Module):
+    """NCE (Mnih & Teh 2012): −log g_y − t·Σ_j q_j log(1 − g_j), g_j = σ(z_j − log(t·q_j)).
+
+    Defaults: t=10 noise samples, q uniform (1/C), mode="exact" (the expectation over j~q,
+    deterministic). mode="sampled" replaces the expectation by t draws j~q per example
+    (−Σ_{s≤t} log(1 − g_{j_s})), an unbiased Monte-Carlo estimate of the exact term.
+    `q` (length C, positive) is normalised to sum to 1.
+    """
+
+    pols = True
+
+    def __init__(self, num_classes: int, t: int = 10, q: Sequence[float] | None = None, mode: str = "exact"):
+        super().__init__()
+        if mode not in ("exact", "sampled"):
+            raise ValueError(f"mode must be 'exact' or 'sampled', got {mode!r}")
+        if int(t) != t or t < 1:
+            raise ValueError("t must be a positive integer")
+        prior = torch.full((num_classes,), 1.0 / num_classes, dtype=torch.float64) if q is None else (
+            torch.as_tensor(q, dtype=torch.float64).flatten())
+        if prior.numel() != num_classes or not bool((prior > 0).all()):
+            raise ValueError(f"q must hold {num_classes} positive values")
+        self.num_classes, self.t, self.mode = num_classes, int(t), mode
+        self.register_buffer("q", prior / prior.sum(), persistent=False)  # [C]
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        q = self.q.to(device=logits.device, dtype=logits.dtype)  # [C]
+        shifted = logits - torch.log(self.t * q)  # z_j − log(t q_j), [B, C]
+        positive = -true_logits(F.logsigmoid(shifted), target)  # −log g_y, [B]
+        if self.mode == "exact":
+            noise = -self.t * (F.logsigmoid(-shifted) * q).sum(dim=1)  # [B]
+        else:
+            draws = torch.multinomial(self.q.to(logits.device), logits.shape[0] * self.t, replacement=True)
+            draws = draws.view(logits.shape[0], self.t)  # [B, t]
+            noise = -F.logsigmoid(-shifted.gather(1, draws)).sum(dim=1)  # [B]
+        return (positive + noise).mean()
+
+
+@register_loss("bce")
+class BinaryCrossEntropy(nn.Module):
+    """One-vs-all logistic loss −log σ(z_y) − Σ_{j≠y} log(1 − σ(z_j)) ("LGL"), summed over classes."""
+
+    pols = True
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)  # [B, C]
+        per_logit = F.binary_cross_entropy_with_logits(logits, onehot, reduction="none")  # [B, C]
+        return per_logit.sum(dim=1).mean()
+
+
+@register_loss("batch_ce")
+class BatchCrossEntropy(nn.Module):
+    """KL(P_B ‖ Q_B) over the m×C batch = mean_i(−z_{i,y_i}) + logsumexp_{i,j} z_{ij} − log m.
+
+    One softmax over all logits of the (global) batch. No parameters.
+    """
+
+    pols = True
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits, target = gather_batch(logits, target)  # [m, C], [m]
+        m = logits.shape[0]
+        return -true_logits(logits, target).mean() + torch.logsumexp(logits.flatten(), dim=0) - math.log(m)
+
+
+@register_loss("batch_max_margin")
+class BatchMaxMargin(nn.Module):
+    """(1/m)·max(0, γ − z⁺ + z⁻) + mean_i max_margin_i, z⁺ = min true logit, z⁻ = max false logit
+    of the (global) batch. Default gamma=1.
+    """
+
+    pols = True
+
+    def __init__(self, num_classes: int, gamma: float = 1.0):
+        super().__init__()
+        self.num_classes, self.gamma = num_classes, float(gamma)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits, target = gather_batch(logits, target)  # [m, C], [m]
+        m = logits.shape[0]
+        z_true = true_logits(logits, target)  # [m]
+        z_false_max = max_false_logits(logits, target)  # [m]
+        batch_term = F.relu(self.gamma - z_true.min() + z_false_max.max()) / m
+        return batch_term + F.relu(self.gamma - z_true + z_false_max).mean()
+
+
+@register_loss("lgl_inr")
+class LogisticInNegativeReweighted(nn.Module):
+    """LGL-INR (Li et al., Eq. 11) summed over target classes j, on the (global) batch.
+
+    Σ_{k present} −mean_{i∈S_k} log σ(z_ik)
+      + Σ_j Σ_{k present, k≠j} λ_kj · (−mean_{i∈S_k} log(1 − σ(z_ij))),
+    λ_{·j} = softmax over present k≠j of β·mean_{i∈S_k} σ(z_ij); S_k = batch examples of
+    class k. Classes absent from the batch are skipped; a sum, not divided by C or B.
+    Defaults beta=1 (the paper's choice), detach_weights=False (λ gets gradient too;
+    True treats λ as constants, as a pure reweighting).
+    """
+
+    pols = True
+
+    def __init__(self, num_classes: int, beta: float = 1.0, detach_weights: bool = False):
+        super().__init__()
+        if beta < 0:
+            raise ValueError("beta must be >= 0")
+        self.num_classes, self.beta, self.detach_weights = num_classes, float(beta), bool(detach_weights)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits, target = gather_batch(logits, target)  # [m, C], [m]
+        num_classes = logits.shape[1]
+        # Only the P <= m classes present in the batch have an S_k: work on [P, C], never [C, C].
+        present = torch.unique(target)  # [P], sorted class ids
+        members = (target[:, None] == present[None, :]).to(logits.dtype)  # [m, P]
+        class_mean = members.t() / members.sum(dim=0)[:, None]  # [P, m]: row k averages over S_k
+
+        pos_loss = -(class_mean * F.logsigmoid(logits[:, present]).t()).sum(dim=1)  # [P]: −mean_{S_k} log σ(z_ik)
+        neg_loss = class_mean @ (-F.logsigmoid(-logits))  # [P, C]: −mean_{S_k} log(1 − σ(z_ij))
+        hardness = self.beta * (class_mean @ torch.sigmoid(logits))  # [P, C]: β·mean_{S_k} σ(z_ij)
+
+        # λ[k, j]: softmax over present k ≠ j (column j); a column with no such k gets zeros.
+        classes = torch.arange(num_classes, device=logits.device)
+        eligible = present[:, None] != classes[None, :]  # [P, C]
+        shift = hardness.detach().masked_fill(~eligible, float("-inf")).amax(dim=0)  # [C]
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        expo = torch.exp((hardness - shift).masked_fill(~eligible, float("-inf")))  # [P, C], 0 where not eligible
+        weights = expo / expo.sum(dim=0).clamp_min(torch.finfo(logits.dtype).tiny)  # [P, C]
+        if self.detach_weights:
+            weights = weights.detach()
+
+        return pos_loss.sum() + (weights * neg_loss).sum()

@@ -1,0 +1,158 @@
+"""Per-example losses that do NOT satisfy the PoLS (DESIGN.md §4): the baselines of Table 1.
+
+Each is the mean over the batch of a per-example loss of logits z [B, C] and targets y [B].
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.losses import register_loss
+
+
+def true_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """z_{i, y_i} -> [B]."""
+    return logits.gather(1, target[:, None]).squeeze(1)
+
+
+def max_false_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """max_{j != y_i} z_{ij} -> [B] (needs C >= 2)."""
+    is_true = F.one_hot(target, logits.shape[1]).bool()  # [B, C]
+    return logits.masked_fill(is_true, float("-inf")).amax(dim=1)
+
+
+def log_square_plus(u: torch.Tensor, c: float) -> torch.Tensor:
+    """log(u² + c) for u [B, C], c > 0, without overflow of u² at large |u|.
+
+    Rows are scaled by s = max(1, max_j |u_j|) (constant, no gradient):
+    log(u² + c) = 2·log s + log((u/s)² + c/s²); (u/s)² <= 1.
+    """
+    scale = u.detach().abs().amax(dim=1, keepdim=True).clamp_min(1.0)  # [B, 1]
+    return 2.0 * torch.log(scale) + torch.log((u / scale) ** 2 + c / scale**2)
+
+
+@register_loss("ce")
+class CrossEntropy(nn.Module):
+    """−log p_y, the softmax cross-entropy (not PoLS: logits only compete within an example)."""
+
+    pols = False
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target)
+
+
+@register_loss("max_margin")
+class MaxMargin(nn.Module):
+    """Multiclass hinge max(0, γ − z_y + max_{j≠y} z_j). Default gamma=1."""
+
+    pols = False
+
+    def __init__(self, num_classes: int, gamma: float = 1.0):
+        super().__init__()
+        self.num_classes, self.gamma = num_classes, float(gamma)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        margin = self.gamma - true_logits(logits, target) + max_false_logits(logits, target)  # [B]
+        return F.relu(margin).mean()
+
+
+@register_loss("taylor_softmax")
+class TaylorSoftmax(nn.Module):
+    """−log of the second-order Taylor softmax, f(z) = 1 + z + z²/2 = ((z+1)² + 1)/2 > 0.
+
+    Computed as log((z+1)² + 1) per logit (the 1/2 cancels) and a logsumexp over classes.
+    """
+
+    pols = False
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.num_classes = num_classes
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        log_f = log_square_plus(logits + 1.0, 1.0)  # [B, C]
+        return (torch.logsumexp(log_f, dim=1) - true_logits(log_f, target)).mean()
+
+
+@register_loss("spherical_softmax")
+class SphericalSoftmax(nn.Module):
+    """−log((z_y² + ε) / Σ_j (z_j² + ε)). Default eps=1e-6 (the blog's small additive term).
+
+    Computed in log space with per-row scaling, so z of magnitude 1e3 (and far beyond)
+    stays finite in float32.
+    """
+
+    pols = False
+
+    def __init__(self, num_classes: int, eps: float = 1e-6):
+        super().__init__()
+        if eps <= 0:
+            raise ValueError("eps must be > 0")
+        self.num_classes, self.eps = num_classes, float(eps)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        log_f = log_square_plus(logits, self.eps)  # [B, C]
+        return (torch.logsumexp(log_f, dim=1) - true_logits(log_f, target)).mean()
+
+
+def _parse_schedule(schedule) -> list[float]:
+    if isinstance(schedule, str):  # "0,0.1,0.5" from the command line
+        schedule = [s for s in schedule.replace("[", "").replace("]", "").split(",") if s.strip()]
+    if isinstance(schedule, (int, float)):
+        schedule = [schedule]
+    focus = [float(f) for f in schedule]
+    if not focus or any(not 0.0 <= f <= 0.5 for f in focus):
+        raise ValueError(f"schedule must be a non-empty list of focus values in [0, 0.5], got {schedule!r}")
+    return focus
+
+
+@register_loss("ce_el")
+class CrossEntropyExpectation(nn.Module):
+    """a·(−log p_y) + b·(1 − p_y), the CE + expectation-loss mix of Battash et al.
+
+    The focus F (the p_y where the gradient is largest) follows `schedule`, a list of F
+    values played in equal phases over training progress; default [0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    (the paper's "F = 0-0.5"). F < 0.5 → a = 1, b = 1/(1 − 2F); F = 0.5 → a = 0, b = 1.
+    Call `set_progress(fraction)` (0 = start, 1 = end); it starts at 0.
+    """
+
+    pols = False
+
+    def __init__(self, num_classes: int, schedule: Sequence[float] | str = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)):
+        super().__init__()
+        self.num_classes = num_classes
+        self.schedule = _parse_schedule(schedule)
+        self.progress = 0.0
+
+    def set_progress(self, fraction: float) -> None:
+        self.progress = min(max(float(fraction), 0.0), 1.0)
+
+    @property
+    def phase(self) -> int:
+        n = len(self.schedule)
+        return min(int(math.floor(self.progress * n)), n - 1)
+
+    @property
+    def focus(self) -> float:
+        return self.schedule[self.phase]
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        """(a, b) of the current phase."""
+        focus = self.focus
+        if focus >= 0.5:
+            return 0.0, 1.0
+        return 1.0, 1.0 / (1.0 - 2.0 * focus)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        a, b = self.weights
+        log_p_true = true_logits(F.log_softmax(logits, dim=1), target)  # [B]
+        return (a * (-log_p_true) + b * (1.0 - log_p_true.exp())).mean()

@@ -1,0 +1,292 @@
+"""Thresholds and Platt scaling chosen on the calibration split (DESIGN.md §6). numpy only.
+
+Decision rule everywhere: `match = logit >= threshold`.
+
+Threshold choice, per class j (column j of the logits, positives y == j) and globally
+(all (example, class) pairs pooled into one column):
+- target {"precision": p}: among thresholds whose precision reaches p, the one with the
+  highest recall (ties: the higher precision); if none reaches p, the most precise one
+  (ties: the higher recall), flagged `"reached": false`.
+- target {"recall": r}: among thresholds whose recall reaches r, the most precise (ties: the
+  higher recall); flagged if none does (only possible when the class has no positives).
+Candidate thresholds are the observed logits themselves, at positions where the sorted
+scores change (equal scores are accepted or rejected together).
+
+Conventions on empty sets (written as numbers so calibration.json stays finite):
+precision with no match is 1.0 (no false alarm); recall with no positive is 0.0.
+A class with no positive in the calibration split gets a threshold just above its highest
+logit (it never matches there) and `"reached": false`.
+
+Platt scaling: probability = sigmoid(a * logit + b), (a, b) per class fitted by Newton's
+method on the class's column vs y == j, with a tiny ridge so separable classes (common with
+PoLS losses) still give finite (a, b).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+DEFAULT_TARGET = {"precision": 0.99}
+PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
+
+
+def _check_target(target: dict) -> tuple[str, float]:
+    if not isinstance(target, dict) or len(target) != 1:
+        raise ValueError(f"target must be {{'precision': p}} or {{'recall': r}}, got {target!r}")
+    (kind, value), = target.items()
+    if kind not in ("precision", "recall") or not (0.0 < float(value) <= 1.0):
+        raise ValueError(f"target must be {{'precision': p}} or {{'recall': r}} with 0 < value <= 1, got {target!r}")
+    return kind, float(value)
+
+
+def choose_thresholds(scores: np.ndarray, positive: np.ndarray, target: dict) -> dict[str, np.ndarray]:
+    """Per column of `scores` [N, C] (positives `positive` [N, C] bool), the calibrated threshold.
+
+    Returns arrays [C]: threshold (float64), precision, recall, reached (bool), positives (int).
+    Vectorised over columns: one sort of the [N, C] matrix.
+    """
+    kind, value = _check_target(target)
+    scores = np.asarray(scores, dtype=np.float64)
+    positive = np.asarray(positive, dtype=bool)
+    n, c = scores.shape
+    if n == 0:
+        raise ValueError("no calibration examples")
+    order = np.argsort(-scores, axis=0, kind="stable")  # [N, C], best first
+    s_sorted = np.take_along_axis(scores, order, axis=0)  # [N, C]
+    tp = np.cumsum(np.take_along_axis(positive, order, axis=0), axis=0)  # [N, C]: accepting the top k+1
+    accepted = np.arange(1, n + 1, dtype=np.float64)[:, None]  # [N, 1]
+    n_pos = tp[-1]  # [C]
+    precision = tp / accepted  # [N, C]
+    recall = tp / np.maximum(n_pos, 1)  # [N, C]; 0 when the class has no positive
+    # a cut after row k is a real threshold only where the next score is strictly lower
+    boundary = np.ones((n, c), dtype=bool)
+    boundary[:-1] = s_sorted[:-1] > s_sorted[1:]
+
+    primary, secondary = (precision, recall) if kind == "precision" else (recall, precision)
+    feasible = boundary & (primary >= value - 1e-12)
+    reached = feasible.any(axis=0) & (n_pos > 0)  # [C]
+    # feasible: best secondary metric, then best primary; infeasible: best primary, then secondary
+    first = np.where(reached[None, :], secondary, primary)
+    second = np.where(reached[None, :], primary, secondary)
+    pool = np.where(reached[None, :], feasible, boundary)
+    first_m = np.where(pool, first, -np.inf)
+    best_first = first_m.max(axis=0)  # [C]
+    second_m = np.where(pool & (first_m == best_first[None, :]), second, -np.inf)
+    k = second_m.argmax(axis=0)  # [C] row index of the chosen cut
+    cols = np.arange(c)
+    threshold = s_sorted[k, cols]
+    prec, rec = precision[k, cols], recall[k, cols]
+    # no positive at all: never match on calibration data
+    none = n_pos == 0
+    if none.any():
+        top = s_sorted[0, none]
+        threshold[none] = np.nextafter(top, np.inf)
+        prec[none], rec[none] = 1.0, 0.0
+    return {"threshold": threshold, "precision": prec, "recall": rec, "reached": reached, "positives": n_pos}
+
+
+def rates_at(scores: np.ndarray, positive: np.ndarray, threshold: np.ndarray) -> dict[str, np.ndarray]:
+    """Precision and recall per column of `scores` [N, C] at thresholds [C] (match = score >= t)."""
+    match = np.asarray(scores) >= np.asarray(threshold)[None, :]  # [N, C]
+    positive = np.asarray(positive, dtype=bool)
+    tp = (match & positive).sum(axis=0)
+    predicted = match.sum(axis=0)
+    n_pos = positive.sum(axis=0)
+    precision = np.where(predicted > 0, tp / np.maximum(predicted, 1), 1.0)
+    recall = np.where(n_pos > 0, tp / np.maximum(n_pos, 1), 0.0)
+    return {"precision": precision, "recall": recall, "positives": n_pos, "matches": predicted}
+
+
+def fit_platt(scores: np.ndarray, positive: np.ndarray, ridge: float = PLATT_RIDGE, iters: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Per column: (a, b) maximising sum log-likelihood of sigmoid(a * s + b) for `positive`.
+
+    Newton on standardised scores (so the ridge and the start do not depend on the logit
+    scale), all columns at once with closed-form 2x2 solves and step halving; converged
+    columns leave the active set. The ridge penalises 0.5 * ridge * (a'^2 + 1e-3 * b'^2) on
+    the standardised parameters. A column with no positive (or no negative) has no slope to
+    fit: a = 0 and b = the smoothed log-odds of its base rate.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    t_all = np.asarray(positive, dtype=np.float64)
+    n, c = s.shape
+    n_pos = t_all.sum(axis=0)
+    a_out = np.zeros(c)
+    b_out = np.log((n_pos + 0.5) / (n - n_pos + 0.5))  # the answer for degenerate columns
+    fit = np.flatnonzero((n_pos > 0) & (n_pos < n))
+    if fit.size == 0:
+        return a_out, b_out
+    mu = s[:, fit].mean(axis=0)
+    sd = s[:, fit].std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)
+    z_all = (s[:, fit] - mu) / sd  # [N, F]
+    t_fit = t_all[:, fit]
+    a = np.zeros(fit.size)
+    b = b_out[fit].copy()  # start at the base rate
+    lam_a, lam_b = ridge, ridge * 1e-3
+
+    def objective(z, t, a, b):  # negative penalised log-likelihood per column
+        u = a * z + b
+        # -[t log σ(u) + (1-t) log(1-σ(u))] = softplus(u) - t u
+        return (np.logaddexp(0.0, u) - t * u).sum(axis=0) + 0.5 * (lam_a * a * a + lam_b * b * b)
+
+    active = np.arange(fit.size)
+    f = objective(z_all, t_fit, a, b)
+    for _ in range(iters):
+        z, t = z_all[:, active], t_fit[:, active]
+        a_act, b_act, f_act = a[active], b[active], f[active]
+        u = a_act * z + b_act
+        p = 0.5 * (1.0 + np.tanh(0.5 * u))  # stable sigmoid
+        r = p - t  # [N, A]
+        g_a = (r * z).sum(axis=0) + lam_a * a_act
+        g_b = r.sum(axis=0) + lam_b * b_act
+        w = p * (1 - p)
+        h_aa = (w * z * z).sum(axis=0) + lam_a
+        h_ab = (w * z).sum(axis=0)
+        h_bb = w.sum(axis=0) + lam_b
+        det = np.maximum(h_aa * h_bb - h_ab * h_ab, 1e-300)
+        step_a = (h_bb * g_a - h_ab * g_b) / det
+        step_b = (h_aa * g_b - h_ab * g_a) / det
+        new_a, new_b = a_act - step_a, b_act - step_b
+        new_f = objective(z, t, new_a, new_b)
+        scale = np.ones(active.size)
+        for _ in range(30):  # halve the step only where the objective did not decrease
+            worse = np.flatnonzero(~(new_f <= f_act))
+            if worse.size == 0:
+                break
+            scale[worse] *= 0.5
+            new_a[worse] = a_act[worse] - scale[worse] * step_a[worse]
+            new_b[worse] = b_act[worse] - scale[worse] * step_b[worse]
+            new_f[worse] = objective(z[:, worse], t[:, worse], new_a[worse], new_b[worse])
+        improved = new_f <= f_act
+        a[active] = np.where(improved, new_a, a_act)
+        b[active] = np.where(improved, new_b, b_act)
+        f[active] = np.where(improved, new_f, f_act)
+        done = ~improved | (f_act - new_f <= 1e-10 * (1 + np.abs(f_act)))
+        active = active[~done]
+        if active.size == 0:
+            break
+    # back to raw logits: a' (s - mu) / sd + b'
+    a_out[fit] = a / sd
+    b_out[fit] = b - a * mu / sd
+    return a_out, b_out
+
+
+def _f(x) -> float:
+    return float(x)
+
+
+def calibrate(
+    logits_cal: np.ndarray,
+    y_cal: np.ndarray,
+    target: dict | None = None,
+    logits_test: np.ndarray | None = None,
+    y_test: np.ndarray | None = None,
+) -> dict:
+    """calibration.json content: global and per-class thresholds, Platt (a, b), and the rates.
+
+    logits_cal [N, D], y_cal [N]; the test split (if given) is only measured, never used to choose.
+    """
+    target = dict(target or DEFAULT_TARGET)
+    kind, value = _check_target(target)
+    logits_cal = np.asarray(logits_cal, dtype=np.float64)
+    y_cal = np.asarray(y_cal, dtype=np.int64)
+    n, num_classes = logits_cal.shape
+    if y_cal.shape != (n,):
+        raise ValueError(f"y_cal must have shape ({n},), got {y_cal.shape}")
+    if y_cal.min() < 0 or y_cal.max() >= num_classes:
+        raise ValueError(f"labels outside 0..{num_classes - 1}")
+    positive = y_cal[:, None] == np.arange(num_classes)[None, :]  # [N, D]
+
+    per = choose_thresholds(logits_cal, positive, target)
+    pooled = choose_thresholds(logits_cal.reshape(-1, 1), positive.reshape(-1, 1), target)
+    a, b = fit_platt(logits_cal, positive)
+    global_t = float(pooled["threshold"][0])
+    # the global threshold read per class: how much does one number lose against D numbers?
+    per_at_global = rates_at(logits_cal, positive, np.full(num_classes, global_t))
+
+    test = None
+    if logits_test is not None:
+        logits_test = np.asarray(logits_test, dtype=np.float64)
+        y_test = np.asarray(y_test, dtype=np.int64)
+        pos_test = y_test[:, None] == np.arange(num_classes)[None, :]
+        test = {
+            "per_class": rates_at(logits_test, pos_test, per["threshold"]),
+            "global": rates_at(logits_test.reshape(-1, 1), pos_test.reshape(-1, 1), np.array([global_t])),
+            "per_class_at_global": rates_at(logits_test, pos_test, np.full(num_classes, global_t)),
+        }
+
+    per_class = []
+    for j in range(num_classes):
+        entry = {
+            "class_id": j,
+            "threshold": _f(per["threshold"][j]),
+            "precision": _f(per["precision"][j]),
+            "recall": _f(per["recall"][j]),
+            "reached": bool(per["reached"][j]),
+            "positives": int(per["positives"][j]),
+            "platt": {"a": _f(a[j]), "b": _f(b[j])},
+        }
+        if test is not None:
+            entry["test"] = {"precision": _f(test["per_class"]["precision"][j]), "recall": _f(test["per_class"]["recall"][j]),
+                             "positives": int(test["per_class"]["positives"][j])}
+        per_class.append(entry)
+
+    global_entry = {
+        "threshold": global_t,
+        "precision": _f(pooled["precision"][0]),
+        "recall": _f(pooled["recall"][0]),
+        "reached": bool(pooled["reached"][0]),
+    }
+    if test is not None:
+        global_entry["test"] = {"precision": _f(test["global"]["precision"][0]), "recall": _f(test["global"]["recall"][0])}
+
+    summary = {
+        "classes": num_classes,
+        "classes_reached": int(per["reached"].sum()),
+        "per_class_mean_precision": _f(per["precision"].mean()),
+        "per_class_mean_recall": _f(per["recall"].mean()),
+        "global_threshold_per_class_mean_precision": _f(per_at_global["precision"].mean()),
+        "global_threshold_per_class_mean_recall": _f(per_at_global["recall"].mean()),
+    }
+    if test is not None:
+        achieved = test["per_class"][kind]
+        summary["test"] = {
+            # how far the calibrated thresholds fall short of the target on unseen data
+            f"mean_{kind}_shortfall": _f(np.maximum(0.0, value - achieved).mean()),
+            "classes_reaching_target": int((achieved >= value - 1e-12).sum()),
+            "per_class_mean_precision": _f(test["per_class"]["precision"].mean()),
+            "per_class_mean_recall": _f(test["per_class"]["recall"].mean()),
+            "global_precision": _f(test["global"]["precision"][0]),
+            "global_recall": _f(test["global"]["recall"][0]),
+            "global_threshold_per_class_mean_precision": _f(test["per_class_at_global"]["precision"].mean()),
+            "global_threshold_per_class_mean_recall": _f(test["per_class_at_global"]["recall"].mean()),
+            f"global_threshold_mean_{kind}_shortfall": _f(np.maximum(0.0, value - test["per_class_at_global"][kind]).mean()),
+        }
+
+    out = {
+        "target": {kind: value},
+        "decision": "match = logit >= threshold",
+        "probability": "sigmoid(a * logit + b)",
+        "split": "calibration",
+        "examples": int(n),
+        "global": global_entry,
+        "per_class": per_class,
+        "summary": summary,
+    }
+    if test is not None:
+        out["test_examples"] = int(len(y_test))
+    _assert_finite(out)
+    return out
+
+
+def _assert_finite(obj, where: str = "calibration") -> None:
+    """calibration.json must be strict JSON: no NaN or inf anywhere."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _assert_finite(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _assert_finite(v, f"{where}[{i}]")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"non-finite value at {where}: {obj}")

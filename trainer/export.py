@@ -1,0 +1,281 @@
+"""`slc export RUN --out BUNDLE`: the ONNX bundle of a trained run (DESIGN.md §6).
+
+Exporter: torch.onnx.export with dynamo=True (the torch.export-based exporter, default since
+torch 2.9; onnxscript is installed). With torch 2.13 it gives clean graphs: BatchNorm folded
+into Gemm, a symbolic batch dim "N" on every input and output, and `index_select` as a plain
+ONNX Gather. The legacy TorchScript exporter (dynamo=False) is deprecated and left Identity /
+BatchNormalization / Shape-Concat clutter in the graph.
+
+Every graph is checked at export: onnx.checker (full_check) and a parity run with
+onnxruntime against the torch module on real calibration inputs, at batch 1 and at a full
+batch (max |ort - torch| / max(1, max |torch|) <= 1e-4) — export fails loudly otherwise.
+
+Calibration (thresholds, Platt) uses the logits of full.onnx run by onnxruntime on the
+calibration split: the numbers the server will compare with the thresholds. The test split
+is only measured.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from serving.bundle import FORMAT, FORMAT_VERSION, MANIFEST, verify_bundle, write_manifest
+from trainer.calibrate import calibrate
+from trainer.synthetic import MAX_SAMPLE_COLUMNS, NpyStream
+
+PARITY_TOL = 1e-4
+EXTERNAL_DATA_BYTES = 1 << 30  # heads above 1 GiB go to external data (protobuf's hard limit is 2 GiB)
+N_SAMPLES = 8
+PARITY_BATCH = 256
+
+
+class ExportError(RuntimeError):
+    """The exported graphs are not faithful to the trained network."""
+
+
+def _wrappers(net):
+    import torch
+
+    class Backbone(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):  # [N, *shape] raw -> [N, d]
+            return self.net.embed(x)
+
+    class Full(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):  # [N, *shape] raw -> [N, D]
+            return self.net(x)
+
+    class Single(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, class_id):  # [N, *shape], [N] int64 -> [N]
+            return self.net.single(x, class_id)
+
+    return {"backbone": Backbone().eval(), "full": Full().eval(), "single": Single().eval()}
+
+
+GRAPH_SPEC = {  # kind -> (input names, output names)
+    "backbone": (["input"], ["embedding"]),
+    "full": (["input"], ["logits"]),
+    "single": (["input", "class_id"], ["logit"]),
+}
+
+
+def _export_graph(module, kind: str, example: tuple, path: Path, external: bool) -> None:
+    import torch
+
+    batch = torch.export.Dim("N")
+    dynamic = tuple({0: batch} for _ in example)
+    ins, outs = GRAPH_SPEC[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        program = torch.onnx.export(module, example, None, input_names=ins, output_names=outs, dynamo=True,
+                                    dynamic_shapes=dynamic, verbose=False, optimize=True)
+    program.save(str(path), external_data=external)
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def _rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    return float(np.max(np.abs(got.astype(np.float64) - want)) / max(1.0, float(np.max(np.abs(want)))))
+
+
+def check_graph(path: Path, kind: str) -> None:
+    """onnx.checker (full), I/O names, dynamic batch, and (single) a plain Gather, not GatherND."""
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path), load_external_data=False)
+    ins, outs = GRAPH_SPEC[kind]
+    inits = {i.name for i in model.graph.initializer}
+    got_ins = [i.name for i in model.graph.input if i.name not in inits]
+    got_outs = [o.name for o in model.graph.output]
+    if got_ins != ins or got_outs != outs:
+        raise ExportError(f"{path.name}: inputs {got_ins} -> outputs {got_outs}, expected {ins} -> {outs}")
+    for v in list(model.graph.input) + list(model.graph.output):
+        dim0 = v.type.tensor_type.shape.dim[0]
+        if not dim0.dim_param or dim0.HasField("dim_value"):
+            raise ExportError(f"{path.name}: {v.name} has a fixed batch dim ({dim0}), expected a dynamic one")
+    if kind == "single":
+        ops = {n.op_type for n in model.graph.node}
+        if "Gather" not in ops or "GatherND" in ops:
+            raise ExportError(f"{path.name}: expected a plain Gather of the class rows, ops are {sorted(ops)}")
+
+
+def parity(path: Path, kind: str, module, x: np.ndarray, class_id: np.ndarray) -> float:
+    """Max relative difference of onnxruntime vs torch over x (at batch 1 and at the full batch)."""
+    import torch
+
+    sess = _session(path)
+    worst = 0.0
+    for sl in (slice(0, 1), slice(0, len(x))):
+        feeds = {"input": x[sl]}
+        args = (torch.from_numpy(x[sl]),)
+        if kind == "single":
+            feeds["class_id"] = class_id[sl]
+            args += (torch.from_numpy(class_id[sl]),)
+        got = sess.run(None, feeds)[0]
+        with torch.no_grad():
+            want = module(*args).double().numpy()
+        worst = max(worst, _rel_diff(got, want))
+    if not worst <= PARITY_TOL:
+        raise ExportError(f"{path.name}: onnxruntime differs from torch by {worst:.3g} (relative), limit {PARITY_TOL}")
+    return worst
+
+
+def _ort_logits(path: Path, x: np.ndarray, batch: int = 1024) -> np.ndarray:
+    sess = _session(path)
+    return np.concatenate([sess.run(None, {"input": x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+
+
+def _target(target_precision: float | None, target_recall: float | None) -> dict:
+    if target_precision is not None and target_recall is not None:
+        raise ValueError("give target_precision or target_recall, not both")
+    if target_recall is not None:
+        return {"recall": float(target_recall)}
+    return {"precision": float(0.99 if target_precision is None else target_precision)}
+
+
+def _prepare_out(out: Path) -> Path:
+    """A fresh staging directory next to `out`; refuse to overwrite something that is not a bundle."""
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST).exists() or not any(out.iterdir()))):
+        raise FileExistsError(f"{out} exists and is not a bundle; refusing to overwrite it")
+    stage = out.parent / f".{out.name}.staging-{os.getpid()}"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    return stage
+
+
+def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None) -> Path:
+    """Write BUNDLE (DESIGN.md §6) from a run directory; returns `out`. Raises ExportError if unfaithful."""
+    import torch
+
+    from trainer.data import load_dataset
+    from trainer.train import load_run
+
+    run, out = Path(run), Path(out)
+    target = _target(target_precision, target_recall)
+    net, config, data_info = load_run(run)
+    net.eval()
+    splits = load_dataset(data_info["dataset"])
+    x_cal, y_cal = splits.calibration
+    x_test, y_test = splits.test
+    x_cal = np.ascontiguousarray(x_cal, dtype=np.float32)
+    x_test = np.ascontiguousarray(x_test, dtype=np.float32)
+    weight = net.head.weight.detach().cpu().numpy().astype(np.float32)  # [D, d]
+    bias = net.head.bias.detach().cpu().numpy().astype(np.float32)  # [D]
+    D, d = weight.shape
+    classes = [str(c) for c in data_info["classes"]]
+    if len(classes) != D:
+        raise ExportError(f"{len(classes)} class names for a head of {D} rows")
+
+    stage = _prepare_out(out)
+    try:
+        rng = np.random.default_rng(0)
+        modules = _wrappers(net)
+        n_ex = min(4, len(x_cal))
+        example_x = torch.from_numpy(x_cal[:max(2, n_ex)].copy())
+        example_c = torch.from_numpy(np.array(y_cal[:len(example_x)], dtype=np.int64))
+        external = weight.nbytes > EXTERNAL_DATA_BYTES
+        parity_x = np.array(x_cal[:PARITY_BATCH], dtype=np.float32)  # writable copy for torch.from_numpy
+        parity_c = rng.integers(0, D, len(parity_x)).astype(np.int64)
+        report = {}
+        for kind, module in modules.items():
+            example = (example_x, example_c) if kind == "single" else (example_x,)
+            path = stage / f"{kind}.onnx"
+            _export_graph(module, kind, example, path, external=external and kind != "backbone")
+            check_graph(path, kind)
+            report[kind] = parity(path, kind, module, parity_x, parity_c)
+
+        # the head rows, page-aligned .npy (also what faiss / retrieval read)
+        for name, arr in (("head_weight.npy", weight), ("head_bias.npy", bias)):
+            stream = NpyStream(stage / name, arr.shape)
+            stream.write(arr)
+            stream.close()
+
+        # calibration on the logits the server computes (onnxruntime, full.onnx)
+        logits_cal = _ort_logits(stage / "full.onnx", x_cal)
+        logits_test = _ort_logits(stage / "full.onnx", x_test) if len(x_test) else None
+        cal = calibrate(logits_cal, y_cal, target, logits_test, y_test if len(x_test) else None)
+        (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
+
+        # samples: the first example of each of a few classes, expected outputs from torch
+        pick = np.unique(np.asarray(y_cal), return_index=True)[1][:N_SAMPLES]
+        xs = x_cal[np.sort(pick)]
+        sample_cid = np.asarray(y_cal, dtype=np.int64)[np.sort(pick)]
+        sample_cid[-1] = D - 1
+        columns = np.arange(D) if D <= MAX_SAMPLE_COLUMNS else np.unique(
+            np.concatenate([[0, D - 1], sample_cid, rng.choice(D, MAX_SAMPLE_COLUMNS, replace=False)]))
+        with torch.no_grad():
+            xt = torch.from_numpy(xs)
+            emb = net.embed(xt).numpy()
+            logits = net(xt).numpy()[:, columns]
+            single = net.single(xt, torch.from_numpy(sample_cid)).numpy()
+        np.savez(stage / "samples.npz", input=xs, embedding=emb.astype(np.float32), logits=logits.astype(np.float32),
+                 logit_columns=columns.astype(np.int64), class_id=sample_cid, logit=single.astype(np.float32))
+
+        metrics = {}
+        if (run / "metrics.json").exists():
+            metrics = json.loads((run / "metrics.json").read_text())
+        import onnx
+
+        full_model = onnx.load(str(stage / "full.onnx"), load_external_data=False)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "name": run.resolve().name,
+            "version": str(config.get("versions", {}).get("slc", "dev")),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "input": {"shape": [int(s) for s in data_info["input_shape"]], "dtype": "float32"},
+            "embed_dim": int(d),
+            "num_classes": int(D),
+            "classes": classes,
+            "dataset": data_info.get("dataset"),
+            "loss": {"name": config.get("loss"), "params": config.get("loss_params", {}),
+                     "pols": bool(config.get("loss_pols", False))},
+            "backbone": {"name": config.get("backbone"), "params": config.get("backbone_params", {})},
+            "training": config,
+            "test_metrics": metrics.get("test"),
+            "calibration_metrics": metrics.get("calibration"),
+            "onnx": {"opset": int(max(o.version for o in full_model.opset_import if o.domain in ("", "ai.onnx"))),
+                     "ir_version": int(full_model.ir_version), "exporter": f"torch {torch.__version__} dynamo",
+                     "parity_max_rel_diff": report},
+            "calibration_target": cal["target"],
+        }
+        write_manifest(stage, manifest)
+        problems = verify_bundle(stage)
+        if problems:
+            raise ExportError("exported bundle fails verification: " + "; ".join(problems))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+    return out

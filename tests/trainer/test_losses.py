@@ -422,3 +422,61 @@ def test_lgl_inr_many_absent_classes():
     target = torch.tensor([3, 17, 17, 39, 3, 0])
     got = build_loss("lgl_inr", 40, beta=2.0)(logits, target).item()
     assert got == pytest.approx(ref_lgl_inr(logits.tolist(), target.tolist(), {"beta": 2.0}), rel=1e-10)
+
+
+# ---------------------------------------------------------------- closed forms worked out by hand
+# Independent of the float64 references above: configurations where DESIGN.md §4 reduces to a
+# formula by hand. Each one separates a plausible misreading (named in the comment) from the spec.
+def _closed_form_cases():
+    C, m, t, c = 4, 3, 3, 0.7
+    target = torch.tensor([0, 0, 2])  # classes 1 and 3 absent
+    y = target.tolist()
+    full = lambda v: torch.full((m, C), float(v), dtype=torch.float64)  # noqa: E731
+    log_tq = math.log(t / C)
+    # nce at z_j = log(t q_j): every g_j = 1/2. The noise sum runs over ALL j (incl. y): log 2 + t·log 2,
+    # not log 2 + t·(1 − q_y)·log 2.
+    yield "nce", {"t": t}, full(log_tq), target, math.log(2) * (1 + t)
+    # batch_ce with equal logits: Q_B uniform over m·C cells, KL = log C for any m.
+    yield "batch_ce", {}, full(c), target, math.log(C)
+    # batch_max_margin: every per-example margin inactive, the batch term (1/m)(γ − z⁺ + z⁻) alone.
+    z = torch.tensor([[5.0, -9, -9, -9], [20, -9, 12, -9], [-9, -9, 7, -9]], dtype=torch.float64)
+    yield "batch_max_margin", {"gamma": 1.0}, z, target, (1.0 - 5.0 + 12.0) / m
+    # lgl_inr with all logits 0 (σ = 1/2, λ uniform): P positive terms + one unit-weight negative
+    # term per column j that has a present k ≠ j (here all C columns, P = 2): a sum, not a mean.
+    present = len(set(y))
+    yield "lgl_inr", {"beta": 1.7}, full(0.0), target, math.log(2) * (present + C)
+    # self_norm at z ≡ −log C: normaliser 1, only −log p_y = log C remains.
+    yield "self_norm", {"alpha": 0.9}, full(-math.log(C)), target, math.log(C)
+    yield "self_norm", {"alpha": 0.9}, full(c), target, math.log(C) + 0.9 * (c + math.log(C)) ** 2
+    yield "bce", {}, full(0.0), target, C * math.log(2)
+    # spherical: ε on every term, z_y = 0 -> −log(ε / Σ_j (z_j² + ε)) = log((9 + 16 + 0 + 0 + 4ε)/ε).
+    eps = 0.5
+    z = torch.tensor([[0.0, 3, 4, 0]] * m, dtype=torch.float64)
+    yield "spherical_softmax", {"eps": eps}, z, torch.tensor([0, 0, 3]), math.log((25 + C * eps) / eps)
+    # taylor at z_y = −1 (f = 1/2), others 0 (f = 1): −log(0.5 / (0.5 + C − 1)).
+    z = torch.zeros(m, C, dtype=torch.float64)
+    z[torch.arange(m), target] = -1.0
+    yield "taylor_softmax", {}, z, target, -math.log(0.5 / (C - 0.5))
+    # smooth_topk, only the true logit a ≠ 0: subsets with y score a/k, C(C−1,k)/C(C−1,k−1) = (C−k)/k,
+    # L = τ·log(1 + (C−k)/k · exp((α − a/k)/τ)) — pins both α·[y∉Y] and the 1/k.
+    for k, tau, alpha, a in [(1, 1.0, 1.0, 0.0), (2, 0.5, 1.5, 3.0), (3, 2.0, 0.7, -2.0)]:
+        z = torch.zeros(m, C, dtype=torch.float64)
+        z[torch.arange(m), target] = a
+        want = tau * math.log(1 + (C - k) / k * math.exp((alpha - a / k) / tau))
+        yield "smooth_topk", {"k": k, "tau": tau, "alpha": alpha}, z, target, want
+
+
+@pytest.mark.parametrize("name,params,logits,target,want", list(_closed_form_cases()))
+def test_closed_form_by_hand(name, params, logits, target, want):
+    assert build_loss(name, logits.shape[1], **params)(logits, target).item() == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("progress,focus", [(0.0, 0.0), (0.34, 0.2), (0.6, 0.3), (1.0, 0.5)])
+def test_ce_el_closed_form_by_hand(progress, focus):
+    """Equal logits: p_y = 1/C, so a·log C + b·(1 − 1/C) with (a, b) of the phase's focus F."""
+    C = 4
+    loss = build_loss("ce_el", C)
+    loss.set_progress(progress)
+    a, b = (0.0, 1.0) if focus == 0.5 else (1.0, 1.0 / (1.0 - 2.0 * focus))
+    got = loss(torch.zeros(3, C, dtype=torch.float64), torch.tensor([0, 1, 3])).item()
+    assert got == pytest.approx(a * math.log(C) + b * (1 - 1 / C), rel=1e-12)

@@ -1,0 +1,556 @@
+"""Top-k classes by logit without scoring all D classes: a faiss index over the class rows.
+
+Scores are logits z_j = W_j · h + b_j, i.e. an inner product of the row [W_j, b_j] with the
+query [h, 1]. Kinds:
+
+- ``flat``  faiss ``IndexFlatIP`` over [W, b] (a copy: chosen for D <= EXACT_MAX_CLASSES).
+- ``exact`` numpy matmul over the memory-mapped head in chunks (no copy; the reference and
+            the fallback when no index is wanted).
+- ``ivf``   inner-product ``IndexIVFScalarQuantizer`` over [W_j, b_j] (8-bit codes: a quarter
+            of the head's memory), cells from spherical k-means on a sample, nprobe tuned at
+            build time for recall@10 >= RECALL_TARGET. (The MIPS -> L2 augmentation is wrong
+            for IVF: the extra coordinate is shared by all rows, so every centroid leans on it
+            and the probe prefers the tiny clusters whose centroids lean least.)
+- ``hnsw``  the MIPS -> L2 reduction (Bachrach et al. 2014: rows [W_j, b_j] augmented with
+            sqrt(M^2 - |x_j|^2) all have norm M, and for the query [h, 1, 0] the nearest row in
+            L2 is the row of largest inner product) with ``IndexHNSWFlat``; only when asked for:
+            slow to build at 1M rows on two cores, and it stores a full copy.
+
+Every kind fetches a candidate set and re-scores it exactly from the head (float64 dot
+products rounded to float32), so returned scores are the logits, best first.
+The built index is cached in ``cache_dir`` keyed by the bundle digest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+EXACT_MAX_CLASSES = 50_000
+RECALL_K = 10
+RECALL_TARGET = 0.95
+RECALL_QUERIES = 256
+MIN_SPEEDUP = 2.0  # an approximate index slower than this against exact (batched) is dropped
+CACHE_FORMAT = 1
+_CHUNK_ROWS = 65_536
+_GPU_MAX_K = 2048
+
+
+def _clip_k(k: int, num_classes: int) -> int:
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return min(int(k), num_classes)
+
+
+def exact_topk(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, k: int,
+               chunk_rows: int = _CHUNK_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k by float32 matmul over row chunks, so a memory-mapped head is never copied whole.
+
+    Returns (float32 logits [N, k], int64 ids [N, k]) sorted best first; logits as computed
+    by the float32 matmul (callers re-score when they need the float64-rounded value).
+    """
+    h = np.ascontiguousarray(h, dtype=np.float32)  # [N, d]
+    n, num_classes = h.shape[0], weight.shape[0]
+    k = _clip_k(k, num_classes)
+    best_scores = np.full((n, 0), -np.inf, dtype=np.float32)
+    best_ids = np.zeros((n, 0), dtype=np.int64)
+    for start in range(0, num_classes, chunk_rows):
+        stop = min(start + chunk_rows, num_classes)
+        scores = h @ np.asarray(weight[start:stop], dtype=np.float32).T  # [N, chunk]
+        scores += np.asarray(bias[start:stop], dtype=np.float32)
+        kk = min(k, stop - start)
+        part = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]  # [N, kk]
+        cand_scores = np.concatenate([best_scores, np.take_along_axis(scores, part, 1)], axis=1)
+        cand_ids = np.concatenate([best_ids, part.astype(np.int64) + start], axis=1)
+        keep = np.argpartition(-cand_scores, min(k, cand_scores.shape[1]) - 1, axis=1)[:, :k]
+        best_scores = np.take_along_axis(cand_scores, keep, 1)
+        best_ids = np.take_along_axis(cand_ids, keep, 1)
+    order = np.lexsort((best_ids, -best_scores), axis=1) if n else np.zeros((0, k), np.int64)
+    return np.take_along_axis(best_scores, order, 1), np.take_along_axis(best_ids, order, 1)
+
+
+def rescore(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Exact logits W[ids] · h + b[ids] for candidate ids [N, R] (ids < 0 -> -inf): float64 sums rounded to float32."""
+    n, r = ids.shape
+    valid = ids >= 0
+    safe = np.where(valid, ids, 0)
+    flat = safe.reshape(-1)
+    uniq, inverse = np.unique(flat, return_inverse=True)  # gather each row of the mmap once
+    rows = np.asarray(weight[uniq], dtype=np.float64)  # [U, d]
+    rows_b = np.asarray(bias[uniq], dtype=np.float64)  # [U]
+    w = rows[inverse].reshape(n, r, -1)  # [N, R, d]
+    logits = np.einsum("nrd,nd->nr", w, np.asarray(h, dtype=np.float64)) + rows_b[inverse].reshape(n, r)
+    out = logits.astype(np.float32)
+    out[~valid] = -np.inf
+    return out
+
+
+def _augmented(weight: np.ndarray, bias: np.ndarray, start: int, stop: int, max_norm: float) -> np.ndarray:
+    """Rows [W_j, b_j, sqrt(M^2 - |[W_j, b_j]|^2)] for j in [start, stop): all of norm M. [n, d + 2] float32."""
+    x = np.empty((stop - start, weight.shape[1] + 2), dtype=np.float32)
+    x[:, :-2] = weight[start:stop]
+    x[:, -2] = bias[start:stop]
+    sq = np.einsum("ij,ij->i", x[:, :-1].astype(np.float64), x[:, :-1].astype(np.float64))
+    x[:, -1] = np.sqrt(np.maximum(max_norm**2 - sq, 0.0))
+    return x
+
+
+def _query_rows(h: np.ndarray, kind: str) -> np.ndarray:
+    """The query in the index's space: [h, 1] for inner product, [h, 1, 0] for the L2 reduction."""
+    h = np.asarray(h, dtype=np.float32)
+    extra = 2 if kind == "hnsw" else 1
+    q = np.zeros((h.shape[0], h.shape[1] + extra), dtype=np.float32)
+    q[:, : h.shape[1]] = h
+    q[:, h.shape[1]] = 1.0
+    return q
+
+
+def _max_row_norm(weight: np.ndarray, bias: np.ndarray) -> float:
+    best = 0.0
+    for start in range(0, weight.shape[0], _CHUNK_ROWS):
+        w = np.asarray(weight[start:start + _CHUNK_ROWS], dtype=np.float64)
+        sq = np.einsum("ij,ij->i", w, w) + np.asarray(bias[start:start + _CHUNK_ROWS], dtype=np.float64) ** 2
+        best = max(best, float(sq.max()))
+    # a hair above the largest norm, so float32 rounding never makes M^2 - |x|^2 negative
+    return float(np.sqrt(best) * (1 + 1e-6))
+
+
+def default_nlist(num_classes: int) -> int:
+    """About 4·sqrt(D) lists, a power of two (1024 at 100k, 4096 at 1M)."""
+    return int(2 ** round(np.log2(max(4 * np.sqrt(num_classes), 16))))
+
+
+def sample_queries(bundle: Any, embed_dim: int, n: int = RECALL_QUERIES, seed: int = 0) -> tuple[np.ndarray, str]:
+    """Queries for measuring recall: Gaussian with the mean/std of the bundle's sample embeddings if it has any, else N(0, I)."""
+    rng = np.random.default_rng(seed)
+    path = getattr(bundle, "path", None)
+    samples = Path(path) / "samples.npz" if path is not None else None
+    if samples is not None and samples.is_file():
+        try:
+            with np.load(samples, allow_pickle=False) as z:
+                key = next((k for k in ("embedding", "embeddings", "h") if k in z.files), None)
+                if key is not None:
+                    emb = np.asarray(z[key], dtype=np.float64).reshape(-1, embed_dim)
+                    if emb.shape[0] >= 1:
+                        mu = emb.mean(0)
+                        sd = emb.std(0) if emb.shape[0] > 1 else np.abs(emb[0]) + 1e-3
+                        sd = np.where(sd > 0, sd, max(float(sd.mean()), 1e-3))
+                        q = mu + sd * rng.standard_normal((n, embed_dim))
+                        return np.concatenate([emb[:n], q])[:n].astype(np.float32), "samples.npz"
+        except (OSError, ValueError) as exc:  # a broken samples file must not stop serving
+            log.warning("cannot read %s for recall queries: %s", samples, exc)
+    return rng.standard_normal((n, embed_dim)).astype(np.float32), "gaussian"
+
+
+@dataclass
+class _Meta:
+    kind: str
+    digest: str
+    num_classes: int
+    embed_dim: int
+    max_norm: float = 0.0
+    nlist: int = 0
+    nprobe: int = 0
+    ef_search: int = 0
+    rerank: int = 0
+    recall_at_k: float | None = None
+    recall_queries: str = ""
+    build_seconds: float = 0.0
+    tuning: list = field(default_factory=list)
+    requested: str = ""  # the kind asked for; kind becomes "exact" when the index was not worth it
+    fallback_reason: str = ""
+    format: int = CACHE_FORMAT
+
+
+class ClassIndex:
+    """Top-k classes by logit for a bundle's head; see the module docstring for the kinds."""
+
+    builds = 0  # how many indexes this process has built (not loaded): tests check cache reuse with it
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, meta: _Meta, index: Any = None,
+                 device: str = "cpu", loaded_from_cache: bool = False):
+        self.weight, self.bias = weight, bias
+        self.meta = meta
+        self.index = index
+        self.device = device
+        self.loaded_from_cache = loaded_from_cache
+
+    # ----------------------------------------------------------------------------- building
+    @classmethod
+    def open(cls, bundle: Any, cache_dir: Path, device: str = "auto", kind: str | None = None,
+             **params: Any) -> "ClassIndex":
+        """Load the cached index for ``bundle.digest`` or build (and cache) it.
+
+        kind None chooses by D: ``flat`` up to EXACT_MAX_CLASSES, else ``ivf``. ``params``
+        overrides build settings (nlist, nprobe, rerank, train_size, niter, hnsw_m, ...).
+        """
+        weight, bias = bundle.weight, bundle.bias
+        num_classes, embed_dim = int(weight.shape[0]), int(weight.shape[1])
+        digest = str(bundle.digest)
+        if kind is None:
+            kind = "flat" if num_classes <= EXACT_MAX_CLASSES else "ivf"
+        if kind not in ("flat", "exact", "ivf", "hnsw"):
+            raise ValueError(f"unknown index kind {kind!r}")
+        if kind == "exact":
+            meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact")
+            return cls(weight, bias, meta, None, "cpu")
+        if kind == "flat":  # cheap to build: not cached
+            t0 = time.perf_counter()
+            index = faiss.IndexFlatIP(embed_dim + 1)
+            for start in range(0, num_classes, _CHUNK_ROWS):
+                stop = min(start + _CHUNK_ROWS, num_classes)
+                index.add(np.ascontiguousarray(np.column_stack([weight[start:stop], bias[start:stop]]), dtype=np.float32))
+            meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact",
+                         build_seconds=time.perf_counter() - t0)
+            cls.builds += 1
+            index, dev = _to_device(index, device)
+            return cls(weight, bias, meta, index, dev)
+
+        cache_dir = Path(cache_dir)
+        tag = "-".join(f"{k}={params[k]}" for k in sorted(params))
+        stem = f"classindex-{digest[:32]}-{kind}" + (f"-{hashlib.sha256(tag.encode()).hexdigest()[:12]}" if tag else "")
+        index_path, meta_path = cache_dir / f"{stem}.faiss", cache_dir / f"{stem}.json"
+        loaded = _load_cached(index_path, meta_path, digest, kind, num_classes, embed_dim)
+        if loaded is not None:
+            index, meta = loaded
+            dev = "cpu"
+            if index is not None:
+                _set_search_params(index, meta)
+                index, dev = _to_device(index, device, meta)
+            log.info("class index %s loaded from %s (recall@%d %.3f)", kind, index_path, RECALL_K, meta.recall_at_k or -1)
+            return cls(weight, bias, meta, index, dev, loaded_from_cache=True)
+
+        t0 = time.perf_counter()
+        meta = _Meta(kind, digest, num_classes, embed_dim, max_norm=_max_row_norm(weight, bias), requested=kind)
+        index = _build(weight, bias, meta, params)
+        meta.build_seconds = time.perf_counter() - t0  # training + adding; tuning reported separately
+        cls.builds += 1
+        self = cls(weight, bias, meta, index, "cpu")
+        self._tune(bundle, params)
+        _save_cached(self.index, meta, index_path, meta_path)
+        if self.index is not None:
+            self.index, self.device = _to_device(self.index, device, meta)
+        log.info("class index %s built in %.1fs: %s", kind, meta.build_seconds, self.info())
+        return self
+
+    def _tune(self, bundle: Any, params: dict) -> None:
+        """Measure recall@10 against exact on sample queries; for ivf/hnsw raise nprobe/efSearch until it reaches the target."""
+        meta = self.meta
+        queries, source = sample_queries(bundle, meta.embed_dim, int(params.get("recall_queries", RECALL_QUERIES)))
+        meta.recall_queries = source
+        k = min(RECALL_K, meta.num_classes)
+        target = float(params.get("recall_target", RECALL_TARGET))
+        if meta.kind == "ivf":
+            name, fixed = "nprobe", params.get("nprobe")
+            values = [int(fixed)] if fixed else [v for v in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+                                                  if v <= meta.nlist] or [meta.nlist]
+        else:
+            name, fixed = "ef_search", params.get("ef_search")
+            values = [int(fixed)] if fixed else [16, 32, 64, 128, 256, 512, 1024]
+        t0 = time.perf_counter()
+        _, truth = exact_topk(self.weight, self.bias, queries, k)
+        exact_ms = 1e3 * (time.perf_counter() - t0) / len(queries)
+        min_speedup = float(params.get("min_speedup", MIN_SPEEDUP))
+        meta.tuning = [{"exact_ms_per_query": round(exact_ms, 4)}]
+        for value in values:
+            setattr(meta, name, value)
+            _set_search_params(self.index, meta)
+            t0 = time.perf_counter()
+            _, got = self.search(queries, k)
+            ms = 1e3 * (time.perf_counter() - t0) / len(queries)
+            recall = _recall(got, truth)
+            meta.tuning.append({name: value, "recall": round(recall, 4), "ms_per_query": round(ms, 4)})
+            meta.recall_at_k = recall
+            if recall >= target:
+                break
+            if ms * min_speedup > exact_ms:  # more probes only get slower: no point going on
+                break
+        last = meta.tuning[-1]
+        if not fixed and (last["recall"] < target or last["ms_per_query"] * min_speedup > exact_ms):
+            meta.fallback_reason = (f"recall@{k} {last['recall']:.3f} at {last['ms_per_query']:.2f} ms/query vs exact "
+                                    f"{exact_ms:.2f} ms/query: below target {target} or under {min_speedup}x faster")
+            log.warning("class index %s not worth it (%s): exact search instead", meta.kind, meta.fallback_reason)
+            meta.kind, meta.recall_at_k = "exact", 1.0
+            self.index = None
+
+    # ----------------------------------------------------------------------------- querying
+    @property
+    def kind(self) -> str:
+        return self.meta.kind
+
+    @property
+    def recall_at_k(self) -> float | None:
+        return self.meta.recall_at_k
+
+    def search(self, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """h [N, d] float32 -> (logits [N, k] float32, class ids [N, k] int64), best first; k is clipped to D."""
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        if h.ndim != 2 or h.shape[1] != self.meta.embed_dim:
+            raise ValueError(f"expected h of shape [N, {self.meta.embed_dim}], got {list(h.shape)}")
+        k = _clip_k(k, self.meta.num_classes)
+        if h.shape[0] == 0:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        if self.meta.kind == "exact" or (self.device != "cpu" and k + 16 > _GPU_MAX_K):
+            # a margin of candidates so float32 near-ties at rank k are settled by the exact re-score
+            _, cand = exact_topk(self.weight, self.bias, h, min(k + 16, self.meta.num_classes))
+        else:
+            r = min(max(k + 16, 2 * k, self.meta.rerank), self.meta.num_classes)
+            if self.device != "cpu":
+                r = min(r, _GPU_MAX_K)  # faiss GPU selects at most 2048 per query
+            _, cand = self.index.search(_query_rows(h, self.meta.kind), r)
+            cand = cand.astype(np.int64, copy=False)
+        logits = rescore(self.weight, self.bias, h, cand)  # [N, R]
+        order = np.lexsort((cand, -logits), axis=1)[:, :k]
+        top_logits, top_ids = np.take_along_axis(logits, order, 1), np.take_along_axis(cand, order, 1)
+        short = ~np.isfinite(top_logits).all(axis=1)  # probed lists held fewer than k rows
+        if short.any():
+            ex_logits, ex_ids = ClassIndex(self.weight, self.bias, _Meta("exact", "", *self.weight.shape)).search(h[short], k)
+            top_logits[short], top_ids[short] = ex_logits, ex_ids
+        return top_logits, top_ids
+
+    def info(self) -> dict:
+        m = self.meta
+        out = {"kind": m.kind, "device": self.device, "num_classes": m.num_classes, "embed_dim": m.embed_dim,
+               "recall_at_k": m.recall_at_k, "recall_k": RECALL_K, "recall_queries": m.recall_queries,
+               "build_seconds": round(m.build_seconds, 3), "loaded_from_cache": self.loaded_from_cache}
+        if m.kind == "ivf":
+            out.update(nlist=m.nlist, nprobe=m.nprobe, rerank=m.rerank)
+        if m.kind == "hnsw":
+            out.update(ef_search=m.ef_search, rerank=m.rerank)
+        if m.tuning:
+            out["tuning"] = m.tuning
+        if m.fallback_reason:
+            out.update(requested=m.requested, fallback_reason=m.fallback_reason)
+        return out
+
+
+def _recall(got: np.ndarray, truth: np.ndarray) -> float:
+    hits = sum(len(np.intersect1d(g, t)) for g, t in zip(got, truth))
+    return hits / truth.size
+
+
+def _build(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict) -> Any:
+    """Train and fill an ivf or hnsw index over the augmented rows, reading the head in chunks."""
+    dim = meta.embed_dim + 2
+    num = meta.num_classes
+    rng = np.random.default_rng(int(params.get("seed", 0)))
+    if meta.kind == "ivf":
+        meta.nlist = min(int(params.get("nlist", default_nlist(num))), max(1, num // 39))
+        meta.rerank = int(params.get("rerank", 4 * RECALL_K))
+        quantizer = faiss.IndexFlatIP(meta.embed_dim + 1)
+        if str(params.get("codes", "sq8")) == "flat":
+            index = faiss.IndexIVFFlat(quantizer, meta.embed_dim + 1, meta.nlist, faiss.METRIC_INNER_PRODUCT)
+        else:
+            index = faiss.IndexIVFScalarQuantizer(quantizer, meta.embed_dim + 1, meta.nlist,
+                                                  faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+        index.cp.niter = int(params.get("niter", 10))
+        index.cp.spherical = True  # cells by direction; probing ranks unit centroids by [h, 1]·c
+        index.cp.max_points_per_centroid = 10**9  # the sample size below is the cap
+        train_size = min(num, int(params.get("train_size", 40 * meta.nlist)))
+        sample = np.sort(rng.choice(num, size=train_size, replace=False))
+        train = np.empty((train_size, meta.embed_dim + 1), dtype=np.float32)  # [train_size, d + 1], one copy
+        for i in range(0, train_size, _CHUNK_ROWS):
+            ids = sample[i:i + _CHUNK_ROWS]
+            train[i:i + len(ids), :-1] = weight[ids]
+            train[i:i + len(ids), -1] = bias[ids]
+        index.train(train)
+        del train
+        for start in range(0, num, _CHUNK_ROWS):
+            stop = min(start + _CHUNK_ROWS, num)
+            index.add(np.ascontiguousarray(np.column_stack([weight[start:stop], bias[start:stop]]), dtype=np.float32))
+        return index
+    else:
+        meta.rerank = int(params.get("rerank", 4 * RECALL_K))
+        index = faiss.IndexHNSWFlat(dim, int(params.get("hnsw_m", 32)), faiss.METRIC_L2)
+        index.hnsw.efConstruction = int(params.get("ef_construction", 80))
+    for start in range(0, num, _CHUNK_ROWS):
+        index.add(_augmented(weight, bias, start, min(start + _CHUNK_ROWS, num), meta.max_norm))
+    return index
+
+
+def _set_search_params(index: Any, meta: _Meta) -> None:
+    if meta.kind == "ivf" and meta.nprobe:
+        faiss.extract_index_ivf(index).nprobe = meta.nprobe
+    if meta.kind == "hnsw" and meta.ef_search:
+        index.hnsw.efSearch = meta.ef_search
+
+
+def _to_device(index: Any, device: str, meta: _Meta | None = None) -> tuple[Any, str]:
+    """Move the index to GPU 0 when asked (cuda/auto) and one is there; HNSW has no GPU version and stays on CPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cpu" or isinstance(index, faiss.IndexHNSW):
+        return index, "cpu"
+    try:
+        gpus = faiss.get_num_gpus()
+    except AttributeError:  # a CPU-only faiss build
+        gpus = 0
+    if gpus == 0:
+        if device == "cuda":
+            log.warning("device cuda asked for but faiss sees no GPU: class index on CPU")
+        return index, "cpu"
+    try:
+        res = faiss.StandardGpuResources()
+        gpu_index = faiss.index_cpu_to_gpu(res, 0, index)
+        gpu_index._slc_resources = res  # keep the resources alive as long as the index
+        if meta is not None and meta.kind == "ivf" and meta.nprobe:
+            faiss.GpuParameterSpace().set_index_parameter(gpu_index, "nprobe", meta.nprobe)
+        return gpu_index, "cuda:0"
+    except Exception as exc:  # noqa: BLE001 - any GPU failure falls back to the CPU index
+        log.warning("cannot move the class index to GPU (%s): staying on CPU", exc)
+        return index, "cpu"
+
+
+def _load_cached(index_path: Path, meta_path: Path, digest: str, kind: str, num_classes: int,
+                 embed_dim: int) -> tuple[Any, _Meta] | None:
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = _Meta(**json.loads(meta_path.read_text()))
+        if (meta.format, meta.digest, meta.requested, meta.num_classes, meta.embed_dim) != (CACHE_FORMAT, digest, kind, num_classes, embed_dim):
+            return None
+        if meta.kind == "exact":  # built once, found not worth it: remembered, not rebuilt
+            return None, meta
+        if not index_path.is_file():
+            return None
+        return faiss.read_index(str(index_path)), meta
+    except Exception as exc:  # noqa: BLE001 - a broken cache entry is rebuilt, never fatal
+        log.warning("ignoring broken class index cache %s: %s", index_path, exc)
+        return None
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write via a temp file in the same directory, fsync, rename: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is not secret
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _save_cached(index: Any, meta: _Meta, index_path: Path, meta_path: Path) -> None:
+    try:
+        # the index first: a meta file without its index is never read as a complete entry
+        if index is not None:
+            _atomic_write(index_path, lambda p: faiss.write_index(index, p))
+        _atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta.__dict__, indent=1)))
+    except OSError as exc:  # a read-only cache dir costs a rebuild next time, nothing more
+        log.warning("cannot cache the class index in %s: %s", index_path.parent, exc)
+
+
+# --------------------------------------------------------------------------------- benchmark
+def _bench(argv: list[str] | None = None) -> None:
+    """Build time, memory, recall@10 and speed-up vs exact on a synthetic head (see docs/results)."""
+    import argparse
+    import resource
+    import sys
+    import types
+
+    ap = argparse.ArgumentParser(prog="python -m serving.index")
+    ap.add_argument("--classes", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--rows", choices=["gaussian", "clustered"], default="gaussian")
+    ap.add_argument("--kind", default=None)
+    ap.add_argument("--param", action="append", default=[], help="k=v build parameter (nlist, rerank, codes, ...)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/slc-index-bench"))
+    ap.add_argument("--fresh", action="store_true", help="re-exec after writing the head, so RSS excludes its writing")
+    args = ap.parse_args(argv)
+    params = {k: (int(v) if v.isdigit() else v) for k, v in (p.split("=", 1) for p in args.param)}
+
+    work = args.work / f"{args.rows}-{args.classes}x{args.dim}"
+    work.mkdir(parents=True, exist_ok=True)
+    wpath, bpath = work / "head_weight.npy", work / "head_bias.npy"
+    if not wpath.exists():  # rows written in chunks, like the synthetic bundle
+        rng = np.random.default_rng(1)
+        w = np.lib.format.open_memmap(wpath, mode="w+", dtype=np.float32, shape=(args.classes, args.dim))
+        centers = rng.standard_normal((1000, args.dim)).astype(np.float32)
+        for s in range(0, args.classes, _CHUNK_ROWS):
+            n = min(_CHUNK_ROWS, args.classes - s)
+            rows = rng.standard_normal((n, args.dim)).astype(np.float32)
+            if args.rows == "clustered":
+                rows = centers[rng.integers(0, len(centers), n)] + 0.5 * rows
+            w[s:s + n] = rows / np.sqrt(args.dim)
+        w.flush()
+        del w
+        np.save(bpath, (0.1 * rng.standard_normal(args.classes)).astype(np.float32))
+    weight = np.load(wpath, mmap_mode="r", allow_pickle=False)
+    bias = np.load(bpath, mmap_mode="r", allow_pickle=False)
+    bundle = types.SimpleNamespace(weight=weight, bias=bias, digest=f"bench-{args.rows}-{args.classes}x{args.dim}",
+                                   path=work, embed_dim=args.dim, num_classes=args.classes)
+
+    if args.fresh:  # measure a build's memory in a process that did not write the head
+        os.execv(sys.executable, [sys.executable, "-m", "serving.index", *[a for a in (argv or sys.argv[1:]) if a != "--fresh"]])
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    idx = ClassIndex.open(bundle, work / "cache", device="cpu", kind=args.kind, **params)
+    open_s = time.perf_counter() - t0
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    rng = np.random.default_rng(7)
+    gauss = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
+    # embeddings of a trained model lie near their class row: h = a·W_y/|W_y|² + noise
+    ys = rng.integers(0, args.classes, args.batch)
+    wy = np.asarray(weight[np.sort(ys)], dtype=np.float32)
+    near = (8.0 * wy / (wy**2).sum(1, keepdims=True) + 0.5 * rng.standard_normal(wy.shape)).astype(np.float32)
+    report = {"classes": args.classes, "dim": args.dim, "rows": args.rows, "open_seconds": round(open_s, 2),
+              "head_mb": round(weight.nbytes / 2**20, 1), "peak_rss_mb_before_open": round(rss0, 1),
+              "peak_rss_mb_after_open": round(rss1, 1), "info": idx.info()}
+    for name, q in (("gaussian", gauss), ("near_row", near)):
+        t0 = time.perf_counter()
+        ex_logits, ex_ids = exact_topk(weight, bias, q, RECALL_K)
+        t_exact = time.perf_counter() - t0
+        idx.search(q[:2], RECALL_K)  # warm
+        t0 = time.perf_counter()
+        _, got = idx.search(q, RECALL_K)
+        t_idx = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(min(16, len(q))):
+            idx.search(q[i:i + 1], RECALL_K)
+        t_one = (time.perf_counter() - t0) / min(16, len(q))
+        t0 = time.perf_counter()
+        exact_topk(weight, bias, q[:1], RECALL_K)
+        t_exact_one = time.perf_counter() - t0
+        report[name] = {"recall_at_10": round(_recall(got, ex_ids), 4),
+                        f"exact_ms_batch{len(q)}": round(1e3 * t_exact, 1), f"index_ms_batch{len(q)}": round(1e3 * t_idx, 1),
+                        "speedup_batch": round(t_exact / t_idx, 1),
+                        "exact_ms_1": round(1e3 * t_exact_one, 1), "index_ms_1": round(1e3 * t_one, 2),
+                        "speedup_1": round(t_exact_one / t_one, 1)}
+    report["peak_rss_mb_end"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    report["memory_now"] = _memory()  # anonymous (index, copies) vs file-backed (the mmap head: page cache)
+    print(json.dumps(report, indent=1))
+
+
+def _memory() -> dict:
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key + "_mb"] = round(int(value.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    _bench()

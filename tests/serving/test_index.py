@@ -1,0 +1,153 @@
+"""ClassIndex against brute-force top-k computed in float64 with numpy (the independent truth)."""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from serving.index import ClassIndex
+
+
+def make_bundle(tmp_path: Path, num_classes: int, dim: int, *, clustered: bool, seed: int = 0, digest: str | None = None):
+    """A stand-in for serving.bundle.Bundle: memory-mapped head files and a digest."""
+    rng = np.random.default_rng(seed)
+    if clustered:
+        centers = rng.standard_normal((max(num_classes // 100, 2), dim))
+        weight = centers[rng.integers(0, len(centers), num_classes)] + 0.3 * rng.standard_normal((num_classes, dim))
+    else:
+        weight = rng.standard_normal((num_classes, dim))
+    bias = 0.5 * rng.standard_normal(num_classes)
+    path = tmp_path / f"bundle-{num_classes}-{dim}-{seed}"
+    path.mkdir(parents=True, exist_ok=True)
+    np.save(path / "head_weight.npy", weight.astype(np.float32))
+    np.save(path / "head_bias.npy", bias.astype(np.float32))
+    return types.SimpleNamespace(
+        path=path, weight=np.load(path / "head_weight.npy", mmap_mode="r", allow_pickle=False),
+        bias=np.load(path / "head_bias.npy", mmap_mode="r", allow_pickle=False), embed_dim=dim,
+        num_classes=num_classes, digest=digest or f"digest-{num_classes}-{dim}-{seed}-{clustered}",
+        thresholds=np.zeros(num_classes, np.float32))
+
+
+def brute_force(bundle, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact logits in float64, rounded to float32 as the index reports them; best first, ties by id."""
+    logits = h.astype(np.float64) @ np.asarray(bundle.weight, np.float64).T + np.asarray(bundle.bias, np.float64)
+    order = np.lexsort((np.broadcast_to(np.arange(logits.shape[1]), logits.shape), -logits), axis=1)[:, :k]
+    return np.take_along_axis(logits, order, 1).astype(np.float32), order.astype(np.int64)
+
+
+def recall(got: np.ndarray, truth: np.ndarray) -> float:
+    return sum(len(np.intersect1d(g, t)) for g, t in zip(got, truth)) / truth.size
+
+
+@pytest.mark.parametrize("kind", ["flat", "exact"])
+def test_exact_kinds_equal_brute_force(tmp_path, kind):
+    bundle = make_bundle(tmp_path, 3000, 24, clustered=False)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind=kind)
+    h = np.random.default_rng(1).standard_normal((17, 24)).astype(np.float32)
+    logits, ids = index.search(h, 10)
+    want_logits, want_ids = brute_force(bundle, h, 10)
+    assert logits.dtype == np.float32 and ids.dtype == np.int64 and ids.shape == (17, 10)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(logits, want_logits)
+    assert index.kind == kind and index.recall_at_k == 1.0
+
+
+def test_default_kind_is_flat_for_small_D(tmp_path):
+    bundle = make_bundle(tmp_path, 500, 8, clustered=False)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu")
+    assert index.kind == "flat" and index.info()["device"] == "cpu"
+
+
+def test_k_is_clipped_and_shapes_checked(tmp_path):
+    bundle = make_bundle(tmp_path, 7, 5, clustered=False)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu")
+    h = np.random.default_rng(2).standard_normal((3, 5)).astype(np.float32)
+    logits, ids = index.search(h, 50)
+    want_logits, want_ids = brute_force(bundle, h, 7)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(logits, want_logits)
+    assert index.search(np.zeros((0, 5), np.float32), 3)[1].shape == (0, 3)
+    with pytest.raises(ValueError):
+        index.search(np.zeros((2, 4), np.float32), 3)
+    with pytest.raises(ValueError):
+        index.search(h, 0)
+
+
+def test_ivf_recall_and_exact_scores(tmp_path):
+    bundle = make_bundle(tmp_path, 20_000, 32, clustered=True)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0, recall_target=0.98)
+    assert index.kind == "ivf"
+    assert index.recall_at_k >= 0.98
+    h = np.random.default_rng(5).standard_normal((200, 32)).astype(np.float32)  # fresh queries, not the tuning set
+    logits, ids = index.search(h, 10)
+    _, want_ids = brute_force(bundle, h, 10)
+    assert recall(ids, want_ids) >= 0.95
+    # scores are the exact logits of the returned classes, best first
+    exact = (np.einsum("nkd,nd->nk", np.asarray(bundle.weight, np.float64)[ids], h.astype(np.float64))
+             + np.asarray(bundle.bias, np.float64)[ids]).astype(np.float32)
+    np.testing.assert_array_equal(logits, exact)
+    assert (np.diff(logits, axis=1) <= 0).all()
+    assert index.info()["nprobe"] >= 1 and index.info()["nlist"] >= 1
+
+
+def test_hnsw_recall(tmp_path):
+    bundle = make_bundle(tmp_path, 4000, 16, clustered=True)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="hnsw", min_speedup=0, hnsw_m=16)
+    assert index.kind == "hnsw"
+    h = np.random.default_rng(6).standard_normal((100, 16)).astype(np.float32)
+    _, ids = index.search(h, 10)
+    assert recall(ids, brute_force(bundle, h, 10)[1]) >= 0.95
+
+
+def test_cache_reuse_loads_without_rebuilding(tmp_path):
+    bundle = make_bundle(tmp_path, 5000, 16, clustered=True)
+    cache = tmp_path / "cache"
+    builds = ClassIndex.builds
+    first = ClassIndex.open(bundle, cache, device="cpu", kind="ivf", min_speedup=0)
+    assert ClassIndex.builds == builds + 1 and not first.info()["loaded_from_cache"]
+    files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert any(name.endswith(".faiss") for name in files) and not any(".tmp" in name for name in files)
+
+    second = ClassIndex.open(bundle, cache, device="cpu", kind="ivf", min_speedup=0)
+    assert ClassIndex.builds == builds + 1 and second.info()["loaded_from_cache"]
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == files
+    assert second.info()["nprobe"] == first.info()["nprobe"] and second.recall_at_k == first.recall_at_k
+    h = np.random.default_rng(3).standard_normal((20, 16)).astype(np.float32)
+    for a, b in zip(first.search(h, 5), second.search(h, 5)):
+        np.testing.assert_array_equal(a, b)
+
+    other = make_bundle(tmp_path, 5000, 16, clustered=True, seed=1)  # another digest: its own entry
+    ClassIndex.open(other, cache, device="cpu", kind="ivf", min_speedup=0)
+    assert ClassIndex.builds == builds + 2
+
+
+def test_index_not_worth_it_falls_back_to_exact_and_remembers(tmp_path):
+    bundle = make_bundle(tmp_path, 4000, 16, clustered=False)
+    builds = ClassIndex.builds
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", recall_target=1.01, min_speedup=0)
+    assert index.kind == "exact" and "fallback_reason" in index.info()
+    h = np.random.default_rng(4).standard_normal((9, 16)).astype(np.float32)
+    want_logits, want_ids = brute_force(bundle, h, 10)
+    logits, ids = index.search(h, 10)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(logits, want_logits)
+    again = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", recall_target=1.01, min_speedup=0)
+    assert again.kind == "exact" and ClassIndex.builds == builds + 1
+
+
+def test_recall_queries_come_from_samples_npz(tmp_path):
+    bundle = make_bundle(tmp_path, 3000, 8, clustered=True)
+    emb = np.random.default_rng(9).standard_normal((12, 8)).astype(np.float32) + 3.0
+    np.savez(bundle.path / "samples.npz", input=np.zeros((12, 4), np.float32), embedding=emb)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0)
+    assert index.info()["recall_queries"] == "samples.npz"
+
+
+def test_serving_index_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, serving.index, serving.gallery; sys.exit(int('torch' in sys.modules))"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -117,12 +117,13 @@ def bundle_synthetic(
     dim: int = typer.Option(256, help="d"),
     input_dim: int = typer.Option(64),
     seed: int = typer.Option(0),
+    rows: str = typer.Option("clustered", help="clustered (rows share directions, like trained heads) | gaussian (i.i.d., worst case for an index)"),
     out: Path = typer.Option(...),
 ):
     """A bundle with a random backbone and D random class rows, for scale work."""
     from trainer.synthetic import build_synthetic_bundle
 
-    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out)
+    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows)
 
 
 @app.command()

@@ -8,7 +8,11 @@ D = 1,000,000 and d = 256 the bundle holds the 1 GB of rows once on disk, never 
 
 Backbone: x [N, input_dim] -> Gemm(128) -> ReLU -> Gemm(d) -> L2 normalise -> embedding [N, d]
 (weights He-initialised from `seed`; no input normalisation: inputs are meant to be N(0, 1)).
-Head rows W_j ~ N(0, I_d / d) (unit norm on average), b_j ~ N(0, 0.1^2).
+Head rows (unit norm on average), b_j ~ N(0, 0.1^2). `rows="clustered"` (default): W_j = (c_k + 0.5 g_j)
+/ sqrt(1.25 d) with c_k one of min(D, 1000) Gaussian centres and g_j ~ N(0, I_d) -- trained class
+rows share directions (similar classes), and an approximate top-k index relies on that.
+`rows="gaussian"`: W_j ~ N(0, I_d / d), i.i.d. rows, nearly orthogonal in 256 dimensions:
+the worst case for any approximate inner-product index (it falls back to exact search).
 
 Thresholds ("calibration" without labels): per class j, the 99.9th percentile of z_j(x) over
 random inputs x ~ N(0, I). Rather than a D x N logit matrix, use the row structure:
@@ -43,6 +47,7 @@ ROW_CHUNK = 65536
 NPY_ALIGN = 4096
 N_SAMPLES = 8
 MAX_SAMPLE_COLUMNS = 4096
+N_CENTRES = 1000  # directions shared by class rows when rows="clustered"
 
 
 # ---------------------------------------------------------------- .npy written as a stream
@@ -168,9 +173,12 @@ def write_graphs(out: Path, params: dict[str, np.ndarray], input_dim: int, d: in
 # ---------------------------------------------------------------- the bundle
 
 
-def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle") -> Path:
+def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle",
+                           rows: str = "clustered") -> Path:
     """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`."""
     D, d = int(classes), int(dim)
+    if rows not in ("clustered", "gaussian"):
+        raise ValueError(f"rows must be 'clustered' or 'gaussian', got {rows!r}")
     if D < 1 or d < 1 or input_dim < 1:
         raise ValueError("classes, dim and input_dim must be positive")
     out = Path(out)
@@ -204,12 +212,17 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
     sample_logits = np.empty((N_SAMPLES, len(columns)))
     sample_single = np.empty(N_SAMPLES)
 
+    centres = rng.standard_normal((min(D, N_CENTRES), d), dtype=np.float32)  # [K, d]
     weight_stream = NpyStream(out / "head_weight.npy", (D, d))
     for start in range(0, D, ROW_CHUNK):
         stop = min(D, start + ROW_CHUNK)
-        rows = (rng.standard_normal((stop - start, d), dtype=np.float32) / np.float32(math.sqrt(d)))  # [c, d]
-        weight_stream.write(rows)
-        rows64 = rows.astype(np.float64)
+        noise = rng.standard_normal((stop - start, d), dtype=np.float32)  # [c, d]
+        if rows == "clustered":
+            chunk = (centres[rng.integers(0, len(centres), stop - start)] + 0.5 * noise) / np.float32(math.sqrt(1.25 * d))
+        else:
+            chunk = noise / np.float32(math.sqrt(d))
+        weight_stream.write(chunk)
+        rows64 = chunk.astype(np.float64)
         mean_j = rows64 @ mu + bias[start:stop]  # [c]
         var_j = np.einsum("cd,cd->c", rows64 @ cov, rows64)  # [c]: W_j S W_j^T
         sd[start:stop] = np.sqrt(np.maximum(var_j, 1e-12))
@@ -219,7 +232,7 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
         sample_logits[:, in_chunk] = h_samples @ rows64[columns[in_chunk] - start].T + bias[columns[in_chunk]]
         hit = (sample_cid >= start) & (sample_cid < stop)
         sample_single[hit] = (h_samples[hit] * rows64[sample_cid[hit] - start]).sum(axis=1) + bias[sample_cid[hit]]
-        del rows, rows64
+        del noise, chunk, rows64
     known = {"head_weight.npy": weight_stream.close()}
     bias_stream = NpyStream(out / "head_bias.npy", (D,))
     bias_stream.write(bias)
@@ -244,7 +257,7 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
         "classes": [str(j) for j in range(D)],
         "loss": {"name": "none", "params": {}, "pols": False},
         "backbone": {"name": "synthetic_mlp", "params": {"input_dim": int(input_dim), "hidden": HIDDEN, "normalize": "l2"}},
-        "training": {"synthetic": True, "seed": int(seed)},
+        "training": {"synthetic": True, "seed": int(seed), "rows": rows},
         "test_metrics": None,
         "external_data": {"full.onnx": ["head_weight.npy", "head_bias.npy"], "single.onnx": ["head_weight.npy", "head_bias.npy"]},
     }

@@ -1,0 +1,197 @@
+"""Dynamic batching: concurrent requests coalesce into one backbone call.
+
+A request's inputs wait in a bounded queue (counted in inputs) until either `max_batch`
+inputs are waiting or the oldest has waited `max_delay_ms`; then the batch runs in one
+worker thread, so the event loop never blocks on onnxruntime or BLAS. A full queue refuses
+at once (Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits
+is answered 504 and never computed.
+
+What a batch computes is given by `compute(jobs) -> list[result]`: the engine runs the
+backbone once over all inputs and then each job's own (cheap) head step, so the batcher
+stays ignorant of models.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from serving.errors import DeadlineExceeded, Overloaded
+
+log = logging.getLogger("slc.serving")
+
+
+@dataclass
+class Job:
+    """One request's share of a batch: inputs x [n, ...] and what to do with their rows."""
+
+    x: np.ndarray
+    kind: str  # "embed" (rows of h) or "logits" (rows of all D logits)
+    reduce: Optional[Callable[[np.ndarray], Any]] = None  # runs in the worker thread on this job's rows
+    deadline: float = math.inf  # loop.time()
+    enqueued: float = 0.0
+    future: Optional[asyncio.Future] = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+
+class Batcher:
+    def __init__(self, compute: Callable[[list[Job]], list[Any]], *, max_batch: int = 64, max_delay_ms: float = 2.0,
+                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None):
+        self.compute = compute
+        # Requests inside the HTTP layer (serving/metrics.py). When every one of them already
+        # holds a job here, nobody is on the way to join the batch and waiting would only add
+        # latency, so the batch goes at once; None: always wait up to max_delay.
+        self.in_flight = in_flight
+        self._held = 0  # jobs queued or computing
+        self.max_batch = max_batch
+        self.max_delay = max_delay_ms / 1000.0
+        self.queue_size = queue_size
+        self.metrics = metrics
+        self._jobs: deque[Job] = deque()
+        self._pending_inputs = 0
+        self._wakeup: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._stopping = False
+        # One thread: model calls are serialised, ORT's intra-op pool uses the cores.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slc-batch")
+        self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
+
+    # ---- lifecycle
+    def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="slc-batcher")
+
+    async def stop(self) -> None:
+        """Finish what is queued, then stop the loop and the worker thread."""
+        self._stopping = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    @property
+    def pending_inputs(self) -> int:
+        return self._pending_inputs
+
+    def run_sync(self, fn: Callable, *args) -> "asyncio.Future":
+        """Run fn in the batch worker thread (warm-up, calibration of the softmax path)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ---- request side
+    async def submit(self, x: np.ndarray, kind: str = "embed", reduce=None, timeout: Optional[float] = None) -> Any:
+        """Queue x [n, ...]; returns reduce(rows) (or the rows). Raises Overloaded, DeadlineExceeded."""
+        if self._task is None or self._stopping:
+            from serving.errors import NotReady
+
+            raise NotReady("the server is shutting down")
+        n = int(x.shape[0])
+        if self._pending_inputs > 0 and self._pending_inputs + n > self.queue_size:
+            raise Overloaded(f"queue full ({self._pending_inputs} inputs waiting, limit {self.queue_size}); retry later",
+                             retry_after=self._retry_after())
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        job = Job(x=x, kind=kind, reduce=reduce, enqueued=now,
+                  deadline=now + timeout if timeout is not None else math.inf, future=loop.create_future())
+        self._jobs.append(job)
+        self._held += 1
+        self._pending_inputs += n
+        self._gauge()
+        self._wakeup.set()
+        try:
+            if timeout is None:
+                return await job.future
+            return await asyncio.wait_for(job.future, timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
+        finally:
+            self._held -= 1
+
+    def _others_on_the_way(self) -> bool:
+        return self.in_flight is None or self.in_flight() > self._held
+
+    def _retry_after(self) -> int:
+        if self._rate <= 0:
+            return 1
+        return max(1, math.ceil(self._pending_inputs / self._rate))
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self._pending_inputs)
+
+    # ---- batch loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._jobs:
+                if self._stopping:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            # Wait for more inputs until the batch is full or the oldest input's delay is used up.
+            flush_at = self._jobs[0].enqueued + self.max_delay
+            while self._pending_inputs < self.max_batch and not self._stopping and self._others_on_the_way():
+                remaining = flush_at - loop.time()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch, size = self._take()
+            if not batch:
+                continue
+            started = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self.compute, batch)
+            except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
+                log.exception("batch of %d inputs failed", size)
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+                continue
+            elapsed = time.perf_counter() - started
+            if elapsed > 0:
+                rate = size / elapsed
+                self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+            if self.metrics is not None:
+                self.metrics.batch_size.observe(size)
+                self.metrics.batch_requests.observe(len(batch))
+                self.metrics.batch_seconds.observe(elapsed)
+            for job, result in zip(batch, results):
+                if not job.future.done():
+                    job.future.set_result(result)
+
+    def _take(self) -> tuple[list[Job], int]:
+        """Pop jobs up to max_batch inputs (a larger single job goes alone); drop the expired."""
+        loop_now = asyncio.get_running_loop().time()
+        batch: list[Job] = []
+        size = 0
+        while self._jobs:
+            job = self._jobs[0]
+            if batch and size + job.n > self.max_batch:
+                break
+            self._jobs.popleft()
+            self._pending_inputs -= job.n
+            if job.future.done():  # the client gave up (deadline passed or disconnected)
+                continue
+            if loop_now >= job.deadline:
+                job.future.set_exception(DeadlineExceeded("request expired in the queue before it was computed"))
+                continue
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe(loop_now - job.enqueued)
+            batch.append(job)
+            size += job.n
+        self._gauge()
+        return batch, size

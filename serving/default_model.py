@@ -1,0 +1,73 @@
+"""The embedded default model of `slc serve` with no BUNDLE (DESIGN.md §8).
+
+First use: train an mlp on mnist5k with batch_ce, export and calibrate it into
+$SLC_HOME/default-bundle; later starts reuse it. Training and export run as
+`python -m trainer.cli ...` subprocesses, so the server process never imports torch (and a
+serving image without torch fails here with a clear message, not an ImportError deep down).
+A lock file keeps two servers starting at once from building it twice; the bundle is
+written to a temporary directory and renamed into place, so a crash never leaves half a bundle.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("slc.serving")
+
+RECIPE = {"dataset": "mnist5k", "backbone": "mlp", "loss": "batch_ce", "epochs": "20", "seed": "0"}
+
+
+def default_bundle_path(home: Path) -> Path:
+    return Path(home) / "default-bundle"
+
+
+def ensure_default_bundle(home: Path) -> Path:
+    """The default bundle's path, building it first if it does not exist yet."""
+    home = Path(home)
+    bundle = default_bundle_path(home)
+    if (bundle / "manifest.json").is_file():
+        return bundle
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "default-bundle.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the default model; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (bundle / "manifest.json").is_file():  # built by the process we waited for
+            return bundle
+        _build(home, bundle)
+    return bundle
+
+
+def _build(home: Path, bundle: Path) -> None:
+    work = home / f"default-build-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    run, staged = work / "slc-default-mnist5k-mlp-batch_ce", work / "bundle"  # run name -> bundle name
+    project_root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(project_root), os.environ.get("PYTHONPATH")])))
+    train = [sys.executable, "-m", "trainer.cli", "train", "--dataset", RECIPE["dataset"], "--backbone", RECIPE["backbone"],
+             "--loss", RECIPE["loss"], "--epochs", RECIPE["epochs"], "--seed", RECIPE["seed"], "--out", str(run)]
+    export = [sys.executable, "-m", "trainer.cli", "export", str(run), "--out", str(staged)]
+    log.info("no default model in %s yet: training %s (one time; a few minutes on 2 cores)", bundle,
+             " ".join(f"{k}={v}" for k, v in RECIPE.items()))
+    t0 = time.perf_counter()
+    try:
+        for step, cmd in (("train", train), ("export", export)):
+            done = subprocess.run(cmd, env=env, cwd=str(project_root))  # inherits the terminal: progress bar shows
+            if done.returncode != 0:
+                raise RuntimeError(f"building the default model failed at `{step}` (exit {done.returncode}); "
+                                   f"the training extras are needed once: pip install 'slc[train]'; "
+                                   f"or serve a bundle: slc serve BUNDLE")
+        if bundle.exists():
+            shutil.rmtree(bundle)
+        os.replace(staged, bundle)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("default model built in %.0f s: %s", time.perf_counter() - t0, bundle)

@@ -1,0 +1,310 @@
+"""The inference engine: what each query computes (DESIGN.md §1, §7).
+
+detect   embed once (batched with other requests), then ONE dot product per input with the
+         class row W[j] of the memory-mapped head: the cost does not depend on D.
+softmax  the honest baseline: all D logits per input (one GEMM per batch, numpy BLAS over the
+         mmap head or full.onnx, whichever measured faster at warm-up), stable softmax.
+topk     exact: all D logits + argpartition; index: the faiss ClassIndex over the rows.
+gallery  embed items and store them; search a class: its row and threshold against the gallery.
+
+Every numeric step runs in the batcher's worker thread (a job's `reduce`), never on the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from serving.batcher import Batcher, Job
+from serving.errors import InvalidInput, NotFound, NotReady
+
+log = logging.getLogger("slc.serving")
+
+# full.onnx holds its own copy of the head in RAM; past this many weights (256 MB of float32)
+# the softmax baseline always uses numpy BLAS over the memory-mapped rows instead.
+ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
+
+
+def sigmoid(t: np.ndarray) -> np.ndarray:
+    """σ(t) without overflow for any finite t."""
+    return np.exp(-np.logaddexp(0.0, -t))
+
+
+@dataclass
+class ClassRef:
+    id: int
+    name: str
+
+
+class Engine:
+    def __init__(self, bundle, runtime, settings, metrics=None, index=None, gallery=None):
+        self.bundle = bundle
+        self.runtime = runtime
+        self.settings = settings
+        self.index = index
+        self.gallery = gallery
+        self.input_shape = tuple(int(s) for s in bundle.input_shape)
+        self.input_size = int(np.prod(self.input_shape))
+        self.num_classes = int(bundle.num_classes)
+        self._by_name = {str(name): i for i, name in enumerate(bundle.classes)}
+        self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
+        self.softmax_timing: dict[str, float] = {}
+        self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
+                               queue_size=settings.queue_size, metrics=metrics,
+                               in_flight=(lambda: metrics.in_flight) if metrics is not None and settings.adaptive_delay else None)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+
+    async def warm_up(self) -> None:
+        """Touch every path once (ORT allocations, mmap pages) and choose the softmax head."""
+        x = np.zeros((min(self.settings.max_batch, 8),) + self.input_shape, np.float32)
+        await self.batcher.run_sync(self.runtime.embed, x[:1])
+        await self.batcher.run_sync(self.runtime.embed, x)
+        if self.settings.softmax_impl == "auto":
+            self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
+            log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
+                     self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
+        if self.index is not None:
+            await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
+
+    def _choose_softmax_impl(self) -> tuple[str, dict[str, float]]:
+        """Time h @ W.T + b (numpy) against full.onnx on a full batch; keep the faster."""
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((self.settings.max_batch,) + self.input_shape).astype(np.float32)
+        timings = {}
+
+        def numpy_path():
+            return self._head_logits(self.runtime.embed(x))
+
+        def onnx_path():
+            return self.runtime.full_logits(x)
+
+        paths = [("numpy", numpy_path)]
+        if self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES:
+            paths.append(("onnx", onnx_path))
+        else:
+            log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
+                     self.num_classes * self.bundle.embed_dim)
+        for name, fn in paths:
+            try:
+                fn()  # first call pays loading and page faults
+                best = math.inf
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - t0)
+                timings[name] = best
+            except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
+                log.warning("softmax path %s unavailable: %s", name, exc)
+        best = min(timings, key=timings.get)
+        if best != "onnx":
+            self.runtime.drop_full()
+        return best, timings
+
+    # ------------------------------------------------------------------ batch compute (worker thread)
+    def _head_logits(self, h: np.ndarray) -> np.ndarray:
+        """h [n, d] -> all D logits [n, D] float32: one GEMM over the mmap head (W.T is a view)."""
+        z = h @ self.bundle.weight.T
+        z += self.bundle.bias
+        return z
+
+    def _compute(self, jobs: list[Job]) -> list[Any]:
+        xs = [j.x for j in jobs]
+        x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
+        offsets = np.cumsum([0] + [j.n for j in jobs])
+        wants_logits = [i for i, j in enumerate(jobs) if j.kind == "logits"]
+        need_h = self.softmax_impl == "numpy" or len(wants_logits) < len(jobs)
+        h = self.runtime.embed(x) if need_h else None  # [M, d]
+        z_rows: dict[int, np.ndarray] = {}
+        if wants_logits:
+            rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in wants_logits])
+            if self.softmax_impl == "numpy":
+                z = self._head_logits(h if len(rows) == len(x) else h[rows])
+            else:
+                z = self.runtime.full_logits(x if len(rows) == len(x) else x[rows])
+            start = 0
+            for i in wants_logits:  # [n_i, D] each
+                z_rows[i] = z[start:start + jobs[i].n]
+                start += jobs[i].n
+        results = []
+        for i, job in enumerate(jobs):
+            rows = z_rows[i] if job.kind == "logits" else h[offsets[i]:offsets[i + 1]]
+            results.append(job.reduce(rows) if job.reduce is not None else rows)
+        return results
+
+    # ------------------------------------------------------------------ inputs and classes
+    def resolve_class(self, ref: str) -> ClassRef:
+        """A class name from the manifest, else an integer id; NotFound otherwise."""
+        if ref in self._by_name:
+            j = self._by_name[ref]
+        else:
+            try:
+                j = int(ref)
+            except ValueError:
+                raise NotFound(f"unknown class {ref!r}", code="unknown_class") from None
+            if not 0 <= j < self.num_classes:
+                raise NotFound(f"unknown class {ref!r} (ids are 0..{self.num_classes - 1})", code="unknown_class")
+        return ClassRef(j, str(self.bundle.classes[j]))
+
+    def to_batch(self, inputs: list, what: str = "inputs") -> np.ndarray:
+        """Nested lists -> float32 [N, *input_shape]; each example nested like the shape or flat."""
+        if len(inputs) > self.settings.max_inputs:
+            raise InvalidInput(f"{len(inputs)} {what} in one request; the limit is {self.settings.max_inputs}",
+                               code="too_many_inputs")
+        if not inputs:
+            raise InvalidInput(f"{what} is empty", code="shape_mismatch")
+        try:
+            with np.errstate(over="ignore"):  # 1e39 -> inf, reported below as non-finite
+                arr = np.asarray(inputs, dtype=np.float32)
+        except (ValueError, TypeError):
+            raise InvalidInput(f"{what}: examples must be rectangular lists of numbers of shape "
+                               f"{list(self.input_shape)} or {self.input_size} flat values",
+                               code="shape_mismatch") from None
+        if arr.shape[1:] != self.input_shape:
+            if arr.ndim == 2 and arr.shape[1] == self.input_size:
+                arr = arr.reshape((arr.shape[0],) + self.input_shape)
+            else:
+                raise InvalidInput(f"{what}: each example must have shape {list(self.input_shape)} or "
+                                   f"{self.input_size} flat values; got {list(arr.shape[1:])}",
+                                   code="shape_mismatch")
+        if not np.isfinite(arr).all():
+            raise InvalidInput(f"{what} must be finite float32 values (NaN, Infinity or |x| > 3.4e38 found)",
+                               code="non_finite_value")
+        return arr
+
+    def threshold_of(self, j: int) -> float:
+        t = float(self.bundle.thresholds[j])
+        return t if math.isfinite(t) else float(self.bundle.global_threshold)
+
+    def _timeout(self) -> float:
+        return self.settings.request_timeout_s
+
+    # ------------------------------------------------------------------ queries
+    async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
+        j = cls.id
+        thr = self.threshold_of(j) if threshold is None else float(threshold)
+        w = self.bundle.weight[j]  # [d] one row of the mmap head: nothing of size D is touched
+        b = float(self.bundle.bias[j])
+        pa, pb = float(self.bundle.platt_a[j]), float(self.bundle.platt_b[j])
+
+        def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
+            z = h.astype(np.float64) @ w.astype(np.float64) + b  # [n]
+            p = sigmoid(pa * z + pb)
+            return [{"logit": float(zi), "match": bool(zi >= thr), "probability": float(pi)} for zi, pi in zip(z, p)]
+
+        results = await self.batcher.submit(x, "embed", reduce, self._timeout())
+        return {"class_id": j, "class_name": cls.name, "threshold": thr, "results": results}
+
+    async def softmax(self, cls: ClassRef, x: np.ndarray) -> dict:
+        j = cls.id
+
+        def reduce(z: np.ndarray) -> list[dict]:  # z [n, D] all logits
+            m = z.max(axis=1)  # [n]
+            lse = m + np.log(np.exp(z - m[:, None]).sum(axis=1, dtype=np.float64))  # [n]
+            zj = z[:, j].astype(np.float64)
+            p = np.exp(zj - lse)
+            top = z.argmax(axis=1)
+            return [{"probability": float(pi), "logit": float(zi), "is_top1": bool(ti == j)}
+                    for pi, zi, ti in zip(p, zj, top)]
+
+        results = await self.batcher.submit(x, "logits", reduce, self._timeout())
+        return {"class_id": j, "class_name": cls.name, "results": results}
+
+    async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:
+        k = min(k, self.num_classes)
+        names = self.bundle.classes
+
+        def entries(ids: np.ndarray, logits: np.ndarray) -> list[list[dict]]:
+            return [[{"class_id": int(c), "class_name": str(names[c]), "logit": float(v)}
+                     for c, v in zip(row_ids, row_z) if c >= 0] for row_ids, row_z in zip(ids, logits)]
+
+        if mode == "exact":
+            def reduce(z: np.ndarray):  # z [n, D]
+                if k < z.shape[1]:
+                    part = np.argpartition(-z, k - 1, axis=1)[:, :k]  # [n, k] unordered
+                else:
+                    part = np.tile(np.arange(z.shape[1]), (z.shape[0], 1))
+                vals = np.take_along_axis(z, part, axis=1)
+                order = np.argsort(-vals, axis=1, kind="stable")
+                ids = np.take_along_axis(part, order, axis=1)
+                return entries(ids, np.take_along_axis(vals, order, axis=1))
+
+            results = await self.batcher.submit(x, "logits", reduce, self._timeout())
+        else:
+            index = self.index
+            if index is None:
+                raise NotReady("the class index is not available on this server", code="index_unavailable")
+
+            def reduce(h: np.ndarray):  # h [n, d]
+                logits, ids = index.search(np.ascontiguousarray(h, dtype=np.float32), k)
+                return entries(ids, logits)
+
+            results = await self.batcher.submit(x, "embed", reduce, self._timeout())
+        return {"k": k, "mode": mode, "results": results}
+
+    async def single_logits(self, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool)."""
+        rows = np.asarray(self.bundle.weight[ids], dtype=np.float64)  # [N, d]: N rows of the head, not D
+        b = self.bundle.bias[ids].astype(np.float64)
+        thr = np.array([self.threshold_of(int(j)) for j in ids])
+
+        def reduce(h: np.ndarray):  # h [N, d]
+            z = np.einsum("nd,nd->n", h.astype(np.float64), rows) + b
+            return z.astype(np.float32), z >= thr
+
+        return await self.batcher.submit(x, "embed", reduce, self._timeout())
+
+    async def all_logits(self, x: np.ndarray) -> np.ndarray:
+        """KServe `<name>-full`: logits [N, D] float32."""
+        return await self.batcher.submit(x, "logits", lambda z: np.array(z, np.float32), self._timeout())
+
+    # ------------------------------------------------------------------ gallery
+    def _gallery(self):
+        if self.gallery is None:
+            raise NotReady("the gallery is not available on this server", code="gallery_unavailable")
+        return self.gallery
+
+    async def gallery_upsert(self, items: list[dict]) -> list[str]:
+        gallery = self._gallery()
+        from serving.gallery import GalleryRecord
+
+        x = self.to_batch([it["input"] for it in items], what="items")
+        h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, np.float32), self._timeout())
+        records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"])
+                   for i, it in enumerate(items)]
+        await asyncio.to_thread(gallery.upsert, records)
+        return [it["id"] for it in items]
+
+    async def gallery_get(self, item_id: str) -> dict:
+        item = await asyncio.to_thread(self._gallery().get, item_id)
+        if item is None:
+            raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
+        return item
+
+    async def gallery_delete(self, item_id: str) -> None:
+        if not await asyncio.to_thread(self._gallery().delete, item_id):
+            raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
+
+    async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> dict:
+        gallery = self._gallery()
+        j = cls.id
+        thr = self.threshold_of(j) if threshold is None else float(threshold)
+        w = np.array(self.bundle.weight[j], dtype=np.float32)  # [d]
+        hits = await asyncio.to_thread(gallery.search, w, float(self.bundle.bias[j]), thr, limit)
+        return {"class_id": j, "class_name": cls.name, "threshold": thr,
+                "results": [{"id": i, "logit": float(z), "metadata": m} for i, z, m in hits]}
+
+    async def gallery_info(self) -> dict:
+        gallery = self._gallery()
+        count = await asyncio.to_thread(gallery.count)
+        return {"count": int(count), "index_kind": str(gallery.index_kind)}

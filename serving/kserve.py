@@ -1,0 +1,295 @@
+"""KServe v2 / Open Inference Protocol (DESIGN.md §7), JSON tensors and the binary tensor extension.
+
+Models:
+  `<name>`       inputs `input` FP32 [N, ...] and `class_id` INT64 [N] -> `logit` FP32 [N], `match` BOOL [N]
+                 (one row of the head per input, the class's calibrated threshold)
+  `<name>-full`  input `input` -> `logits` FP32 [N, D]
+
+Binary extension (what tritonclient.http sends by default): a request whose header
+`Inference-Header-Content-Length: L` is set carries L bytes of JSON, then the raw tensors in
+input order (each input's `parameters.binary_data_size`); outputs asked with
+`parameters.binary_data: true` come back the same way. Errors keep the project's envelope.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import Response
+
+from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
+from serving.http import _errors, parse_json, ready_engine, server_state
+
+_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+           "FP32": np.float32, "FP64": np.float64}
+_FLOATS = {"FP16", "FP32", "FP64"}
+_INTS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+
+
+class InferTensor(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    shape: list[int] = Field(description="[N, ...]")
+    datatype: str
+    parameters: Optional[dict[str, Any]] = None
+    data: Optional[Any] = Field(None, description="flat (row-major) or nested like shape")
+
+
+class InferRequestedOutput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    parameters: Optional[dict[str, Any]] = None
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    inputs: list[InferTensor] = Field(min_length=1)
+    outputs: Optional[list[InferRequestedOutput]] = None
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: Optional[str] = None
+    id: Optional[str] = None
+    outputs: list[dict[str, Any]]
+
+
+class Liveness(BaseModel):
+    live: Literal[True]
+
+
+class Readiness(BaseModel):
+    ready: Literal[True]
+
+
+router = APIRouter(prefix="/v2", tags=["kserve v2"])
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("slc")
+    except PackageNotFoundError:
+        return "0+unknown"
+VERSION = "1"
+
+
+def _model_kind(engine, model: str) -> str:
+    name = engine.bundle.name
+    if model == name:
+        return "single"
+    if model == f"{name}-full":
+        return "full"
+    raise NotFound(f"unknown model {model!r}; this server has {name!r} and {name + '-full'!r}", code="unknown_model")
+
+
+def _metadata(engine, kind: str) -> dict:
+    name = engine.bundle.name
+    x = {"name": "input", "datatype": "FP32", "shape": [-1, *engine.input_shape]}
+    if kind == "single":
+        return {"name": name, "versions": [VERSION], "platform": "onnxruntime_onnx",
+                "inputs": [x, {"name": "class_id", "datatype": "INT64", "shape": [-1]}],
+                "outputs": [{"name": "logit", "datatype": "FP32", "shape": [-1]},
+                            {"name": "match", "datatype": "BOOL", "shape": [-1]}]}
+    return {"name": f"{name}-full", "versions": [VERSION], "platform": "onnxruntime_onnx", "inputs": [x],
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, engine.num_classes]}]}
+
+
+@router.get("", response_model=ServerMetadata)
+async def server_metadata(request: Request):
+    return {"name": "slc", "version": _version(), "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live", response_model=Liveness)
+async def v2_live():
+    return {"live": True}
+
+
+@router.get("/health/ready", response_model=Readiness, responses=_errors(503))
+async def v2_ready(state=Depends(server_state)):
+    if not state.is_ready:
+        raise NotReady(state.not_ready_reason())
+    return {"ready": True}
+
+
+@router.get("/models/{model}", response_model=ModelMetadata, responses=_errors(404, 503))
+@router.get("/models/{model}/versions/{version}", response_model=ModelMetadata, responses=_errors(404, 503),
+            include_in_schema=False)
+async def model_metadata(model: str, engine=Depends(ready_engine)):
+    return OrjsonResponse(_metadata(engine, _model_kind(engine, model)))
+
+
+@router.get("/models/{model}/ready", response_model=Readiness, responses=_errors(404, 503))
+@router.get("/models/{model}/versions/{version}/ready", response_model=Readiness, responses=_errors(404, 503),
+            include_in_schema=False)
+async def model_ready(model: str, engine=Depends(ready_engine), state=Depends(server_state)):
+    _model_kind(engine, model)
+    if not state.is_ready:
+        raise NotReady(state.not_ready_reason())
+    return {"ready": True}
+
+
+_INFER_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+@router.post("/models/{model}/infer", response_model=InferResponse, responses=_errors(400, 404, 413, 422, 429, 503, 504),
+             openapi_extra=_INFER_BODY)
+@router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
+async def infer(model: str, request: Request, engine=Depends(ready_engine)):
+    kind = _model_kind(engine, model)
+    body = await request.body()
+    header_len = request.headers.get("inference-header-content-length")
+    binary = b""
+    if header_len is not None:
+        try:
+            n = int(header_len)
+        except ValueError:
+            raise BadRequest("Inference-Header-Content-Length must be an integer", code="malformed_request") from None
+        if not 0 <= n <= len(body):
+            raise BadRequest("Inference-Header-Content-Length is larger than the body", code="malformed_request")
+        body, binary = body[:n], body[n:]
+    try:
+        payload = parse_json(body)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON ({exc})", code="malformed_json") from None
+    try:
+        req = InferRequest.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidInput(f"{loc}: {first['msg']}", code="validation_error") from None
+
+    tensors = _decode_inputs(req, binary)
+    if kind == "single":
+        x = _input_batch(engine, tensors)
+        cid = tensors.get("class_id")
+        if cid is None:
+            raise InvalidInput("model needs inputs 'input' and 'class_id'", code="missing_input")
+        cid_arr, cid_type = cid
+        if cid_type not in _INTS or cid_arr.size != x.shape[0]:
+            raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
+        ids = cid_arr.reshape(-1).astype(np.int64)
+        bad = ids[(ids < 0) | (ids >= engine.num_classes)]
+        if bad.size:
+            raise NotFound(f"unknown class id {int(bad[0])} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
+        logit, match = await engine.single_logits(x, ids)
+        outputs = {"logit": ("FP32", logit), "match": ("BOOL", match)}
+    else:
+        x = _input_batch(engine, tensors)
+        outputs = {"logits": ("FP32", await engine.all_logits(x))}
+
+    wanted = req.outputs or [InferRequestedOutput(name=n) for n in outputs]
+    binary_default = bool((req.parameters or {}).get("binary_data_output", False))
+    out_json, out_bin = [], []
+    for o in wanted:
+        if o.name not in outputs:
+            raise InvalidInput(f"unknown output {o.name!r}; outputs are {sorted(outputs)}", code="unknown_output")
+        dtype, arr = outputs[o.name]
+        entry: dict[str, Any] = {"name": o.name, "datatype": dtype, "shape": list(arr.shape)}
+        if bool((o.parameters or {}).get("binary_data", binary_default)):
+            raw = np.ascontiguousarray(arr).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            out_bin.append(raw)
+        else:
+            entry["data"] = arr.reshape(-1)
+        out_json.append(entry)
+    response = {"model_name": model, "model_version": VERSION, "outputs": out_json}
+    if req.id is not None:
+        response["id"] = req.id
+    head = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not out_bin:
+        return Response(head, media_type="application/json")
+    return Response(head + b"".join(out_bin), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def _decode_inputs(req: InferRequest, binary: bytes) -> dict[str, tuple[np.ndarray, str]]:
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    offset = 0
+    for t in req.inputs:
+        dt = t.datatype.upper()
+        if dt not in _DTYPES:
+            raise InvalidInput(f"input {t.name!r}: datatype {t.datatype!r} is not supported", code="unsupported_datatype")
+        if any(s < 0 for s in t.shape):
+            raise InvalidInput(f"input {t.name!r}: negative dimension in shape {t.shape}", code="shape_mismatch")
+        count = int(np.prod(t.shape)) if t.shape else 1
+        size = (t.parameters or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise BadRequest(f"input {t.name!r}: binary_data_size does not fit the body", code="malformed_request")
+            itemsize = np.dtype(_DTYPES[dt]).itemsize
+            if size != count * itemsize:
+                raise InvalidInput(f"input {t.name!r}: {size} bytes for shape {t.shape} {dt}", code="shape_mismatch")
+            arr = np.frombuffer(binary[offset:offset + size], dtype=_DTYPES[dt])
+            offset += size
+        else:
+            if t.data is None:
+                raise InvalidInput(f"input {t.name!r} has no data", code="missing_input")
+            try:
+                arr = np.asarray(t.data, dtype=np.float64 if dt in _FLOATS else _DTYPES[dt])
+            except (ValueError, TypeError, OverflowError):
+                raise InvalidInput(f"input {t.name!r}: data must be a (nested) list of {dt} values",
+                                   code="shape_mismatch") from None
+            if arr.size != count:
+                raise InvalidInput(f"input {t.name!r}: {arr.size} values for shape {t.shape}", code="shape_mismatch")
+        try:
+            arr = arr.reshape(t.shape)
+        except ValueError:
+            raise InvalidInput(f"input {t.name!r}: data does not fit shape {t.shape}", code="shape_mismatch") from None
+        if dt in _FLOATS and not np.isfinite(arr).all():
+            raise InvalidInput(f"input {t.name!r}: NaN or infinite values", code="non_finite_value")
+        tensors[t.name] = (arr, dt)
+    return tensors
+
+
+def _input_batch(engine, tensors) -> np.ndarray:
+    if "input" not in tensors:
+        raise InvalidInput("missing input tensor 'input'", code="missing_input")
+    arr, dt = tensors["input"]
+    if dt not in _FLOATS:
+        raise InvalidInput(f"'input' must be FP32 (got {dt})", code="unsupported_datatype")
+    if arr.ndim < 1 or arr.shape[0] < 1:
+        raise InvalidInput("'input' needs a batch dimension N >= 1", code="shape_mismatch")
+    n = arr.shape[0]
+    if n > engine.settings.max_inputs:
+        raise InvalidInput(f"{n} inputs in one request; the limit is {engine.settings.max_inputs}",
+                           code="too_many_inputs")
+    if arr[0].size != engine.input_size:
+        raise InvalidInput(f"'input' examples must have shape {list(engine.input_shape)} "
+                           f"({engine.input_size} values); got {list(arr.shape[1:])}", code="shape_mismatch")
+    with np.errstate(over="ignore"):
+        x = arr.astype(np.float32).reshape((n,) + engine.input_shape)
+    if not np.isfinite(x).all():
+        raise InvalidInput("'input' overflows float32", code="non_finite_value")
+    return x

@@ -1,0 +1,74 @@
+"""Prometheus metrics (DESIGN.md §7 GET /metrics), one registry per app so tests can build many apps.
+
+Endpoints are labelled by route template (/v1/classes/{class}/detect), never by raw path,
+so label cardinality stays bounded.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                    0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("slc_http_requests_total", "HTTP requests by route template, method and status",
+                                ["endpoint", "method", "status"], registry=r)
+        self.latency = Histogram("slc_http_request_duration_seconds", "HTTP latency by route template and status",
+                                 ["endpoint", "method", "status"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("slc_batch_size_inputs", "inputs per backbone call", buckets=_BATCH_BUCKETS,
+                                    registry=r)
+        self.batch_requests = Histogram("slc_batch_size_requests", "requests coalesced per backbone call",
+                                        buckets=_BATCH_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("slc_batch_compute_seconds", "compute time of one batch (worker thread)",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("slc_queue_wait_seconds", "time a request waited in the batch queue",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("slc_queue_depth_inputs", "inputs waiting in the batch queue", registry=r)
+        self.rejections = Counter("slc_rejections_total", "requests refused, by reason (error code)", ["reason"],
+                                  registry=r)
+        self.ready = Gauge("slc_ready", "1 when the server answers inference requests", registry=r)
+        self.in_flight = 0  # HTTP requests inside the app right now (the batcher reads it)
+
+    def reject(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Pure ASGI: counts and times every HTTP request by its route template and final status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.in_flight -= 1
+            route = scope.get("route")
+            endpoint = getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
+            labels = (endpoint, scope.get("method", ""), str(status))
+            self.metrics.requests.labels(*labels).inc()
+            self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)

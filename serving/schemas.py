@@ -1,0 +1,158 @@
+"""Request and response bodies of the /v1 API (DESIGN.md §7).
+
+Numbers are strict (no strings, no booleans) and finite: pydantic accepts NaN/inf by default,
+and the stdlib JSON parser FastAPI uses reads the non-standard literals `NaN`, `Infinity` and
+overflowing `1e999` as such floats — `allow_inf_nan=False` turns them all into 422.
+Shapes are checked against the bundle at request time (serving/engine.py `to_batch`).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # strict: ints yes, "1.0" and true no
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# One example: flat, or nested like the bundle's input shape (up to rank 4: C, H, W, ...).
+Example = Union[list[Number], list[list[Number]], list[list[list[Number]]], list[list[list[list[Number]]]]]
+Inputs = Annotated[list[Example], Field(min_length=1, description="N examples, each nested like the input shape or flat")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# ----------------------------------------------------------------------------- errors, health
+class ErrorDetail(BaseModel):
+    code: str = Field(description="snake_case, stable")
+    message: str
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["live", "ready"]
+
+
+# ----------------------------------------------------------------------------- detect
+class DetectRequest(_Body):
+    inputs: Inputs
+    threshold: Optional[FiniteFloat] = Field(None, description="override of the class's calibrated threshold")
+
+
+class DetectResult(BaseModel):
+    logit: float
+    match: bool = Field(description="logit >= threshold")
+    probability: float = Field(description="Platt-calibrated σ(a·logit + b)")
+
+
+class DetectResponse(BaseModel):
+    class_id: int
+    class_name: str
+    threshold: float
+    results: list[DetectResult]
+
+
+# ----------------------------------------------------------------------------- softmax
+class SoftmaxRequest(_Body):
+    inputs: Inputs
+
+
+class SoftmaxResult(BaseModel):
+    probability: float = Field(description="softmax over all D logits, entry of the class")
+    logit: float
+    is_top1: bool
+
+
+class SoftmaxResponse(BaseModel):
+    class_id: int
+    class_name: str
+    results: list[SoftmaxResult]
+
+
+# ----------------------------------------------------------------------------- topk
+class TopkRequest(_Body):
+    inputs: Inputs
+    k: int = Field(5, ge=1)
+    mode: Literal["exact", "index"] = "exact"
+
+
+class TopkEntry(BaseModel):
+    class_id: int
+    class_name: str
+    logit: float
+
+
+class TopkResponse(BaseModel):
+    k: int
+    mode: Literal["exact", "index"]
+    results: list[list[TopkEntry]]
+
+
+# ----------------------------------------------------------------------------- gallery
+ItemId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class GalleryItemIn(_Body):
+    id: ItemId
+    input: Example
+    metadata: Optional[dict[str, Any]] = None
+
+
+class GalleryUpsertRequest(_Body):
+    items: Annotated[list[GalleryItemIn], Field(min_length=1)]
+
+
+class GalleryUpsertResponse(BaseModel):
+    upserted: int
+    ids: list[str]
+
+
+class GalleryItem(BaseModel):
+    id: str
+    input: Any
+    metadata: Optional[dict[str, Any]] = None
+
+
+class ClassSearchRequest(_Body):
+    limit: Optional[int] = Field(100, ge=1, le=100_000, description="most items returned (best first)")
+    threshold: Optional[FiniteFloat] = Field(None, description="override of the class's calibrated threshold")
+
+
+class SearchHit(BaseModel):
+    id: str
+    logit: float
+    metadata: Optional[dict[str, Any]] = None
+
+
+class ClassSearchResponse(BaseModel):
+    class_id: int
+    class_name: str
+    threshold: float
+    results: list[SearchHit]
+
+
+class GalleryInfo(BaseModel):
+    count: int
+    index_kind: str
+
+
+# ----------------------------------------------------------------------------- model
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    version: Optional[str] = None
+    input: dict[str, Any]
+    embed_dim: int
+    num_classes: int
+    digest: str
+    manifest: dict[str, Any] = Field(description="manifest summary (no class list, no file hashes)")
+    calibration: dict[str, Any] = Field(description="target, global threshold, per-class summary")
+    providers: list[str] = Field(description="onnxruntime execution providers in use")
+    device: str
+    softmax_impl: str
+    index: Optional[dict[str, Any]] = None
+    batching: dict[str, Any]

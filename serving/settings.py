@@ -1,0 +1,69 @@
+"""Server settings (DESIGN.md §8 `slc serve`): SLC_* environment variables, overridden by CLI flags.
+
+Every limit the server enforces lives here, so an operator can read one file to know
+what a request may cost.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("SLC_HOME") or Path.home() / ".cache" / "slc")
+
+
+class Settings(BaseSettings):
+    """`Settings(**overrides)`: keyword arguments win over SLC_* variables, which win over defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="SLC_", extra="ignore")
+
+    # --- what to serve
+    bundle: Optional[Path] = Field(None, description="bundle directory; None = the embedded default model")
+    home: Path = Field(default_factory=_default_home, description="SLC_HOME: default bundle and data live here")
+    data_dir: Optional[Path] = Field(None, description="gallery and index cache; default $SLC_HOME/data")
+    verify: bool = Field(True, description="re-hash every bundle file at start; a mismatch means never ready")
+
+    # --- network
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: Optional[SecretStr] = Field(None, description="when set, write routes need `Authorization: Bearer KEY` or `X-API-Key: KEY`")
+
+    # --- batching (serving/batcher.py)
+    max_batch: int = Field(64, ge=1, description="inputs per backbone call")
+    max_delay_ms: float = Field(2.0, ge=0, description="how long the first queued input waits for others to join its batch")
+    adaptive_delay: bool = Field(True, description="skip the max_delay wait when no other request is on its way "
+                                 "(every request inside the server already waits in the batcher): no added latency at low load")
+    queue_size: int = Field(1024, ge=1, description="queued INPUTS (not requests) before new requests get 429; an empty queue always admits one request")
+    request_timeout_s: float = Field(10.0, gt=0, description="per-request deadline; past it the request gets 504 instead of being computed late")
+
+    # --- request limits (serving/errors.py)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="413 beyond this, counted while the body is read")
+    max_inputs: int = Field(256, ge=1, description="examples per request (inputs, gallery items); 422 beyond")
+    max_topk: int = Field(1000, ge=1)
+
+    # --- compute
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    softmax_impl: Literal["auto", "numpy", "onnx"] = Field(
+        "auto", description="full-softmax head: numpy BLAS on embeddings or full.onnx; auto = the faster at warm-up")
+    warmup: bool = True
+
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _resolve_paths(self) -> "Settings":
+        self.home = Path(self.home).expanduser()
+        if self.data_dir is None:
+            self.data_dir = self.home / "data"
+        self.data_dir = Path(self.data_dir).expanduser()
+        if self.bundle is not None:
+            self.bundle = Path(self.bundle).expanduser()
+        return self
+
+    def api_key_value(self) -> Optional[str]:
+        return self.api_key.get_secret_value() if self.api_key else None

@@ -1,0 +1,220 @@
+"""Dynamic batching: coalescing, limits, overload (429) and deadlines (504), unit and over HTTP."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+
+from serving.batcher import Batcher
+from serving.errors import DeadlineExceeded, Overloaded
+from tests.serving.conftest import assert_envelope
+
+
+class Recorder:
+    """compute(): returns each job's rows times 2 (or reduce of them), remembers batch sizes."""
+
+    def __init__(self, sleep: float = 0.0):
+        self.batches: list[list[int]] = []
+        self.sleep = sleep
+
+    def __call__(self, jobs):
+        import time
+
+        if self.sleep:
+            time.sleep(self.sleep)
+        self.batches.append([j.n for j in jobs])
+        return [j.reduce(j.x * 2) if j.reduce else j.x * 2 for j in jobs]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_requests_coalesce_and_get_their_own_rows():
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=64, max_delay_ms=50, queue_size=1000)
+        b.start()
+        xs = [np.full((i % 3 + 1, 2), float(i)) for i in range(20)]
+        outs = await asyncio.gather(*(b.submit(x) for x in xs))
+        await b.stop()
+        return rec, xs, outs
+
+    rec, xs, outs = run(main())
+    for x, out in zip(xs, outs):
+        np.testing.assert_array_equal(out, x * 2)
+    assert sum(map(sum, rec.batches)) == sum(len(x) for x in xs)
+    assert len(rec.batches) < len(xs)  # coalesced: fewer compute calls than requests
+
+
+def test_max_batch_is_respected_and_big_jobs_go_alone():
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=8, max_delay_ms=20, queue_size=1000)
+        b.start()
+        small = [b.submit(np.ones((3, 1))) for _ in range(6)]
+        big = b.submit(np.ones((20, 1)))
+        await asyncio.gather(*small, big)
+        await b.stop()
+        return rec
+
+    rec = run(main())
+    for sizes in rec.batches:
+        assert sum(sizes) <= 8 or sizes == [20]
+    assert [20] in rec.batches
+
+
+def test_full_queue_raises_overloaded_then_recovers():
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=64, max_delay_ms=200, queue_size=4)
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit(np.ones((1, 1)))) for _ in range(10)]
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        after = await b.submit(np.ones((1, 1)))
+        await b.stop()
+        return done, after
+
+    done, after = run(main())
+    overloaded = [d for d in done if isinstance(d, Overloaded)]
+    ok = [d for d in done if isinstance(d, np.ndarray)]
+    assert len(ok) == 4 and len(overloaded) == 6
+    assert all(e.status == 429 and int(e.headers["Retry-After"]) >= 1 for e in overloaded)
+    np.testing.assert_array_equal(after, [[2.0]])
+
+
+def test_empty_queue_admits_a_request_bigger_than_the_queue():
+    async def main():
+        b = Batcher(Recorder(), max_batch=4, max_delay_ms=0, queue_size=2)
+        b.start()
+        out = await b.submit(np.ones((5, 1)))
+        await b.stop()
+        return out
+
+    assert run(main()).shape == (5, 1)
+
+
+def test_expired_requests_are_never_computed():
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=64, max_delay_ms=300, queue_size=100)
+        b.start()
+        late = asyncio.ensure_future(b.submit(np.ones((2, 1)), timeout=0.02))
+        patient = asyncio.ensure_future(b.submit(np.ones((3, 1))))
+        results = await asyncio.gather(late, patient, return_exceptions=True)
+        await b.stop()
+        return rec, results
+
+    rec, (late, patient) = run(main())
+    assert isinstance(late, DeadlineExceeded) and late.status == 504
+    assert patient.shape == (3, 1)
+    assert rec.batches == [[3]]  # the expired request's 2 inputs were dropped, not computed
+
+
+def test_stop_drains_the_queue():
+    async def main():
+        rec = Recorder(sleep=0.01)
+        b = Batcher(rec, max_batch=2, max_delay_ms=0, queue_size=100)
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit(np.full((1, 1), i))) for i in range(7)]
+        await asyncio.sleep(0)
+        await b.stop()
+        return [t.result() for t in tasks]
+
+    outs = run(main())
+    assert [float(o[0, 0]) for o in outs] == [2.0 * i for i in range(7)]
+
+
+def test_adaptive_delay_waits_only_while_others_are_on_the_way():
+    async def main():
+        rec = Recorder()
+        in_flight = {"n": 1}
+        b = Batcher(rec, max_batch=64, max_delay_ms=5000, queue_size=100, in_flight=lambda: in_flight["n"])
+        b.start()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await b.submit(np.ones((1, 1)))  # alone: goes at once, not after 5 s
+        alone = loop.time() - t0
+        in_flight["n"] = 3  # two more requests are being parsed
+        first = asyncio.ensure_future(b.submit(np.ones((1, 1))))
+        await asyncio.sleep(0.05)
+        assert not first.done()  # waits for them
+        second = asyncio.ensure_future(b.submit(np.ones((1, 1))))
+        third = asyncio.ensure_future(b.submit(np.ones((1, 1))))  # all 3 held: go
+        await asyncio.gather(first, second, third)
+        await b.stop()
+        return rec, alone
+
+    rec, alone = run(main())
+    assert alone < 4.0
+    assert rec.batches == [[1], [1, 1, 1]]
+
+
+def test_compute_failure_fails_the_batch_and_keeps_serving():
+    calls = []
+
+    def compute(jobs):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return [j.x for j in jobs]
+
+    async def main():
+        b = Batcher(compute, max_batch=8, max_delay_ms=0, queue_size=100)
+        b.start()
+        with pytest.raises(RuntimeError):
+            await b.submit(np.ones((1, 1)))
+        out = await b.submit(np.ones((1, 1)))
+        await b.stop()
+        return out
+
+    assert run(main()).shape == (1, 1)
+
+
+# ------------------------------------------------------------------- over HTTP, in-process
+
+
+async def _with_app(app, fn):
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            for _ in range(500):
+                if (await c.get("/v1/health/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.01)
+            return await fn(c)
+
+
+def test_http_flood_gets_429_with_retry_after_then_recovers(app_factory, offline):
+    app = app_factory(queue_size=4, max_delay_ms=300, max_batch=64, adaptive_delay=False)
+    x = np.random.default_rng(0).standard_normal((1, 12)).astype(np.float32)
+
+    async def flood(c):
+        rs = await asyncio.gather(*(c.post("/v1/classes/2/detect", json={"inputs": x.tolist()}) for _ in range(12)))
+        after = await c.post("/v1/classes/2/detect", json={"inputs": x.tolist()})
+        metrics = (await c.get("/metrics")).text
+        return rs, after, metrics
+
+    rs, after, metrics = asyncio.run(_with_app(app, flood))
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) == 4 and codes.count(429) == 8, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert_envelope(r, 429, "overloaded")
+            assert int(r.headers["retry-after"]) >= 1
+        else:
+            assert r.json()["results"][0]["logit"] == pytest.approx(offline.logits(x)[0, 2], abs=1e-4)
+    assert after.status_code == 200
+    assert 'slc_rejections_total{reason="overloaded"} 8.0' in metrics
+    assert 'slc_batch_size_inputs_sum 5.0' in metrics  # 4 coalesced + 1 after
+
+
+def test_http_deadline_gives_504(app_factory):
+    app = app_factory(request_timeout_s=0.05, max_delay_ms=400, adaptive_delay=False)
+
+    async def call(c):
+        return await c.post("/v1/classes/2/detect", json={"inputs": [[0.0] * 12]})
+
+    assert_envelope(asyncio.run(_with_app(app, call)), 504, "deadline_exceeded")

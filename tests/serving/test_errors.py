@@ -1,0 +1,161 @@
+"""Every bad input of DESIGN.md §7 gets its status and the one error envelope."""
+from __future__ import annotations
+
+import pytest
+
+from tests.serving.conftest import assert_envelope
+
+GOOD = [[0.5] * 12]
+DETECT = "/v1/classes/3/detect"
+
+
+def _raw(client, path, text: str, method: str = "POST"):
+    return client.request(method, path, content=text.encode(), headers={"content-type": "application/json"})
+
+
+def test_malformed_json_is_400(client):
+    assert_envelope(_raw(client, DETECT, '{"inputs": [[1, 2'), 400, "malformed_json")
+    assert_envelope(_raw(client, DETECT, "{'inputs': 1}"), 400, "malformed_json")
+    assert_envelope(_raw(client, "/v2/models/synthetic-D50-d16-s0/infer", "{nope"), 400, "malformed_json")
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_json_literals_are_422(client, literal):
+    """The stdlib parser reads NaN/Infinity/1e999 as floats; they must not reach the model."""
+    text = '{"inputs": [[%s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}' % literal
+    assert_envelope(_raw(client, DETECT, text), 422, "non_finite_value")
+    assert_envelope(_raw(client, DETECT, '{"inputs": %s, "threshold": %s}' % (GOOD, literal)), 422, "non_finite_value")
+
+
+def test_float32_overflow_is_422(client):
+    assert_envelope(client.post(DETECT, json={"inputs": [[1e39] + [0.0] * 11]}), 422, "non_finite_value")
+
+
+@pytest.mark.parametrize("body", [
+    {},  # inputs missing
+    {"inputs": []},  # empty
+    {"inputs": "abc"},
+    {"inputs": [["1.0"] * 12]},  # strings are not numbers
+    {"inputs": [[True] * 12]},  # neither are booleans
+    {"inputs": GOOD, "extra": 1},  # unknown field
+    {"inputs": GOOD, "threshold": "high"},
+], ids=["missing", "empty", "string", "string-values", "bools", "extra-field", "bad-threshold"])
+def test_schema_violations_are_422(client, body):
+    assert_envelope(client.post(DETECT, json=body), 422)
+
+
+@pytest.mark.parametrize("inputs", [[[0.5] * 11], [[0.5] * 13], [[[0.5] * 6] * 2], [[0.5] * 12, [0.5] * 11], [0.5] * 12],
+                         ids=["short", "long", "wrong-nesting", "ragged", "not-a-list-of-examples"])
+def test_shape_violations_are_422(client, inputs):
+    body = assert_envelope(client.post(DETECT, json={"inputs": inputs}), 422)
+    assert body["error"]["code"] in ("shape_mismatch", "validation_error")
+
+
+def test_too_many_inputs_is_422(client_factory):
+    c = client_factory(max_inputs=4)
+    assert c.post(DETECT, json={"inputs": GOOD * 4}).status_code == 200
+    assert_envelope(c.post(DETECT, json={"inputs": GOOD * 5}), 422, "too_many_inputs")
+    items = [{"id": str(i), "input": GOOD[0]} for i in range(5)]
+    assert_envelope(c.post("/v1/gallery/items", json={"items": items}), 422, "too_many_inputs")
+
+
+def test_topk_bad_k_and_mode(client):
+    assert_envelope(client.post("/v1/topk", json={"inputs": GOOD, "k": 0}), 422)
+    assert_envelope(client.post("/v1/topk", json={"inputs": GOOD, "k": 10**6}), 422, "k_too_large")
+    assert_envelope(client.post("/v1/topk", json={"inputs": GOOD, "mode": "approximate"}), 422)
+
+
+@pytest.mark.parametrize("ref", ["nope", "50", "-1", "1.5", "%20"])
+def test_unknown_class_is_404(client, ref):
+    for route in ("detect", "softmax", "search"):
+        body = {"inputs": GOOD} if route != "search" else {}
+        assert_envelope(client.post(f"/v1/classes/{ref}/{route}", json=body), 404, "unknown_class")
+
+
+def test_unknown_route_item_and_method(client):
+    assert_envelope(client.get("/v1/nothing-here"), 404, "not_found")
+    assert_envelope(client.get("/v1/gallery/items/never-stored"), 404, "unknown_item")
+    assert_envelope(client.delete("/v1/gallery/items/never-stored"), 404, "unknown_item")
+    assert_envelope(client.get(DETECT), 405, "method_not_allowed")
+    assert_envelope(client.get("/v2/models/not-a-model"), 404, "unknown_model")
+
+
+def test_body_over_limit_is_413_with_and_without_content_length(client_factory):
+    c = client_factory(max_body_bytes=4096)
+    big = {"inputs": [[0.123456789] * 12] * 200}  # ~30 kB
+    assert_envelope(c.post(DETECT, json=big), 413, "payload_too_large")
+
+    def chunks():  # no Content-Length: the middleware must count while reading
+        yield b'{"inputs": ['
+        for i in range(400):
+            yield (b"," if i else b"") + b"[" + b",".join([b"0.123456789"] * 12) + b"]"
+        yield b"]}"
+
+    r = c.post(DETECT, content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert_envelope(r, 413, "payload_too_large")
+    assert c.post(DETECT, json={"inputs": GOOD}).status_code == 200  # small bodies still pass
+    assert 'slc_rejections_total{reason="payload_too_large"} 2.0' in c.get("/metrics").text
+
+
+def test_api_key_guards_write_routes_only(client_factory):
+    c = client_factory(api_key="s3cret")
+    item = {"items": [{"id": "a", "input": GOOD[0]}]}
+    assert_envelope(c.post("/v1/gallery/items", json=item), 401, "unauthorized")
+    assert_envelope(c.post("/v1/gallery/items", json=item, headers={"x-api-key": "wrong"}), 401, "unauthorized")
+    assert_envelope(c.delete("/v1/gallery/items/a"), 401, "unauthorized")
+    assert c.post("/v1/gallery/items", json=item, headers={"authorization": "Bearer s3cret"}).status_code == 201
+    assert c.post(DETECT, json={"inputs": GOOD}).status_code == 200  # queries need no key
+    assert c.get("/v1/gallery/items/a").status_code == 200
+    assert c.delete("/v1/gallery/items/a", headers={"x-api-key": "s3cret"}).status_code == 204
+
+
+def test_not_ready_is_503_when_the_bundle_cannot_load(client_factory, tmp_path):
+    c = client_factory(wait=False, bundle=tmp_path / "no-such-bundle")
+    import time
+
+    for _ in range(200):  # the loader fails in the background; live stays up, ready never comes
+        body = c.get("/v1/health/ready").json()
+        if "could not be loaded" in body["error"]["message"]:
+            break
+        time.sleep(0.02)
+    assert c.get("/v1/health/live").status_code == 200
+    assert_envelope(c.get("/v1/health/ready"), 503, "not_ready")
+    assert_envelope(c.post(DETECT, json={"inputs": GOOD}), 503, "not_ready")
+    assert_envelope(c.get("/v1/model"), 503, "not_ready")
+    assert_envelope(c.get("/v2/health/ready"), 503, "not_ready")
+
+
+def test_hash_mismatch_is_never_ready(client_factory, bundle_path, tmp_path):
+    import shutil
+
+    bad = tmp_path / "tampered"
+    shutil.copytree(bundle_path, bad)
+    raw = bytearray((bad / "head_bias.npy").read_bytes())
+    raw[-1] ^= 0x01
+    (bad / "head_bias.npy").write_bytes(bytes(raw))
+    c = client_factory(wait=False, bundle=bad)
+    import time
+
+    for _ in range(300):
+        body = c.get("/v1/health/ready").json()
+        if "could not be loaded" in body["error"]["message"]:
+            break
+        time.sleep(0.02)
+    msg = assert_envelope(c.get("/v1/health/ready"), 503, "not_ready")["error"]["message"]
+    assert "head_bias.npy" in msg and "sha256" in msg
+
+
+def test_device_cuda_without_a_usable_gpu_is_never_ready(client_factory):
+    from serving.runtime import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("a GPU is present")
+    c = client_factory(wait=False, device="cuda")
+    import time
+
+    for _ in range(300):
+        if "could not be loaded" in c.get("/v1/health/ready").json()["error"]["message"]:
+            break
+        time.sleep(0.02)
+    assert "cuda" in assert_envelope(c.get("/v1/health/ready"), 503, "not_ready")["error"]["message"].lower()

@@ -1,0 +1,100 @@
+"""KServe v2 / Open Inference Protocol with the real tritonclient.http against a real uvicorn."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.serving.conftest import assert_envelope
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+
+
+@pytest.fixture
+def server(live_server):
+    return live_server()
+
+
+@pytest.fixture
+def triton(server):
+    client = tritonclient_http.InferenceServerClient(url=server.removeprefix("http://"))
+    yield client
+    client.close()
+
+
+def test_health_and_metadata(triton, bundle):
+    assert triton.is_server_live() and triton.is_server_ready()
+    assert triton.get_server_metadata()["name"] == "slc"
+    name = bundle.name
+    assert triton.is_model_ready(name) and triton.is_model_ready(name + "-full")
+    meta = triton.get_model_metadata(name)
+    assert [i["name"] for i in meta["inputs"]] == ["input", "class_id"]
+    assert meta["inputs"][0]["shape"] == [-1, *bundle.input_shape]
+    assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {"logit": "FP32", "match": "BOOL"}
+    full = triton.get_model_metadata(name + "-full")
+    assert full["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, bundle.num_classes]}]
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_single_logit_model(triton, bundle, offline, inputs, binary):
+    ids = np.array([0, 7, 7, 49, 3], dtype=np.int64)
+    x_in = tritonclient_http.InferInput("input", list(inputs.shape), "FP32")
+    x_in.set_data_from_numpy(inputs, binary_data=binary)
+    c_in = tritonclient_http.InferInput("class_id", [len(ids)], "INT64")
+    c_in.set_data_from_numpy(ids, binary_data=binary)
+    outs = [tritonclient_http.InferRequestedOutput(n, binary_data=binary) for n in ("logit", "match")]
+    result = triton.infer(bundle.name, [x_in, c_in], outputs=outs)
+    logit, match = result.as_numpy("logit"), result.as_numpy("match")
+    assert logit.dtype == np.float32 and logit.shape == (5,) and match.dtype == np.bool_
+    want = offline.logits(inputs)[np.arange(5), ids]
+    np.testing.assert_allclose(logit, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(logit, offline.single_logit(inputs, ids), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(match, want >= bundle.thresholds[ids].astype(np.float64))
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_full_model(triton, bundle, offline, inputs, binary):
+    x_in = tritonclient_http.InferInput("input", list(inputs.shape), "FP32")
+    x_in.set_data_from_numpy(inputs, binary_data=binary)
+    result = triton.infer(bundle.name + "-full", [x_in],
+                          outputs=[tritonclient_http.InferRequestedOutput("logits", binary_data=binary)])
+    z = result.as_numpy("logits")
+    assert z.shape == (5, bundle.num_classes) and z.dtype == np.float32
+    np.testing.assert_allclose(z, offline.logits(inputs), rtol=1e-5, atol=1e-4)
+
+
+def test_tritonclient_surfaces_errors(triton, inputs):
+    from tritonclient.utils import InferenceServerException
+
+    x_in = tritonclient_http.InferInput("input", list(inputs.shape), "FP32")
+    x_in.set_data_from_numpy(inputs)
+    with pytest.raises(InferenceServerException):
+        triton.infer("no-such-model", [x_in])
+
+
+def test_plain_json_nested_data_and_errors(server, bundle, offline, inputs):
+    url = f"{server}/v2/models/{bundle.name}/infer"
+    body = {"id": "req-1", "inputs": [
+        {"name": "input", "shape": list(inputs.shape), "datatype": "FP32", "data": inputs.tolist()},  # nested
+        {"name": "class_id", "shape": [5], "datatype": "INT64", "data": [1, 1, 2, 2, 3]}]}
+    r = httpx.post(url, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "req-1" and out["model_name"] == bundle.name
+    logit = next(o for o in out["outputs"] if o["name"] == "logit")
+    assert logit["shape"] == [5] and logit["datatype"] == "FP32"
+    np.testing.assert_allclose(logit["data"], offline.logits(inputs)[np.arange(5), [1, 1, 2, 2, 3]], rtol=1e-5, atol=1e-4)
+
+    bad_shape = {"inputs": [dict(body["inputs"][0], shape=[5, 11]), body["inputs"][1]]}
+    assert_envelope(httpx.post(url, json=bad_shape), 422)
+    missing = {"inputs": [body["inputs"][0]]}
+    assert_envelope(httpx.post(url, json=missing), 422, "missing_input")
+    unknown_class = {"inputs": [body["inputs"][0], dict(body["inputs"][1], data=[1, 1, 2, 2, 50])]}
+    assert_envelope(httpx.post(url, json=unknown_class), 404, "unknown_class")
+    import json
+
+    nan = json.dumps({"inputs": [dict(body["inputs"][0], data=[float("nan")] * 60), body["inputs"][1]]})
+    r = httpx.post(url, content=nan.encode(), headers={"content-type": "application/json"})  # NaN literals
+    assert_envelope(r, 422, "non_finite_value")
+    assert_envelope(httpx.post(f"{server}/v2/models/nope/infer", json=body), 404, "unknown_model")
+    assert httpx.get(f"{server}/v2").json()["extensions"] == ["binary_tensor_data"]

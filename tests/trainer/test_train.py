@@ -1,0 +1,170 @@
+"""The training recipe: run files, recomputed metrics, determinism, schedules, NaN, data-parallel."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainer.data import load_dataset
+from trainer.losses import list_losses, register_loss
+from trainer.metrics import slc_metrics
+from trainer.train import TrainConfig, evaluate_run, load_run, run_logits, train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _register_test_losses():
+    """Two losses only these tests use: one records set_progress, one turns NaN."""
+    if "_test_progress" not in list_losses():
+
+        @register_loss("_test_progress")
+        class ProgressRecorder(nn.Module):
+            pols = False
+            seen: list[float] = []
+
+            def __init__(self, num_classes: int):
+                super().__init__()
+                type(self).seen = []
+
+            def set_progress(self, fraction: float) -> None:
+                type(self).seen.append(fraction)
+
+            def forward(self, logits, target):
+                return nn.functional.cross_entropy(logits, target)
+
+        @register_loss("_test_nan")
+        class NaNLoss(nn.Module):
+            pols = False
+
+            def __init__(self, num_classes: int):
+                super().__init__()
+
+            def forward(self, logits, target):
+                return logits.sum() * float("nan")
+
+    from trainer.losses import _REGISTRY
+
+    return _REGISTRY["_test_progress"]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cfg = TrainConfig(dataset="digits", backbone="mlp", backbone_params={"hidden": 32}, loss="ce", epochs=2, lr=0.01, seed=3)
+    return train(cfg, out, progress=False)
+
+
+def test_run_writes_every_file(digits_run):
+    for name in ("config.json", "checkpoint.pt", "data.json", "metrics.json"):
+        assert (digits_run / name).is_file(), name
+    config = json.loads((digits_run / "config.json").read_text())
+    assert config["loss"] == "ce" and config["seed"] == 3 and config["backbone_params"] == {"hidden": 32}
+    assert config["versions"]["torch"] == torch.__version__
+    info = json.loads((digits_run / "data.json").read_text())
+    splits = load_dataset("digits")
+    assert info["input_shape"] == [64] and info["classes"] == splits.classes
+    assert info["mean"] == pytest.approx(float(splits.train[0].mean()), rel=1e-5)
+
+
+def test_metrics_json_matches_recomputation(digits_run):
+    stored = json.loads((digits_run / "metrics.json").read_text())
+    for split in ("calibration", "test"):
+        again = evaluate_run(digits_run, split=split)
+        assert again.keys() == stored[split].keys()
+        for key in again:
+            assert again[key] == pytest.approx(stored[split][key], abs=1e-12), (split, key)
+    # And independently of evaluate_run: the loaded model's logits through slc_metrics.
+    model, _, _ = load_run(digits_run)
+    x, y = load_dataset("digits").test
+    assert slc_metrics(run_logits(model, x), y)["auprc"] == pytest.approx(stored["test"]["auprc"], abs=1e-12)
+    assert stored["test"]["accuracy"] > 0.5  # 2 epochs of an MLP on digits learn something
+
+
+def test_run_logits_batches_equal_one_pass(digits_run):
+    model, _, _ = load_run(digits_run)
+    x = load_dataset("digits").test[0]
+    with torch.no_grad():
+        whole = model(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(run_logits(model, x, batch_size=7), whole, rtol=1e-5, atol=1e-5)
+    assert not model.training
+
+
+def test_training_is_deterministic_for_a_seed(tmp_path):
+    def weights(seed, name):
+        cfg = TrainConfig(dataset="digits", backbone="linear", loss="batch_ce", epochs=2, lr=0.05, seed=seed)
+        return torch.load(train(cfg, tmp_path / name, progress=False) / "checkpoint.pt", weights_only=True)
+
+    a, b, c = weights(0, "a"), weights(0, "b"), weights(1, "c")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["head.weight"], c["head.weight"])
+
+
+def test_set_progress_called_every_step_from_0_towards_1(tmp_path):
+    recorder = _register_test_losses()
+    cfg = TrainConfig(dataset="digits", backbone="linear", loss="_test_progress", epochs=3, batch_size=100, seed=0)
+    train(cfg, tmp_path / "p", progress=False)
+    steps = 3 * (len(load_dataset("digits").train[1]) // 100)
+    assert recorder.seen == pytest.approx([s / steps for s in range(steps)])
+
+
+def test_nan_loss_fails_loudly(tmp_path):
+    _register_test_losses()
+    cfg = TrainConfig(dataset="digits", backbone="linear", loss="_test_nan", epochs=1, seed=0)
+    with pytest.raises(FloatingPointError):
+        train(cfg, tmp_path / "nan", progress=False)
+    assert not (tmp_path / "nan" / "metrics.json").exists()
+
+
+@pytest.mark.slow
+def test_two_rank_data_parallel_equals_single_process(tmp_path):
+    """torchrun with 2 gloo ranks, each half of every batch, gives the single-process weights
+    (linear backbone, per-example loss: DDP's mean of shard means is the batch mean)."""
+    args = ["--dataset", "digits", "--backbone", "linear", "--loss", "ce", "--epochs", "2", "--lr", "0.05",
+            "--batch-size", "64", "--optimizer", "sgd", "--seed", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "trainer.cli", "train", *args, "--out", str(tmp_path / "one")],
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                    "trainer.cli", "train", *args, "--out", str(tmp_path / "two")],
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+
+
+def test_table1_rows_are_means_of_their_runs(tmp_path, monkeypatch):
+    """table1.json rows = mean/std over seeds of independently recomputed run metrics;
+    normalized_ce = metrics of the ce models' softmax; the markdown prints 1 − x."""
+    from trainer.experiments import table1
+
+    monkeypatch.setenv("SLC_CACHE_DIR", str(tmp_path / "cache"))
+    result = table1(dataset="digits", seeds=2, epochs=1, lrs=[0.1], losses=["ce", "batch_ce"], out=tmp_path / "t1")
+    saved = json.loads((tmp_path / "t1" / "table1.json").read_text())
+    assert saved["rows"] == result["rows"] and saved["dataset"] == "digits" and saved["seeds"] == [0, 1]
+    rows = {r["loss"]: r for r in saved["rows"]}
+    assert list(rows) == ["ce", "batch_ce", "normalized_ce"]
+    assert rows["batch_ce"]["pols"] and not rows["ce"]["pols"]
+
+    runs = {loss: sorted((tmp_path / "cache").glob(f"digits-{loss}-lr0.1-s*")) for loss in ("ce", "batch_ce")}
+    x, y = load_dataset("digits").test
+    for loss in ("ce", "batch_ce"):
+        values = [evaluate_run(run)["p_at_r99"] for run in runs[loss]]
+        assert rows[loss]["p_at_r99"] == pytest.approx(np.mean(values), abs=1e-12)
+        assert rows[loss]["p_at_r99_std"] == pytest.approx(np.std(values, ddof=1), abs=1e-12)
+    softmax_auprc = []
+    for run in runs["ce"]:
+        logits = run_logits(load_run(run)[0], x).astype(np.float64)
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        softmax_auprc.append(slc_metrics(probs / probs.sum(axis=1, keepdims=True), y)["auprc"])
+    assert rows["normalized_ce"]["auprc"] == pytest.approx(np.mean(softmax_auprc), abs=1e-9)
+
+    md = (tmp_path / "t1" / "table1.md").read_text()
+    assert f"{1 - rows['ce']['auprc']:.3f} ± {rows['ce']['auprc_std']:.3f}" in md
+    assert (tmp_path / "t1" / "pr_curve.png").stat().st_size > 1000

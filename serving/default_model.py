@@ -20,7 +20,9 @@ from pathlib import Path
 
 log = logging.getLogger("slc.serving")
 
-RECIPE = {"dataset": "mnist5k", "backbone": "mlp", "loss": "batch_ce", "epochs": "20", "seed": "0"}
+# lr / optimizer: what Table 1's calibration-split search chose for batch_ce (docs/results/table1-mnist5k.md).
+RECIPE = {"dataset": "mnist5k", "backbone": "mlp", "loss": "batch_ce", "epochs": "20", "seed": "0",
+          "optimizer": "sgd", "lr": "0.01"}
 
 
 def default_bundle_path(home: Path) -> Path:
@@ -53,7 +55,8 @@ def _build(home: Path, bundle: Path) -> None:
     project_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(project_root), os.environ.get("PYTHONPATH")])))
     train = [sys.executable, "-m", "trainer.cli", "train", "--dataset", RECIPE["dataset"], "--backbone", RECIPE["backbone"],
-             "--loss", RECIPE["loss"], "--epochs", RECIPE["epochs"], "--seed", RECIPE["seed"], "--out", str(run)]
+             "--loss", RECIPE["loss"], "--epochs", RECIPE["epochs"], "--seed", RECIPE["seed"],
+             "--optimizer", RECIPE["optimizer"], "--lr", RECIPE["lr"], "--out", str(run)]
     export = [sys.executable, "-m", "trainer.cli", "export", str(run), "--out", str(staged)]
     log.info("no default model in %s yet: training %s (one time; a few minutes on 2 cores)", bundle,
              " ".join(f"{k}={v}" for k, v in RECIPE.items()))

@@ -141,6 +141,12 @@ async def _load(state: ServerState) -> None:
         log.info("ready: %s (D=%d, d=%d, input %s) providers=%s softmax=%s index=%s",
                  bundle.name, bundle.num_classes, bundle.embed_dim, list(bundle.input_shape), state.runtime.providers,
                  engine.softmax_impl, state.index.kind if state.index is not None else None)
+        if s.bundle is None:
+            from serving.default_model import curl_hint
+
+            hint = curl_hint(s.home, s.host, s.port)
+            if hint:
+                log.info(hint)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # noqa: BLE001 - reported, and the process exits under `slc serve`

@@ -29,6 +29,29 @@ def default_bundle_path(home: Path) -> Path:
     return Path(home) / "default-bundle"
 
 
+def example_request_path(home: Path) -> Path:
+    """A detect request body holding one test-split image of a 7, for the curl printed at start."""
+    return Path(home) / "example-7.json"
+
+
+# Runs in the build subprocess (it needs the dataset packages, which a serving image lacks).
+_WRITE_EXAMPLE = """
+import json, sys
+from trainer.data import load_dataset
+x, y = load_dataset("mnist5k").test
+i = int((y == 7).nonzero()[0][0])
+json.dump({"inputs": [x[i].astype(float).tolist()]}, open(sys.argv[1], "w"))
+"""
+
+
+def curl_hint(home: Path, host: str, port: int) -> str | None:
+    example = example_request_path(home)
+    if not example.is_file():
+        return None
+    return (f"is this image a 7?  curl -s -X POST http://{host}:{port}/v1/classes/7/detect "
+            f"-H 'content-type: application/json' -d @{example}")
+
+
 def ensure_default_bundle(home: Path) -> Path:
     """The default bundle's path, building it first if it does not exist yet."""
     home = Path(home)
@@ -58,11 +81,12 @@ def _build(home: Path, bundle: Path) -> None:
              "--loss", RECIPE["loss"], "--epochs", RECIPE["epochs"], "--seed", RECIPE["seed"],
              "--optimizer", RECIPE["optimizer"], "--lr", RECIPE["lr"], "--out", str(run)]
     export = [sys.executable, "-m", "trainer.cli", "export", str(run), "--out", str(staged)]
+    example = [sys.executable, "-c", _WRITE_EXAMPLE, str(example_request_path(home))]
     log.info("no default model in %s yet: training %s (one time; a few minutes on 2 cores)", bundle,
              " ".join(f"{k}={v}" for k, v in RECIPE.items()))
     t0 = time.perf_counter()
     try:
-        for step, cmd in (("train", train), ("export", export)):
+        for step, cmd in (("train", train), ("export", export), ("example", example)):
             done = subprocess.run(cmd, env=env, cwd=str(project_root))  # inherits the terminal: progress bar shows
             if done.returncode != 0:
                 raise RuntimeError(f"building the default model failed at `{step}` (exit {done.returncode}); "

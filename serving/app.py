@@ -103,6 +103,8 @@ async def _load(state: ServerState) -> None:
     """Bundle -> sessions -> index -> gallery -> warm-up -> ready. Any failure: never ready."""
     from serving.bundle import load_bundle
     from serving.engine import Engine
+    from serving.gallery import Gallery
+    from serving.index import ClassIndex
     from serving.runtime import Runtime
 
     s = state.settings
@@ -118,23 +120,12 @@ async def _load(state: ServerState) -> None:
         state.runtime = await asyncio.to_thread(Runtime, bundle, s.device, s.intra_op_threads)
         device = "cuda" if state.runtime.uses_cuda else "cpu"
         s.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            from serving.index import ClassIndex
-        except ImportError as exc:  # pragma: no cover - only while the index module is absent
-            log.warning("no class index (%s): /v1/topk mode=index unavailable", exc)
-        else:
-            state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device)
-        try:
-            from serving.gallery import Gallery
-        except ImportError as exc:  # pragma: no cover
-            log.warning("no gallery (%s): gallery routes unavailable", exc)
-        else:
-            state.gallery = await asyncio.to_thread(Gallery, s.data_dir, bundle.digest, bundle.embed_dim, device)
+        state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device)
+        state.gallery = await asyncio.to_thread(Gallery, s.data_dir, bundle.digest, bundle.embed_dim, device)
         engine = Engine(bundle, state.runtime, s, metrics=state.metrics, index=state.index, gallery=state.gallery)
         engine.start()
         state.engine = engine
-        if state.gallery is not None and hasattr(state.gallery, "reembed"):
-            await asyncio.to_thread(_reembed_gallery, state.gallery, engine)
+        await asyncio.to_thread(_reembed_gallery, state.gallery, engine)
         if s.warmup:
             await engine.warm_up()
         state.set_ready(True)

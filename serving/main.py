@@ -43,6 +43,7 @@ class DrainingServer(uvicorn.Server):
 def run_server(overrides: dict) -> None:
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is not news
     fatal: list[BaseException] = []
     server: DrainingServer | None = None
 

@@ -12,20 +12,28 @@ onnxruntime, plus the single logits recomputed from the .npy rows.
 
 The full checker stays in load_bundle because it is cheap: on a synthetic bundle with
 D = 1,000,000, d = 256 (1 GB of rows, external data) it took 0.1 s; hashing took 2 s,
-parsing calibration.json 4 s, the samples (one 1 GB onnxruntime session each for full and
-single, freed at once) 2 s: load_bundle(verify=True) 12 s, verify=False 4.4 s, on two shared
-cores. `load_bundle(verify=False)` checks manifest, head shapes and calibration only.
+parsing calibration.json 4 s, the samples (one onnxruntime session each for full and single,
+over the memory-mapped external data, prepacking off so no copy of the head; freed at once)
+2 s: load_bundle(verify=True) 12 s, verify=False 4.4 s, on two shared cores. `load_bundle(verify=False)` checks manifest, head shapes and calibration only.
 The head is memory-mapped, never copied.
+
+Memory at large D (the head is the only thing allowed to scale with D): calibration.json is
+parsed once and turned into float32 arrays (threshold, Platt a/b, precision, recall) before the
+million per-class dicts are dropped; `Bundle.calibration["per_class"]` is a read-only view that
+rebuilds an entry on demand. Class names "0".."D-1" (synthetic bundles) are kept as `IdNames`, a
+sequence that stores nothing. `release_memory()` hands the freed heap back to the OS after start-up.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Union
 
 import numpy as np
 
@@ -115,6 +123,130 @@ def _json_load(data: bytes) -> Any:
     return orjson.loads(data)
 
 
+# ---------------------------------------------------------------- compact per-class containers
+
+
+class IdNames(Sequence):
+    """Class names that are just the ids "0".."D-1": a sequence of str that stores only D.
+
+    Equal to any sequence holding the same strings, so code written for a list keeps working.
+    """
+
+    __slots__ = ("_n",)
+
+    def __init__(self, n: int):
+        self._n = int(n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [str(i) for i in range(*j.indices(self._n))]
+        j = int(j)  # np.integer too; TypeError for anything that is not an index
+        if j < 0:
+            j += self._n
+        if not 0 <= j < self._n:
+            raise IndexError(f"class index {j} out of range 0..{self._n - 1}")
+        return str(j)
+
+    def __iter__(self) -> Iterator[str]:
+        return map(str, range(self._n))
+
+    def id_of(self, name: Any) -> int | None:
+        """The id whose name is exactly `name`, else None (no dict needed: the name is the id)."""
+        if type(name) is not str or not name.isascii() or not name.isdigit() or (len(name) > 1 and name[0] == "0"):
+            return None
+        j = int(name)
+        return j if j < self._n else None
+
+    def __contains__(self, name: object) -> bool:
+        return self.id_of(name) is not None
+
+    def index(self, name: Any, start: int = 0, stop: int | None = None) -> int:
+        j = self.id_of(name)
+        if j is None or not start <= j < (self._n if stop is None else stop):
+            raise ValueError(f"{name!r} is not a class name")
+        return j
+
+    def count(self, name: Any) -> int:
+        return int(self.id_of(name) is not None)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IdNames):
+            return self._n == other._n
+        if isinstance(other, (list, tuple, Sequence)) and not isinstance(other, (str, bytes)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # like a list
+
+    def __repr__(self) -> str:
+        return f"IdNames({self._n})"
+
+
+def compact_names(raw: Sequence) -> Union[IdNames, list[str]]:
+    """Manifest class names as str; IdNames when they are exactly "0".."D-1" (1M strings ≈ 60 MB saved)."""
+    names = [c if type(c) is str else str(c) for c in raw]
+    n = len(names)
+    if n and names[0] == "0" and names[-1] == str(n - 1) and names == list(map(str, range(n))):
+        return IdNames(n)
+    return names
+
+
+# per_class fields kept as float32 arrays [D]: name -> path inside one calibration.json entry
+_PER_CLASS_REQUIRED = {"threshold": ("threshold",), "a": ("platt", "a"), "b": ("platt", "b")}
+_PER_CLASS_OPTIONAL = {"precision": ("precision",), "recall": ("recall",),
+                       "test_precision": ("test", "precision"), "test_recall": ("test", "recall")}
+
+
+class PerClassCalibration(Sequence):
+    """`calibration["per_class"]` without a million dicts: entry j rebuilt from the float32 arrays on demand."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays["threshold"])
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        j = int(j)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"class index {j} out of range")
+        arr = self.arrays
+        entry: dict[str, Any] = {"class_id": j, "threshold": float(arr["threshold"][j])}
+        for key in ("precision", "recall"):
+            if key in arr:
+                entry[key] = float(arr[key][j])
+        entry["platt"] = {"a": float(arr["a"][j]), "b": float(arr["b"][j])}
+        if "test_precision" in arr and "test_recall" in arr:
+            entry["test"] = {"precision": float(arr["test_precision"][j]), "recall": float(arr["test_recall"][j])}
+        return entry
+
+    def __repr__(self) -> str:
+        return f"PerClassCalibration({len(self)} classes: {', '.join(self.arrays)})"
+
+
+def release_memory() -> None:
+    """Collect garbage and return freed heap pages to the OS (glibc keeps freed arenas otherwise).
+
+    Called after start-up: parsing a 1M-class bundle frees hundreds of MB that would stay resident.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 # ---------------------------------------------------------------- the loaded bundle
 
 
@@ -122,12 +254,12 @@ def _json_load(data: bytes) -> Any:
 class Bundle:
     path: Path
     manifest: dict
-    calibration: dict
+    calibration: dict  # calibration.json; "per_class" is a PerClassCalibration view over float32 arrays
     name: str
     input_shape: tuple[int, ...]
     embed_dim: int
     num_classes: int
-    classes: list[str]
+    classes: Sequence  # of str: a list, or IdNames when the names are "0".."D-1"
     weight: np.ndarray  # [D, d] float32, memory-mapped read-only
     bias: np.ndarray  # [D] float32
     thresholds: np.ndarray  # [D] float32 per-class calibrated threshold
@@ -149,10 +281,15 @@ class Bundle:
                 return int(ref)
             raise KeyError(f"class id {ref} out of range 0..{self.num_classes - 1}")
         if isinstance(ref, str):
-            if self._class_index is None:
-                self._class_index = {name: i for i, name in enumerate(self.classes)}
-            if ref in self._class_index:
-                return self._class_index[ref]
+            if isinstance(self.classes, IdNames):
+                j = self.classes.id_of(ref)
+                if j is not None:
+                    return j
+            else:
+                if self._class_index is None:  # built on the first name lookup
+                    self._class_index = {name: i for i, name in enumerate(self.classes)}
+                if ref in self._class_index:
+                    return self._class_index[ref]
             text = ref.strip()
             if text.lstrip("-").isdigit() and 0 <= int(text) < self.num_classes:
                 return int(text)
@@ -166,6 +303,11 @@ def load_bundle(path: Path | str, verify: bool = True) -> Bundle:
     if problems:
         raise BundleError("; ".join(problems))
     manifest, calibration, arrays = parts["manifest"], parts["calibration"], parts["arrays"]
+    weight, bias, manifest_bytes = parts["weight"], parts["bias"], parts["manifest_bytes"]
+    classes = compact_names(manifest["classes"])
+    manifest["classes"] = classes  # the parsed list of D strings goes; the self-hash was checked on it already
+    parts.clear()
+    gc.collect()
     return Bundle(
         path=path,
         manifest=manifest,
@@ -174,14 +316,14 @@ def load_bundle(path: Path | str, verify: bool = True) -> Bundle:
         input_shape=tuple(int(s) for s in manifest["input"]["shape"]),
         embed_dim=int(manifest["embed_dim"]),
         num_classes=int(manifest["num_classes"]),
-        classes=[str(c) for c in manifest["classes"]],
-        weight=parts["weight"],
-        bias=parts["bias"],
+        classes=classes,
+        weight=weight,
+        bias=bias,
         thresholds=arrays["threshold"],
         platt_a=arrays["a"],
         platt_b=arrays["b"],
         global_threshold=float(calibration["global"]["threshold"]),
-        digest=hashlib.sha256(parts["manifest_bytes"]).hexdigest(),
+        digest=hashlib.sha256(manifest_bytes).hexdigest(),
     )
 
 
@@ -312,7 +454,8 @@ def _is_number(x) -> bool:
 
 
 def calibration_arrays(calibration: dict, num_classes: int) -> dict[str, np.ndarray]:
-    """per_class list -> float32 arrays [D] of threshold, a, b; ValueError naming the first bad entry.
+    """per_class list -> float32 arrays [D] of threshold, a, b (and precision, recall, test_precision,
+    test_recall when every entry has them); ValueError naming the first bad entry.
 
     Vectorised (np.fromiter) because a 1M-class calibration.json is a million dicts.
     """
@@ -341,7 +484,26 @@ def calibration_arrays(calibration: dict, num_classes: int) -> dict[str, np.ndar
             if not ok:
                 raise ValueError(f"per_class[{j}] needs class_id {j}, a finite threshold and platt {{a, b}}")
         raise ValueError("per_class entries are not numbers")  # pragma: no cover
+    for key, where in _PER_CLASS_OPTIONAL.items():
+        values = _optional_field(per, where, num_classes)
+        if values is not None:
+            out[key] = values
     return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.ndarray | None:
+    """The number at `where` in every entry as float64 [D], or None when any entry lacks a finite one."""
+    def get(e):
+        for key in where:
+            e = e[key]
+        if not _is_number(e):
+            raise TypeError
+        return e
+
+    try:
+        return np.fromiter((get(e) for e in per), dtype=np.float64, count=num_classes)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | None, list[str]]:
@@ -368,7 +530,10 @@ def _read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | N
     except ValueError as e:
         problems.append(f"{name}: {e}")
         arrays = None
-    return (cal if not problems else None), arrays, problems
+    if problems:
+        return None, arrays, problems
+    cal["per_class"] = PerClassCalibration(arrays)  # the D dicts are freed here
+    return cal, arrays, problems
 
 
 def _check_graphs(path: Path, manifest: dict) -> list[str]:
@@ -421,6 +586,9 @@ def _session(p: Path):
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = 1
+    # run once on a few samples: no pre-packed copy of the head (1 GB at D=1e6, d=256), the
+    # Gemm reads the memory-mapped external data as it is (peak RSS of verify halves)
+    opts.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(str(p), sess_options=opts, providers=["CPUExecutionProvider"])
 
 

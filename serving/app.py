@@ -101,7 +101,7 @@ class ServerState:
 
 async def _load(state: ServerState) -> None:
     """Bundle -> sessions -> index -> gallery -> warm-up -> ready. Any failure: never ready."""
-    from serving.bundle import load_bundle
+    from serving.bundle import load_bundle, release_memory
     from serving.engine import Engine
     from serving.gallery import Gallery
     from serving.index import ClassIndex
@@ -128,6 +128,8 @@ async def _load(state: ServerState) -> None:
         await asyncio.to_thread(_reembed_gallery, state.gallery, engine)
         if s.warmup:
             await engine.warm_up()
+        # start-up garbage (1M calibration dicts, a trained-then-dropped class index) back to the OS
+        await asyncio.to_thread(release_memory)
         state.set_ready(True)
         log.info("ready: %s (D=%d, d=%d, input %s) providers=%s softmax=%s index=%s",
                  bundle.name, bundle.num_classes, bundle.embed_dim, list(bundle.input_shape), state.runtime.providers,

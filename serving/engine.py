@@ -51,7 +51,6 @@ class Engine:
         self.input_shape = tuple(int(s) for s in bundle.input_shape)
         self.input_size = int(np.prod(self.input_shape))
         self.num_classes = int(bundle.num_classes)
-        self._by_name = {str(name): i for i, name in enumerate(bundle.classes)}
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self.softmax_timing: dict[str, float] = {}
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -136,24 +135,47 @@ class Engine:
             for i in wants_logits:  # [n_i, D] each
                 z_rows[i] = z[start:start + jobs[i].n]
                 start += jobs[i].n
+        found = self._index_search(jobs, offsets, h)
         results = []
         for i, job in enumerate(jobs):
-            rows = z_rows[i] if job.kind == "logits" else h[offsets[i]:offsets[i + 1]]
+            if job.kind == "logits":
+                rows = z_rows[i]
+            elif job.kind == "index":
+                rows = found[i]
+            else:
+                rows = h[offsets[i]:offsets[i + 1]]
             results.append(job.reduce(rows) if job.reduce is not None else rows)
         return results
 
+    def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:
+        """ONE class-index search over the embeddings of every "index" job in the batch, split per job.
+
+        Searching per request would repeat the per-call cost (list scans, or a pass over all of
+        W when the index is exact) once per request instead of once per batch. Each job's reduce
+        carries its k; the batch is searched with the largest and each job gets (logits [n, K],
+        ids [n, K]) with K >= its k, best first.
+        """
+        index_jobs = [i for i, j in enumerate(jobs) if j.kind == "index"]
+        if not index_jobs:
+            return {}
+        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in index_jobs])
+        hq = h if len(rows) == len(h) else h[rows]  # [M', d]
+        k = max(int(getattr(jobs[i].reduce, "k", 1)) for i in index_jobs)
+        logits, ids = self.index.search(np.ascontiguousarray(hq, dtype=np.float32), k)  # [M', K] each
+        found, start = {}, 0
+        for i in index_jobs:
+            found[i] = (logits[start:start + jobs[i].n], ids[start:start + jobs[i].n])
+            start += jobs[i].n
+        return found
+
     # ------------------------------------------------------------------ inputs and classes
     def resolve_class(self, ref: str) -> ClassRef:
-        """A class name from the manifest, else an integer id; NotFound otherwise."""
-        if ref in self._by_name:
-            j = self._by_name[ref]
-        else:
-            try:
-                j = int(ref)
-            except ValueError:
-                raise NotFound(f"unknown class {ref!r}", code="unknown_class") from None
-            if not 0 <= j < self.num_classes:
-                raise NotFound(f"unknown class {ref!r} (ids are 0..{self.num_classes - 1})", code="unknown_class")
+        """A class name from the manifest, else an integer id (Bundle.class_id's rule); NotFound otherwise."""
+        try:
+            j = self.bundle.class_id(ref)
+        except KeyError:
+            raise NotFound(f"unknown class {ref!r} (a class name, or an id 0..{self.num_classes - 1})",
+                           code="unknown_class") from None
         return ClassRef(j, str(self.bundle.classes[j]))
 
     def to_batch(self, inputs: list, what: str = "inputs") -> np.ndarray:
@@ -193,14 +215,15 @@ class Engine:
     async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
         j = cls.id
         thr = self.threshold_of(j) if threshold is None else float(threshold)
-        w = self.bundle.weight[j]  # [d] one row of the mmap head: nothing of size D is touched
+        # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
+        w = np.array(self.bundle.weight[j], dtype=np.float64)
         b = float(self.bundle.bias[j])
         pa, pb = float(self.bundle.platt_a[j]), float(self.bundle.platt_b[j])
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
-            z = h.astype(np.float64) @ w.astype(np.float64) + b  # [n]
+            z = h.astype(np.float64) @ w + b  # [n]
             p = sigmoid(pa * z + pb)
-            return [{"logit": float(zi), "match": bool(zi >= thr), "probability": float(pi)} for zi, pi in zip(z, p)]
+            return [{"logit": zi, "match": zi >= thr, "probability": pi} for zi, pi in zip(z.tolist(), p.tolist())]
 
         results = await self.batcher.submit(x, "embed", reduce, self._timeout())
         return {"class_id": j, "class_name": cls.name, "threshold": thr, "results": results}
@@ -214,8 +237,8 @@ class Engine:
             zj = z[:, j].astype(np.float64)
             p = np.exp(zj - lse)
             top = z.argmax(axis=1)
-            return [{"probability": float(pi), "logit": float(zi), "is_top1": bool(ti == j)}
-                    for pi, zi, ti in zip(p, zj, top)]
+            return [{"probability": pi, "logit": zi, "is_top1": ti == j}
+                    for pi, zi, ti in zip(p.tolist(), zj.tolist(), top.tolist())]
 
         results = await self.batcher.submit(x, "logits", reduce, self._timeout())
         return {"class_id": j, "class_name": cls.name, "results": results}
@@ -245,11 +268,12 @@ class Engine:
             if index is None:
                 raise NotReady("the class index is not available on this server", code="index_unavailable")
 
-            def reduce(h: np.ndarray):  # h [n, d]
-                logits, ids = index.search(np.ascontiguousarray(h, dtype=np.float32), k)
-                return entries(ids, logits)
+            def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
+                logits, ids = found
+                return entries(ids[:, :k], logits[:, :k])
 
-            results = await self.batcher.submit(x, "embed", reduce, self._timeout())
+            reduce.k = k  # _index_search searches the whole batch with the largest k
+            results = await self.batcher.submit(x, "index", reduce, self._timeout())
         return {"k": k, "mode": mode, "results": results}
 
     async def single_logits(self, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

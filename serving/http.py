@@ -4,6 +4,10 @@ Request bodies are parsed with orjson (10x faster than the stdlib on float array
 refuses a body, the stdlib parser gets a second try so the JSON literals `NaN` / `Infinity`
 become floats that validation turns into 422 (non_finite_value), and truly malformed JSON
 still fails there (400 malformed_json).
+
+detect, softmax and topk have a lean path for the ordinary request (see `_lean` below): the same
+pydantic model and engine checks, without FastAPI's per-request machinery; any request it
+declines goes through FastAPI as before (docs/results/detect-path.md).
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ from typing import Callable, Optional
 import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from serving.errors import NotReady, OrjsonResponse, Unauthorized
+from serving.errors import InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
                              GalleryInfo, GalleryItem, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
                              SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
@@ -37,7 +43,8 @@ class FastJSONRequest(Request):
 
 
 class FastJSONRoute(APIRoute):
-    """APIRoute whose request.json() is `parse_json`."""
+    """APIRoute whose request.json() is `parse_json`. A route with a lean handler (`_lean`) first
+    tries that, straight on ASGI, and falls back to FastAPI's handler when it declines."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -46,6 +53,94 @@ class FastJSONRoute(APIRoute):
             return await handler(FastJSONRequest(request.scope, request.receive))
 
         return fast_handler
+
+    async def handle(self, scope, receive, send) -> None:
+        lean = _LEAN.get(self.endpoint)  # per request: lean handlers register after their route
+        # (a route given extra dependencies, e.g. an API key, always takes FastAPI's handler)
+        if lean is None or self.dependencies or scope["method"] != "POST" or not _is_json(scope):
+            return await super().handle(scope, receive, send)
+        model, fn = lean
+        body = await _read_body(receive)
+        parsed = _validate(body, model)
+        if parsed is None:
+            # Odd JSON or a schema violation: FastAPI's handler answers from the same bytes, so
+            # every error keeps exactly the envelope, status and message it always had.
+            return await super().handle(scope, _replay(body, receive), send)
+        payload = orjson.dumps(await fn(scope, parsed), option=orjson.OPT_SERIALIZE_NUMPY)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+# ----------------------------------------------------------------------------- lean query path
+# The hot query routes (detect, softmax, topk) skip FastAPI's request cycle for the ordinary
+# request, a JSON object their pydantic model accepts: no Request/Response objects, no
+# content-type parsing through email.message, no dependency solving or signature binding.
+# The same model validates the body (same rules: strict finite numbers, no extra keys), the
+# engine checks the shape, and ApiErrors still reach the app's handlers (one envelope). Anything
+# else goes to FastAPI's handler; the routes keep their signatures, hence their OpenAPI schema.
+_LEAN: dict[Callable, tuple] = {}
+
+
+def _lean(endpoint: Callable, model):
+    """Register `fn(scope, body_model) -> dict` as the lean handler of `endpoint`'s route."""
+    def register(fn: Callable) -> Callable:
+        _LEAN[endpoint] = (model, fn)
+        return fn
+
+    return register
+
+
+def _is_json(scope) -> bool:
+    """Content-Type application/json (charset allowed); anything else is left to FastAPI's rules."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            ct = value.lower()
+            return ct == b"application/json" or (ct.startswith(b"application/json;") and b"charset" in ct)
+    return False
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()  # BodyLimitMiddleware's receive raises 413 past the limit
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A receive() that yields the already-read body once, then defers to the real one."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+def _validate(body: bytes, model):
+    """The validated body model, or None when FastAPI's handler should answer (and report)."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if type(obj) is not dict:
+        return None
+    try:
+        return model.model_validate(obj)
+    except ValidationError:
+        return None
+
+
+def _engine_of(scope):
+    """`ready_engine` without the dependency machinery."""
+    state = scope["app"].state.slc
+    if state.engine is None or not state.ready:
+        _not_ready(state)
+    return state.engine
 
 
 def _errors(*codes: int) -> dict:
@@ -59,21 +154,26 @@ _QUERY_ERRORS = _errors(400, 404, 413, 422, 429, 503, 504)
 _WRITE_ERRORS = _errors(400, 401, 404, 413, 422, 429, 503, 504)
 
 
-def server_state(request: Request):
+# Dependencies are `async def`: a sync one runs in the AnyIO thread pool on every request.
+async def server_state(request: Request):
     return request.app.state.slc
 
 
-def ready_engine(request: Request):
+def _not_ready(state):
+    if state.load_error:
+        raise NotReady(f"the model could not be loaded: {state.load_error}")
+    raise NotReady("the model is still loading")
+
+
+async def ready_engine(request: Request):
     """The engine, or 503 while loading / after a failed load."""
     state = request.app.state.slc
     if state.engine is None or not state.ready:
-        if state.load_error:
-            raise NotReady(f"the model could not be loaded: {state.load_error}")
-        raise NotReady("the model is still loading")
+        _not_ready(state)
     return state.engine
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """Write routes need the key when SLC_API_KEY is set: `Authorization: Bearer KEY` or `X-API-Key: KEY`."""
     expected = request.app.state.slc.settings.api_key_value()
     if not expected:
@@ -125,15 +225,38 @@ async def softmax(body: SoftmaxRequest, class_ref: str = ClassPath, engine=Depen
     return OrjsonResponse(await engine.softmax(cls, x))
 
 
+def _check_k(k: int, state) -> None:
+    if k > state.settings.max_topk:
+        raise InvalidInput(f"k={k} is over the limit of {state.settings.max_topk}", code="k_too_large")
+
+
 @router.post("/topk", response_model=TopkResponse, responses=_QUERY_ERRORS, tags=["query"])
 async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(server_state)):
     """The k best classes per input: exact (all D logits) or through the faiss class index."""
-    if body.k > state.settings.max_topk:
-        from serving.errors import InvalidInput
-
-        raise InvalidInput(f"k={body.k} is over the limit of {state.settings.max_topk}", code="k_too_large")
+    _check_k(body.k, state)
     x = engine.to_batch(body.inputs)
     return OrjsonResponse(await engine.topk(x, body.k, body.mode))
+
+
+@_lean(detect, DetectRequest)
+async def _detect_lean(scope, body: DetectRequest) -> dict:
+    engine = _engine_of(scope)
+    cls = engine.resolve_class(scope["path_params"]["class"])
+    return await engine.detect(cls, engine.to_batch(body.inputs), body.threshold)
+
+
+@_lean(softmax, SoftmaxRequest)
+async def _softmax_lean(scope, body: SoftmaxRequest) -> dict:
+    engine = _engine_of(scope)
+    cls = engine.resolve_class(scope["path_params"]["class"])
+    return await engine.softmax(cls, engine.to_batch(body.inputs))
+
+
+@_lean(topk, TopkRequest)
+async def _topk_lean(scope, body: TopkRequest) -> dict:
+    engine = _engine_of(scope)
+    _check_k(body.k, scope["app"].state.slc)
+    return await engine.topk(engine.to_batch(body.inputs), body.k, body.mode)
 
 
 @router.post("/gallery/items", status_code=201, response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS,

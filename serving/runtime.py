@@ -76,6 +76,9 @@ class Runtime:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = 1
+        # No spin-waiting between runs: a spinning worker burns the cores the event loop and
+        # the JSON work need (300-500 us of CPU per detect request on 2 cores, docs/results/detect-path.md).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3  # a failed CUDA probe under `auto` is expected, not an error to print

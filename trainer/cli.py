@@ -169,7 +169,7 @@ def loadtest(
 
 @bench_app.command("scale")
 def bench_scale(
-    classes: str = typer.Option("10,1000,100000"),
+    classes: str = typer.Option("10,1000,100000,1000000"),
     dim: int = typer.Option(256),
     duration: float = typer.Option(8.0),
     out: Path = typer.Option(Path("docs/results")),

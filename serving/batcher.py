@@ -33,7 +33,7 @@ class Job:
     """One request's share of a batch: inputs x [n, ...] and what to do with their rows."""
 
     x: np.ndarray
-    kind: str  # "embed" (rows of h) or "logits" (rows of all D logits)
+    kind: str  # "embed" (rows of h), "logits" (rows of all D logits) or "index" (class-index top-k, one search per batch)
     reduce: Optional[Callable[[np.ndarray], Any]] = None  # runs in the worker thread on this job's rows
     deadline: float = math.inf  # loop.time()
     enqueued: float = 0.0

@@ -151,3 +151,97 @@ def test_serving_index_does_not_import_torch():
 
     code = "import sys, serving.index, serving.gallery; sys.exit(int('torch' in sys.modules))"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_ivf_finds_high_bias_rows_when_the_bias_dominates(tmp_path):
+    """Biases spread wider than W·h put the top logits in high-bias rows of many directions:
+    cells by direction alone miss them; the bias-banded cells must still reach the recall."""
+    rng = np.random.default_rng(11)
+    num, dim = 30_000, 32
+    centers = rng.standard_normal((300, dim))
+    weight = (centers[rng.integers(0, 300, num)] + 0.5 * rng.standard_normal((num, dim))) / np.sqrt(1.25 * dim)
+    bias = 0.1 * rng.standard_normal(num)  # sd 0.1 vs sd(W·h) ~ 0.18 / sqrt(dim) for unit h
+    path = tmp_path / "biased"
+    path.mkdir()
+    np.save(path / "head_weight.npy", weight.astype(np.float32))
+    np.save(path / "head_bias.npy", bias.astype(np.float32))
+    bundle = types.SimpleNamespace(path=path, weight=np.load(path / "head_weight.npy", mmap_mode="r"),
+                                   bias=np.load(path / "head_bias.npy", mmap_mode="r"), embed_dim=dim,
+                                   num_classes=num, digest="biased")
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0, nlist=256)
+    assert index.kind == "ivf" and index.info()["bias_scale"] > 1
+    h = rng.standard_normal((200, dim))
+    h = (h / np.linalg.norm(h, axis=1, keepdims=True)).astype(np.float32)  # unit embeddings, like an L2-normalised backbone
+    _, ids = index.search(h, 10)
+    truth = brute_force(bundle, h, 10)[1]
+    assert recall(ids, truth) >= 0.95
+    assert index.info()["nprobe"] < index.info()["nlist"] // 2  # an index, not a scan of everything
+
+
+def test_recall_is_tuned_on_backbone_embeddings_of_random_inputs(tmp_path):
+    """With a backbone.onnx the tuning queries are what the server embeds; recall holds on fresh ones."""
+    ort = pytest.importorskip("onnxruntime")
+    from serving.bundle import load_bundle
+    from trainer.synthetic import build_synthetic_bundle
+
+    path = build_synthetic_bundle(classes=20_000, dim=32, input_dim=8, seed=3, out=tmp_path / "synthetic")
+    bundle = load_bundle(path, False)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0)
+    assert index.kind == "ivf" and index.info()["recall_queries"].startswith("backbone.onnx")
+    x = np.random.default_rng(99).standard_normal((150, 8)).astype(np.float32)
+    h = ort.InferenceSession(str(path / "backbone.onnx"), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    _, ids = index.search(h, 10)
+    assert recall(ids, brute_force(bundle, h, 10)[1]) >= 0.95
+
+
+def test_engine_searches_the_index_once_per_batch(tmp_path):
+    """All topk-index jobs of a batch share one search (largest k); each gets its own rows, best first."""
+    from serving.batcher import Job
+    from serving.engine import Engine
+
+    bundle = make_bundle(tmp_path, 3000, 16, clustered=False)
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="exact")
+    calls = []
+
+    class CountingIndex:
+        def search(self, h, k):
+            calls.append((h.shape[0], k))
+            return index.search(h, k)
+
+    engine = Engine.__new__(Engine)  # no runtime or batcher: the backbone is the identity here
+    engine.index, engine.softmax_impl = CountingIndex(), "numpy"
+    engine.runtime = types.SimpleNamespace(embed=lambda x: np.asarray(x, np.float32))
+    rng = np.random.default_rng(8)
+    hs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (3, 1, 4)]
+
+    def topk_reduce(k):
+        def reduce(found):
+            logits, ids = found
+            return logits[:, :k], ids[:, :k]
+        reduce.k = k
+        return reduce
+
+    jobs = [Job(x=hs[0], kind="index", reduce=topk_reduce(5)), Job(x=hs[1], kind="embed"),
+            Job(x=hs[2], kind="index", reduce=topk_reduce(12))]
+    results = engine._compute(jobs)
+    assert calls == [(7, 12)]
+    for h, k, (logits, ids) in ((hs[0], 5, results[0]), (hs[2], 12, results[2])):
+        want_logits, want_ids = brute_force(bundle, h, k)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(logits, want_logits)
+    np.testing.assert_array_equal(results[1], hs[1])
+
+
+def test_bench_bundle_cache_key_holds_rows_kind_and_builder(tmp_path, monkeypatch):
+    """The bench never reuses a cached synthetic bundle of another rows kind (the index's worst case)."""
+    import json
+
+    from serving import bench
+
+    monkeypatch.setenv("SLC_HOME", str(tmp_path))
+    clustered = bench.cached_bundle(12, 8, rows="clustered")
+    gaussian = bench.cached_bundle(12, 8, rows="gaussian")
+    assert clustered != gaussian and bench.synthetic_builder_version() in clustered.name
+    for path, rows in ((clustered, "clustered"), (gaussian, "gaussian")):
+        assert json.loads((path / "manifest.json").read_text())["training"]["rows"] == rows
+    assert bench.cached_bundle(12, 8) == clustered  # the default, reused

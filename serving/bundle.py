@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import re
 import math
 import os
 from collections.abc import Sequence
@@ -53,6 +54,9 @@ GRAPH_IO = {  # kind -> (input names, output names)
 SAMPLE_RTOL = 1e-4
 SAMPLE_ATOL = 1e-4
 _CHUNK = 1 << 20
+
+
+_DECIMAL_ID = re.compile(r"-?[0-9]{1,18}")  # ASCII only: str.isdigit() also accepts "²"
 
 
 class BundleError(Exception):
@@ -155,7 +159,8 @@ class IdNames(Sequence):
 
     def id_of(self, name: Any) -> int | None:
         """The id whose name is exactly `name`, else None (no dict needed: the name is the id)."""
-        if type(name) is not str or not name.isascii() or not name.isdigit() or (len(name) > 1 and name[0] == "0"):
+        if (type(name) is not str or not name.isascii() or not name.isdigit() or len(name) > 18
+                or (len(name) > 1 and name[0] == "0")):
             return None
         j = int(name)
         return j if j < self._n else None
@@ -291,7 +296,7 @@ class Bundle:
                 if ref in self._class_index:
                     return self._class_index[ref]
             text = ref.strip()
-            if text.lstrip("-").isdigit() and 0 <= int(text) < self.num_classes:
+            if _DECIMAL_ID.fullmatch(text) and 0 <= int(text) < self.num_classes:
                 return int(text)
         raise KeyError(f"unknown class {ref!r}")
 

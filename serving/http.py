@@ -32,7 +32,10 @@ def parse_json(body: bytes):
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
-        return json.loads(body)  # NaN/Infinity literals -> float (rejected later); else JSONDecodeError -> 400
+        try:
+            return json.loads(body)  # NaN/Infinity literals -> float (rejected later); else JSONDecodeError -> 400
+        except RecursionError:  # nesting deeper than the parser allows: malformed for us
+            raise json.JSONDecodeError("JSON nested too deeply", body.decode("utf-8", "replace")[:32], 0) from None
 
 
 class FastJSONRequest(Request):

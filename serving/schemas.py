@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # strict: ints yes, "1.0" and true no
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -99,6 +100,30 @@ class GalleryItemIn(_Body):
     id: ItemId
     input: Example
     metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _strict_json(cls, v):
+        """Stored metadata is answered back later: reject now what cannot be (NaN, lone surrogates)."""
+        if v is not None:
+            if not _finite(v):
+                raise ValueError("metadata holds NaN or infinite numbers")
+            try:
+                orjson.dumps(v)
+            except TypeError as exc:  # e.g. a lone surrogate in a string
+                raise ValueError(f"metadata is not strict JSON: {exc}") from None
+        return v
+
+
+def _finite(v) -> bool:
+    """No NaN / inf anywhere in a JSON-like value (orjson writes them as null, silently)."""
+    if isinstance(v, float):
+        return v == v and v not in (float("inf"), float("-inf"))
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    if isinstance(v, list):
+        return all(_finite(x) for x in v)
+    return True
 
 
 class GalleryUpsertRequest(_Body):

@@ -81,7 +81,8 @@ def choose_thresholds(scores: np.ndarray, positive: np.ndarray, target: dict) ->
     none = n_pos == 0
     if none.any():
         top = s_sorted[0, none]
-        threshold[none] = np.nextafter(top, np.inf)
+        # next float32 above the top score: thresholds are stored and compared as float32
+        threshold[none] = np.nextafter(top.astype(np.float32), np.float32(np.inf))
         prec[none], rec[none] = 1.0, 0.0
     return {"threshold": threshold, "precision": prec, "recall": rec, "reached": reached, "positives": n_pos}
 

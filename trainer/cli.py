@@ -36,7 +36,7 @@ def _parse_params(items: list[str]) -> dict:
 
 @app.command()
 def train(
-    dataset: str = typer.Option(..., help="digits | mnist5k | synthetic[:C:d] | npz:PATH"),
+    dataset: str = typer.Option(..., help="digits | mnist5k | synthetic[:C=..,d=..,sep=..] | npz:PATH"),
     backbone: str = typer.Option("mlp"),
     loss: str = typer.Option("batch_ce"),
     loss_param: List[str] = typer.Option([], "--loss-param", help="k=v, repeatable"),

@@ -159,3 +159,21 @@ def test_device_cuda_without_a_usable_gpu_is_never_ready(client_factory):
             break
         time.sleep(0.02)
     assert "cuda" in assert_envelope(c.get("/v1/health/ready"), 503, "not_ready")["error"]["message"].lower()
+
+
+@pytest.mark.parametrize("ref", ["%C2%B2", "--5", "1" * 5000], ids=["unicode-digit", "double-minus", "huge"])
+def test_odd_class_refs_are_404_not_500(client, ref):
+    assert_envelope(client.post(f"/v1/classes/{ref}/detect", json={"inputs": GOOD}), 404, "unknown_class")
+
+
+@pytest.mark.parametrize("metadata", ['{"x": NaN}', '{"s": "\\ud800"}'], ids=["nan", "lone-surrogate"])
+def test_gallery_metadata_that_cannot_be_answered_back_is_422(client, metadata):
+    text = '{"items": [{"id": "m", "input": %s, "metadata": %s}]}' % (GOOD[0], metadata)
+    assert_envelope(_raw(client, "/v1/gallery/items", text), 422)
+    assert client.get("/v1/gallery/items/m").status_code == 404  # nothing stored
+
+
+def test_deeply_nested_json_is_400_on_every_route(client):
+    text = "[" * 5000 + "]" * 5000
+    assert_envelope(_raw(client, DETECT, text), 400, "malformed_json")
+    assert_envelope(_raw(client, "/v2/models/synthetic-D50-d16-s0/infer", text), 400, "malformed_json")

@@ -107,6 +107,8 @@ def test_class_without_positives_never_matches():
     entry = cal["per_class"][2]
     assert not entry["reached"] and entry["positives"] == 0
     assert (logits[:, 2] < entry["threshold"]).all()
+    # ... also as the server compares: float32 logits against the float32-stored threshold
+    assert (logits[:, 2].astype(np.float32) < np.float32(entry["threshold"])).all()
     # Platt: no slope to fit; the probability is the (smoothed) base rate, i.e. small
     assert entry["platt"]["a"] == 0.0
     assert 1 / (1 + np.exp(-entry["platt"]["b"])) < 0.02

@@ -247,6 +247,9 @@ class ClassIndex:
             meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact")
             return cls(weight, bias, meta, None, "cpu")
         if kind == "flat":  # cheap to build: not cached
+            meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact")
+            if _gpu_count() == 0 or device == "cpu":  # on CPU, search() uses numpy over the mmap head: no copy
+                return cls(weight, bias, meta, None, "cpu")
             t0 = time.perf_counter()
             index = faiss.IndexFlatIP(embed_dim + 1)
             for start in range(0, num_classes, _CHUNK_ROWS):
@@ -483,17 +486,20 @@ def _set_search_params(index: Any, meta: _Meta) -> None:
         index.hnsw.efSearch = meta.ef_search
 
 
+def _gpu_count() -> int:
+    try:
+        return faiss.get_num_gpus()
+    except AttributeError:  # a CPU-only faiss build
+        return 0
+
+
 def _to_device(index: Any, device: str, meta: _Meta | None = None) -> tuple[Any, str]:
     """Move the index to GPU 0 when asked (cuda/auto) and one is there; HNSW has no GPU version and stays on CPU."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cpu" or isinstance(index, faiss.IndexHNSW):
         return index, "cpu"
-    try:
-        gpus = faiss.get_num_gpus()
-    except AttributeError:  # a CPU-only faiss build
-        gpus = 0
-    if gpus == 0:
+    if _gpu_count() == 0:
         if device == "cuda":
             log.warning("device cuda asked for but faiss sees no GPU: class index on CPU")
         return index, "cpu"

@@ -91,8 +91,8 @@ class ServerState:
             "device": s.device,
             "softmax_impl": engine.softmax_impl,
             "softmax_timing_ms": {k: round(v * 1e3, 3) for k, v in engine.softmax_timing.items()},
-            "index": self.index.info() if self.index is not None else None,
-            "gallery": {"index_kind": self.gallery.index_kind} if self.gallery is not None else None,
+            "index": self.index.info(),
+            "gallery": {"index_kind": self.gallery.index_kind},
             "batching": {"max_batch": s.max_batch, "max_delay_ms": s.max_delay_ms, "queue_size_inputs": s.queue_size,
                          "request_timeout_s": s.request_timeout_s, "max_inputs": s.max_inputs,
                          "intra_op_threads": s.intra_op_threads},
@@ -122,7 +122,7 @@ async def _load(state: ServerState) -> None:
         s.data_dir.mkdir(parents=True, exist_ok=True)
         state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device)
         state.gallery = await asyncio.to_thread(Gallery, s.data_dir, bundle.digest, bundle.embed_dim, device)
-        engine = Engine(bundle, state.runtime, s, metrics=state.metrics, index=state.index, gallery=state.gallery)
+        engine = Engine(bundle, state.runtime, s, index=state.index, gallery=state.gallery, metrics=state.metrics)
         engine.start()
         state.engine = engine
         await asyncio.to_thread(_reembed_gallery, state.gallery, engine)
@@ -133,7 +133,7 @@ async def _load(state: ServerState) -> None:
         state.set_ready(True)
         log.info("ready: %s (D=%d, d=%d, input %s) providers=%s softmax=%s index=%s",
                  bundle.name, bundle.num_classes, bundle.embed_dim, list(bundle.input_shape), state.runtime.providers,
-                 engine.softmax_impl, state.index.kind if state.index is not None else None)
+                 engine.softmax_impl, state.index.kind)
         if s.bundle is None:
             from serving.default_model import curl_hint
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import numpy as np
+import orjson
 
 FORMAT = "slc-bundle"
 FORMAT_VERSION = 1
@@ -107,23 +108,9 @@ def write_manifest(out: Path, manifest: dict, known_hashes: dict[str, tuple[str,
     return out / MANIFEST
 
 
-def _reject_nonfinite(text: str):
-    raise ValueError(f"non-finite number {text}")
-
-
-def _finite_float(text: str) -> float:
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"non-finite number {text}")
-    return x
-
-
 def _json_load(data: bytes) -> Any:
-    """Strict JSON: NaN / Infinity / overflowing numbers are errors (a bundle must hold finite numbers)."""
-    try:
-        import orjson  # ~10x faster on a 1M-class calibration.json; rejects NaN, Infinity and 1e999 itself
-    except ImportError:  # pragma: no cover
-        return json.loads(data, parse_constant=_reject_nonfinite, parse_float=_finite_float)
+    """Strict JSON: orjson rejects NaN, Infinity and overflowing numbers (a bundle holds finite numbers);
+    ~10x faster than json on a 1M-class calibration.json."""
     return orjson.loads(data)
 
 

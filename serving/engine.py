@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from serving.batcher import Batcher, Job
-from serving.errors import InvalidInput, NotFound, NotReady
+from serving.errors import InvalidInput, NotFound
 
 log = logging.getLogger("slc.serving")
 
@@ -42,7 +42,7 @@ class ClassRef:
 
 
 class Engine:
-    def __init__(self, bundle, runtime, settings, metrics=None, index=None, gallery=None):
+    def __init__(self, bundle, runtime, settings, index, gallery, metrics=None):
         self.bundle = bundle
         self.runtime = runtime
         self.settings = settings
@@ -265,8 +265,6 @@ class Engine:
             results = await self.batcher.submit(x, "logits", reduce, self._timeout())
         else:
             index = self.index
-            if index is None:
-                raise NotReady("the class index is not available on this server", code="index_unavailable")
 
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
@@ -293,13 +291,8 @@ class Engine:
         return await self.batcher.submit(x, "logits", lambda z: np.array(z, np.float32), self._timeout())
 
     # ------------------------------------------------------------------ gallery
-    def _gallery(self):
-        if self.gallery is None:
-            raise NotReady("the gallery is not available on this server", code="gallery_unavailable")
-        return self.gallery
-
     async def gallery_upsert(self, items: list[dict]) -> list[str]:
-        gallery = self._gallery()
+        gallery = self.gallery
         from serving.gallery import GalleryRecord
 
         x = self.to_batch([it["input"] for it in items], what="items")
@@ -310,17 +303,17 @@ class Engine:
         return [it["id"] for it in items]
 
     async def gallery_get(self, item_id: str) -> dict:
-        item = await asyncio.to_thread(self._gallery().get, item_id)
+        item = await asyncio.to_thread(self.gallery.get, item_id)
         if item is None:
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
         return item
 
     async def gallery_delete(self, item_id: str) -> None:
-        if not await asyncio.to_thread(self._gallery().delete, item_id):
+        if not await asyncio.to_thread(self.gallery.delete, item_id):
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
 
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> dict:
-        gallery = self._gallery()
+        gallery = self.gallery
         j = cls.id
         thr = self.threshold_of(j) if threshold is None else float(threshold)
         w = np.array(self.bundle.weight[j], dtype=np.float32)  # [d]
@@ -329,6 +322,6 @@ class Engine:
                 "results": [{"id": i, "logit": float(z), "metadata": m} for i, z, m in hits]}
 
     async def gallery_info(self) -> dict:
-        gallery = self._gallery()
+        gallery = self.gallery
         count = await asyncio.to_thread(gallery.count)
         return {"count": int(count), "index_kind": str(gallery.index_kind)}

@@ -461,7 +461,7 @@ def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, 
         qtype = {"sq4": faiss.ScalarQuantizer.QT_4bit, "sq6": faiss.ScalarQuantizer.QT_6bit,
                  "sq8": faiss.ScalarQuantizer.QT_8bit}[codes]
         index = faiss.IndexIVFScalarQuantizer(quantizer, d + 1, meta.nlist, qtype, faiss.METRIC_INNER_PRODUCT)
-    index.train(train)  # the quantizer is full (nlist vectors): trains the 8-bit code ranges only
+    index.train(train)  # the quantizer is full (nlist vectors): trains the scalar quantiser's code ranges only
     del train
     for start in range(0, num, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, num)

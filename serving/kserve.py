@@ -94,14 +94,17 @@ class Readiness(BaseModel):
 router = APIRouter(prefix="/v2", tags=["kserve v2"])
 
 
-def _version() -> str:
+def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("slc")
     except PackageNotFoundError:
         return "0+unknown"
-VERSION = "1"
+
+
+SERVER_VERSION = _package_version()  # looked up once, not per GET /v2
+VERSION = "1"  # the one model version a bundle serves
 
 
 def _model_kind(engine, model: str) -> str:
@@ -127,7 +130,7 @@ def _metadata(engine, kind: str) -> dict:
 
 @router.get("", response_model=ServerMetadata)
 async def server_metadata(request: Request):
-    return {"name": "slc", "version": _version(), "extensions": ["binary_tensor_data"]}
+    return {"name": "slc", "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]}
 
 
 @router.get("/health/live", response_model=Liveness)

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 from fastapi import FastAPI
 
-from serving.errors import BodyLimitMiddleware, OrjsonResponse, install_error_handlers
+from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, install_error_handlers
 from serving.metrics import Metrics, MetricsMiddleware
 from serving.settings import Settings
 
@@ -53,6 +53,13 @@ class ServerState:
         if self.load_error:
             return f"the model could not be loaded: {self.load_error}"
         return "the model is still loading"
+
+    def ready_engine(self):
+        """The engine, or NotReady (503) while loading / after a failed load. A draining server
+        still answers: requests already on their way finish."""
+        if self.engine is None or not self.ready:
+            raise NotReady(self.not_ready_reason())
+        return self.engine
 
     def set_ready(self, value: bool) -> None:
         self.ready = value

@@ -140,10 +140,7 @@ def _validate(body: bytes, model):
 
 def _engine_of(scope):
     """`ready_engine` without the dependency machinery."""
-    state = scope["app"].state.slc
-    if state.engine is None or not state.ready:
-        _not_ready(state)
-    return state.engine
+    return scope["app"].state.slc.ready_engine()
 
 
 def _errors(*codes: int) -> dict:
@@ -162,18 +159,9 @@ async def server_state(request: Request):
     return request.app.state.slc
 
 
-def _not_ready(state):
-    if state.load_error:
-        raise NotReady(f"the model could not be loaded: {state.load_error}")
-    raise NotReady("the model is still loading")
-
-
 async def ready_engine(request: Request):
     """The engine, or 503 while loading / after a failed load."""
-    state = request.app.state.slc
-    if state.engine is None or not state.ready:
-        _not_ready(state)
-    return state.engine
+    return request.app.state.slc.ready_engine()
 
 
 async def require_api_key(request: Request) -> None:

@@ -528,35 +528,45 @@ def _read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | N
     return cal, arrays, problems
 
 
-def _check_graphs(path: Path, manifest: dict) -> list[str]:
-    """onnx.checker (full) by path, I/O names, and a plain Gather in single.onnx."""
+def graph_problems(p: Path, kind: str) -> tuple[list[str], Any]:
+    """onnx.checker (full) by path, I/O names of DESIGN.md §6, and a plain Gather in single.onnx.
+
+    Shared by `slc export` (before a bundle is written) and verify; returns (problems, the
+    graph without its external data, or None when the checker failed)."""
     import onnx
 
+    name = p.name
+    try:
+        onnx.checker.check_model(str(p), full_check=True)
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # noqa: BLE001
+        return [f"{name}: onnx checker failed ({str(e).splitlines()[0][:300]})"], None
+    problems = []
+    inits = {i.name for i in model.graph.initializer}
+    ins = [i.name for i in model.graph.input if i.name not in inits]
+    outs = [o.name for o in model.graph.output]
+    want_in, want_out = GRAPH_IO[kind]
+    if ins != want_in or outs != want_out:
+        problems.append(f"{name}: inputs {ins} -> outputs {outs}, expected {want_in} -> {want_out}")
+    if kind == "single":
+        ops = {n.op_type for n in model.graph.node}
+        if "Gather" not in ops or "GatherND" in ops:
+            problems.append(f"{name}: must gather class rows with a plain Gather (ops: {sorted(ops)})")
+    return problems, model
+
+
+def _check_graphs(path: Path, manifest: dict) -> list[str]:
+    """Every graph's own checks, plus: external data only in files the manifest lists."""
     problems = []
     for kind in GRAPH_KINDS:
-        name = f"{kind}.onnx"
-        p = path / name
+        p = path / f"{kind}.onnx"
         if not p.is_file():
             continue  # reported by the file check
-        try:
-            onnx.checker.check_model(str(p), full_check=True)
-            model = onnx.load(str(p), load_external_data=False)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"{name}: onnx checker failed ({str(e).splitlines()[0][:300]})")
-            continue
-        inits = {i.name for i in model.graph.initializer}
-        ins = [i.name for i in model.graph.input if i.name not in inits]
-        outs = [o.name for o in model.graph.output]
-        want_in, want_out = GRAPH_IO[kind]
-        if ins != want_in or outs != want_out:
-            problems.append(f"{name}: inputs {ins} -> outputs {outs}, expected {want_in} -> {want_out}")
-        for loc in _external_locations(model):
+        found, model = graph_problems(p, kind)
+        problems += found
+        for loc in _external_locations(model) if model is not None else ():
             if "/" in loc or "\\" in loc or loc not in manifest.get("files", {}):
-                problems.append(f"{name}: external data {loc!r} is not a file listed in {MANIFEST}")
-        if kind == "single":
-            ops = {n.op_type for n in model.graph.node}
-            if "Gather" not in ops or "GatherND" in ops:
-                problems.append(f"{name}: must gather class rows with a plain Gather (ops: {sorted(ops)})")
+                problems.append(f"{p.name}: external data {loc!r} is not a file listed in {MANIFEST}")
     return problems
 
 

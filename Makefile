@@ -6,20 +6,30 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 export PYTHONUNBUFFERED := 1
+comma := ,
 
-.PHONY: setup serve test test-all bench table1 clean
+# An NVIDIA GPU the driver sees -> the gpu extra (onnxruntime-gpu, faiss-gpu); else the CPU builds.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
+
+.PHONY: setup serve test test-all lint bench table1 server-venv clean
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build on this machine's disk (pip's find-links); the pin keeps
-# pip from ever resolving a CUDA build of several GB.
+# torch is pinned to the CPU build on this machine's disk; the pin keeps pip from ever
+# resolving a CUDA build of several GB. The gpu extra's packages ship the same modules as the
+# CPU builds (onnxruntime, faiss), so with a GPU the CPU builds are removed after install.
 $(STAMP): pyproject.toml
-	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
+	@command -v $(PY) >/dev/null || { echo "need $(PY) (e.g. apt-get install python3.11-venv)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[train,dev]" "torch==2.13.0"
-	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; print('setup ok: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, '| faiss', faiss.__version__)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]" "torch==2.13.0"
+ifneq ($(GPU),)
+	$(BIN)/pip uninstall -q -y onnxruntime faiss-cpu
+	$(BIN)/pip install -q --force-reinstall --no-deps onnxruntime-gpu faiss-gpu
+endif
+	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; print('setup ok: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, onnxruntime.get_available_providers(), '| faiss', faiss.__version__)"
 	touch $(STAMP)
 
 serve: setup
@@ -30,6 +40,16 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q -ra -m "not bench"
+
+lint: setup
+	$(BIN)/ruff check --select F,E9 slc serving trainer models tests
+
+# The server-only install (no extras: no torch, no CUDA wheels) in .venv-server, and its size.
+server-venv:
+	test -x .venv-server/bin/python || $(PY) -m venv .venv-server
+	.venv-server/bin/pip install -q --upgrade pip
+	.venv-server/bin/pip install -q .
+	@du -sh .venv-server | cut -f1 | xargs echo "server-only venv:"
 
 # About 15 minutes on 2 cores the first time (the D = 1,000,000 bundle and its index are
 # built once and cached under $$SLC_HOME/bench), about 8 after. BENCH_CLASSES to narrow it.
@@ -42,4 +62,4 @@ table1: setup
 	$(BIN)/slc experiment table1 --dataset mnist5k --seeds 3 --out docs/results/table1-mnist5k
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-server build *.egg-info

@@ -23,7 +23,7 @@ from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, instal
 from serving.metrics import Metrics, MetricsMiddleware
 from serving.settings import Settings
 
-log = logging.getLogger("slc.serving")
+log = logging.getLogger(__name__)
 
 
 class ServerState:

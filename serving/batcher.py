@@ -25,7 +25,7 @@ import numpy as np
 
 from serving.errors import DeadlineExceeded, Overloaded
 
-log = logging.getLogger("slc.serving")
+log = logging.getLogger(__name__)
 
 
 @dataclass

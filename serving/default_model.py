@@ -2,7 +2,7 @@
 
 First use: train an mlp on mnist5k with batch_ce, export and calibrate it into
 $SLC_HOME/default-bundle; later starts reuse it. Training and export run as
-`python -m trainer.cli ...` subprocesses, so the server process never imports torch (and a
+`python -m slc train/export` subprocesses, so the server process never imports torch (and a
 serving image without torch fails here with a clear message, not an ImportError deep down).
 A lock file keeps two servers starting at once from building it twice; the bundle is
 written to a temporary directory and renamed into place, so a crash never leaves half a bundle.
@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("slc.serving")
+from serving.bundle.files import replace_dir
+
+log = logging.getLogger(__name__)
 
 # lr / optimizer: what Table 1's calibration-split search chose for batch_ce (docs/results/table1-mnist5k.md).
 RECIPE = {"dataset": "mnist5k", "backbone": "mlp", "loss": "batch_ce", "epochs": "20", "seed": "0",
@@ -77,10 +79,10 @@ def _build(home: Path, bundle: Path) -> None:
     run, staged = work / "slc-default-mnist5k-mlp-batch_ce", work / "bundle"  # run name -> bundle name
     project_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(project_root), os.environ.get("PYTHONPATH")])))
-    train = [sys.executable, "-m", "trainer.cli", "train", "--dataset", RECIPE["dataset"], "--backbone", RECIPE["backbone"],
+    train = [sys.executable, "-m", "slc", "train", "--dataset", RECIPE["dataset"], "--backbone", RECIPE["backbone"],
              "--loss", RECIPE["loss"], "--epochs", RECIPE["epochs"], "--seed", RECIPE["seed"],
              "--optimizer", RECIPE["optimizer"], "--lr", RECIPE["lr"], "--out", str(run)]
-    export = [sys.executable, "-m", "trainer.cli", "export", str(run), "--out", str(staged)]
+    export = [sys.executable, "-m", "slc", "export", str(run), "--out", str(staged)]
     example = [sys.executable, "-c", _WRITE_EXAMPLE, str(example_request_path(home))]
     log.info("no default model in %s yet: training %s (one time; a few minutes on 2 cores)", bundle,
              " ".join(f"{k}={v}" for k, v in RECIPE.items()))
@@ -92,9 +94,7 @@ def _build(home: Path, bundle: Path) -> None:
                 raise RuntimeError(f"building the default model failed at `{step}` (exit {done.returncode}); "
                                    f"the training extras are needed once: pip install 'slc[train]'; "
                                    f"or serve a bundle: slc serve BUNDLE")
-        if bundle.exists():
-            shutil.rmtree(bundle)
-        os.replace(staged, bundle)
+        replace_dir(staged, bundle)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("default model built in %.0f s: %s", time.perf_counter() - t0, bundle)

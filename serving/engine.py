@@ -23,7 +23,7 @@ import numpy as np
 from serving.batcher import Batcher, Job
 from serving.errors import InvalidInput, NotFound
 
-log = logging.getLogger("slc.serving")
+log = logging.getLogger(__name__)
 
 # full.onnx holds its own copy of the head in RAM; past this many weights (256 MB of float32)
 # the softmax baseline always uses numpy BLAS over the memory-mapped rows instead.
@@ -264,8 +264,6 @@ class Engine:
 
             results = await self.batcher.submit(x, "logits", reduce, self._timeout())
         else:
-            index = self.index
-
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
                 return entries(ids[:, :k], logits[:, :k])

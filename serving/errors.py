@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-log = logging.getLogger("slc.serving")
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):

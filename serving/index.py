@@ -35,8 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +42,9 @@ from typing import Any
 
 import faiss
 import numpy as np
+
+from serving.bundle.files import atomic_replace
+from serving.bundle.session import ort_session
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +153,7 @@ def backbone_queries(bundle: Any, n: int, seed: int = 0) -> np.ndarray | None:
     if model is None or not model.is_file() or not shape:
         return None
     try:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        sess = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+        sess = ort_session(model)
         x = np.random.default_rng(seed).standard_normal((n, *[int(s) for s in shape])).astype(np.float32)
         name = sess.get_inputs()[0].name
         h = np.concatenate([sess.run(None, {name: x[i:i + 64]})[0] for i in range(0, n, 64)])
@@ -533,127 +530,11 @@ def _load_cached(index_path: Path, meta_path: Path, digest: str, kind: str, num_
         return None
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temp file in the same directory, fsync, rename: readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is not secret
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _save_cached(index: Any, meta: _Meta, index_path: Path, meta_path: Path) -> None:
     try:
         # the index first: a meta file without its index is never read as a complete entry
         if index is not None:
-            _atomic_write(index_path, lambda p: faiss.write_index(index, p))
-        _atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta.__dict__, indent=1)))
+            atomic_replace(index_path, lambda p: faiss.write_index(index, p))
+        atomic_replace(meta_path, lambda p: Path(p).write_text(json.dumps(meta.__dict__, indent=1)))
     except OSError as exc:  # a read-only cache dir costs a rebuild next time, nothing more
         log.warning("cannot cache the class index in %s: %s", index_path.parent, exc)
-
-
-# --------------------------------------------------------------------------------- benchmark
-def _bench(argv: list[str] | None = None) -> None:
-    """Build time, memory, recall@10 and speed-up vs exact on a synthetic head (see docs/results)."""
-    import argparse
-    import resource
-    import sys
-    import types
-
-    ap = argparse.ArgumentParser(prog="python -m serving.index")
-    ap.add_argument("--classes", type=int, default=100_000)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--rows", choices=["gaussian", "clustered"], default="gaussian")
-    ap.add_argument("--kind", default=None)
-    ap.add_argument("--param", action="append", default=[], help="k=v build parameter (nlist, rerank, codes, ...)")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/slc-index-bench"))
-    ap.add_argument("--fresh", action="store_true", help="re-exec after writing the head, so RSS excludes its writing")
-    args = ap.parse_args(argv)
-    params = {k: (int(v) if v.isdigit() else v) for k, v in (p.split("=", 1) for p in args.param)}
-
-    work = args.work / f"{args.rows}-{args.classes}x{args.dim}"
-    work.mkdir(parents=True, exist_ok=True)
-    wpath, bpath = work / "head_weight.npy", work / "head_bias.npy"
-    if not wpath.exists():  # rows written in chunks, like the synthetic bundle
-        rng = np.random.default_rng(1)
-        w = np.lib.format.open_memmap(wpath, mode="w+", dtype=np.float32, shape=(args.classes, args.dim))
-        centers = rng.standard_normal((1000, args.dim)).astype(np.float32)
-        for s in range(0, args.classes, _CHUNK_ROWS):
-            n = min(_CHUNK_ROWS, args.classes - s)
-            rows = rng.standard_normal((n, args.dim)).astype(np.float32)
-            if args.rows == "clustered":
-                rows = centers[rng.integers(0, len(centers), n)] + 0.5 * rows
-            w[s:s + n] = rows / np.sqrt(args.dim)
-        w.flush()
-        del w
-        np.save(bpath, (0.1 * rng.standard_normal(args.classes)).astype(np.float32))
-    weight = np.load(wpath, mmap_mode="r", allow_pickle=False)
-    bias = np.load(bpath, mmap_mode="r", allow_pickle=False)
-    bundle = types.SimpleNamespace(weight=weight, bias=bias, digest=f"bench-{args.rows}-{args.classes}x{args.dim}",
-                                   path=work, embed_dim=args.dim, num_classes=args.classes)
-
-    if args.fresh:  # measure a build's memory in a process that did not write the head
-        os.execv(sys.executable, [sys.executable, "-m", "serving.index", *[a for a in (argv or sys.argv[1:]) if a != "--fresh"]])
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    t0 = time.perf_counter()
-    idx = ClassIndex.open(bundle, work / "cache", device="cpu", kind=args.kind, **params)
-    open_s = time.perf_counter() - t0
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    rng = np.random.default_rng(7)
-    gauss = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
-    # embeddings of a trained model lie near their class row: h = a·W_y/|W_y|² + noise
-    ys = rng.integers(0, args.classes, args.batch)
-    wy = np.asarray(weight[np.sort(ys)], dtype=np.float32)
-    near = (8.0 * wy / (wy**2).sum(1, keepdims=True) + 0.5 * rng.standard_normal(wy.shape)).astype(np.float32)
-    report = {"classes": args.classes, "dim": args.dim, "rows": args.rows, "open_seconds": round(open_s, 2),
-              "head_mb": round(weight.nbytes / 2**20, 1), "peak_rss_mb_before_open": round(rss0, 1),
-              "peak_rss_mb_after_open": round(rss1, 1), "info": idx.info()}
-    for name, q in (("gaussian", gauss), ("near_row", near)):
-        t0 = time.perf_counter()
-        ex_logits, ex_ids = exact_topk(weight, bias, q, RECALL_K)
-        t_exact = time.perf_counter() - t0
-        idx.search(q[:2], RECALL_K)  # warm
-        t0 = time.perf_counter()
-        _, got = idx.search(q, RECALL_K)
-        t_idx = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i in range(min(16, len(q))):
-            idx.search(q[i:i + 1], RECALL_K)
-        t_one = (time.perf_counter() - t0) / min(16, len(q))
-        t0 = time.perf_counter()
-        exact_topk(weight, bias, q[:1], RECALL_K)
-        t_exact_one = time.perf_counter() - t0
-        report[name] = {"recall_at_10": round(_recall(got, ex_ids), 4),
-                        f"exact_ms_batch{len(q)}": round(1e3 * t_exact, 1), f"index_ms_batch{len(q)}": round(1e3 * t_idx, 1),
-                        "speedup_batch": round(t_exact / t_idx, 1),
-                        "exact_ms_1": round(1e3 * t_exact_one, 1), "index_ms_1": round(1e3 * t_one, 2),
-                        "speedup_1": round(t_exact_one / t_one, 1)}
-    report["peak_rss_mb_end"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    report["memory_now"] = _memory()  # anonymous (index, copies) vs file-backed (the mmap head: page cache)
-    print(json.dumps(report, indent=1))
-
-
-def _memory() -> dict:
-    out = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key + "_mb"] = round(int(value.split()[0]) / 1024, 1)
-    except OSError:
-        pass
-    return out
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    _bench()

@@ -16,7 +16,7 @@ import uvicorn
 from serving.app import create_app
 from serving.settings import Settings
 
-log = logging.getLogger("slc.serving")
+log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):

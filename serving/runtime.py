@@ -14,7 +14,9 @@ from typing import Optional
 import numpy as np
 import onnxruntime as ort
 
-log = logging.getLogger("slc.serving")
+from serving.bundle.session import CPU, ort_session
+
+log = logging.getLogger(__name__)
 
 
 def cuda_device_count() -> int:
@@ -34,15 +36,15 @@ def cuda_device_count() -> int:
 def _providers_for(device: str) -> list[str]:
     available = ort.get_available_providers()
     if device == "cpu":
-        return ["CPUExecutionProvider"]
+        return CPU
     if device == "cuda":
         if "CUDAExecutionProvider" not in available:
             raise RuntimeError(f"device=cuda but this onnxruntime has no CUDAExecutionProvider (has {available})")
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CUDAExecutionProvider", *CPU]
     # auto: only try CUDA when this build has it and a GPU is there (else ORT prints a failed probe)
     if "CUDAExecutionProvider" in available and cuda_device_count() > 0:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
+        return ["CUDAExecutionProvider", *CPU]
+    return CPU
 
 
 class Runtime:
@@ -73,23 +75,16 @@ class Runtime:
         return "CUDAExecutionProvider" in self.providers
 
     def _session(self, path: Path) -> ort.InferenceSession:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = self.threads
-        opts.inter_op_num_threads = 1
-        # No spin-waiting between runs: a spinning worker burns the cores the event loop and
-        # the JSON work need (300-500 us of CPU per detect request on 2 cores, docs/results/detect-path.md).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3  # a failed CUDA probe under `auto` is expected, not an error to print
+        # No spin-waiting between runs: a spinning worker burns the cores the event loop and the
+        # JSON work need (docs/results/detect-path.md).
         wanted = _providers_for(self.device)
         try:
-            return ort.InferenceSession(str(path), sess_options=opts, providers=wanted)
+            return ort_session(path, threads=self.threads, providers=wanted, spin=False)
         except Exception as exc:  # CUDA listed but unusable (no driver / no GPU): CPU under `auto`
-            if self.device != "auto" or wanted == ["CPUExecutionProvider"]:
+            if self.device != "auto" or wanted == CPU:
                 raise
             log.warning("CUDA session for %s failed (%s); using CPU", Path(path).name, exc)
-            return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+            return ort_session(path, threads=self.threads, providers=CPU, spin=False)
 
     @property
     def full(self) -> ort.InferenceSession:

@@ -12,9 +12,7 @@ from typing import Literal, Optional
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
-def _default_home() -> Path:
-    return Path(os.environ.get("SLC_HOME") or Path.home() / ".cache" / "slc")
+from serving.bundle.home import slc_home
 
 
 class Settings(BaseSettings):
@@ -24,7 +22,7 @@ class Settings(BaseSettings):
 
     # --- what to serve
     bundle: Optional[Path] = Field(None, description="bundle directory; None = the embedded default model")
-    home: Path = Field(default_factory=_default_home, description="SLC_HOME: default bundle and data live here")
+    home: Path = Field(default_factory=slc_home, description="SLC_HOME: default bundle and data live here")
     data_dir: Optional[Path] = Field(None, description="gallery and index cache; default $SLC_HOME/data")
     verify: bool = Field(True, description="re-hash every bundle file at start; a mismatch means never ready")
 

@@ -62,11 +62,8 @@ def test_probes_point_at_real_get_routes():
 
 
 def test_container_args_are_serve_flags():
-    from typer.main import get_command
+    from serving.cli import serve
 
-    from trainer.cli import app
-
-    serve = get_command(app).commands["serve"]
     flags = {opt for p in serve.params for opt in p.opts}
     for name, doc in _docs():
         for c in _containers(doc):

@@ -177,6 +177,78 @@ def _f(x) -> float:
     return float(x)
 
 
+def _test_rates(logits_test, y_test, num_classes: int, per_thresholds: np.ndarray, global_t: float) -> dict:
+    """Rates on the test split at the thresholds chosen on the calibration split (measured only)."""
+    logits_test = np.asarray(logits_test, dtype=np.float64)  # [N', D]
+    y_test = np.asarray(y_test, dtype=np.int64)  # [N']
+    pos_test = y_test[:, None] == np.arange(num_classes)[None, :]  # [N', D]
+    return {
+        "per_class": rates_at(logits_test, pos_test, per_thresholds),
+        "global": rates_at(logits_test.reshape(-1, 1), pos_test.reshape(-1, 1), np.array([global_t])),
+        "per_class_at_global": rates_at(logits_test, pos_test, np.full(num_classes, global_t)),
+        "examples": int(len(y_test)),
+    }
+
+
+def _per_class_entries(per: dict, a: np.ndarray, b: np.ndarray, test: dict | None) -> list[dict]:
+    entries = []
+    for j in range(len(per["threshold"])):
+        entry = {
+            "class_id": j,
+            "threshold": _f(per["threshold"][j]),
+            "precision": _f(per["precision"][j]),
+            "recall": _f(per["recall"][j]),
+            "reached": bool(per["reached"][j]),
+            "positives": int(per["positives"][j]),
+            "platt": {"a": _f(a[j]), "b": _f(b[j])},
+        }
+        if test is not None:
+            t = test["per_class"]
+            entry["test"] = {"precision": _f(t["precision"][j]), "recall": _f(t["recall"][j]),
+                             "positives": int(t["positives"][j])}
+        entries.append(entry)
+    return entries
+
+
+def _global_entry(pooled: dict, test: dict | None) -> dict:
+    entry = {
+        "threshold": float(pooled["threshold"][0]),
+        "precision": _f(pooled["precision"][0]),
+        "recall": _f(pooled["recall"][0]),
+        "reached": bool(pooled["reached"][0]),
+    }
+    if test is not None:
+        entry["test"] = {"precision": _f(test["global"]["precision"][0]), "recall": _f(test["global"]["recall"][0])}
+    return entry
+
+
+def _summary(per: dict, per_at_global: dict, test: dict | None, kind: str, value: float) -> dict:
+    """Means over classes, and how one global threshold compares with D per-class ones."""
+    summary = {
+        "classes": len(per["threshold"]),
+        "classes_reached": int(per["reached"].sum()),
+        "per_class_mean_precision": _f(per["precision"].mean()),
+        "per_class_mean_recall": _f(per["recall"].mean()),
+        "global_threshold_per_class_mean_precision": _f(per_at_global["precision"].mean()),
+        "global_threshold_per_class_mean_recall": _f(per_at_global["recall"].mean()),
+    }
+    if test is not None:
+        achieved = test["per_class"][kind]
+        summary["test"] = {
+            # how far the calibrated thresholds fall short of the target on unseen data
+            f"mean_{kind}_shortfall": _f(np.maximum(0.0, value - achieved).mean()),
+            "classes_reaching_target": int((achieved >= value - 1e-12).sum()),
+            "per_class_mean_precision": _f(test["per_class"]["precision"].mean()),
+            "per_class_mean_recall": _f(test["per_class"]["recall"].mean()),
+            "global_precision": _f(test["global"]["precision"][0]),
+            "global_recall": _f(test["global"]["recall"][0]),
+            "global_threshold_per_class_mean_precision": _f(test["per_class_at_global"]["precision"].mean()),
+            "global_threshold_per_class_mean_recall": _f(test["per_class_at_global"]["recall"].mean()),
+            f"global_threshold_mean_{kind}_shortfall": _f(np.maximum(0.0, value - test["per_class_at_global"][kind]).mean()),
+        }
+    return summary
+
+
 def calibrate(
     logits_cal: np.ndarray,
     y_cal: np.ndarray,
@@ -205,78 +277,19 @@ def calibrate(
     global_t = float(pooled["threshold"][0])
     # the global threshold read per class: how much does one number lose against D numbers?
     per_at_global = rates_at(logits_cal, positive, np.full(num_classes, global_t))
-
-    test = None
-    if logits_test is not None:
-        logits_test = np.asarray(logits_test, dtype=np.float64)
-        y_test = np.asarray(y_test, dtype=np.int64)
-        pos_test = y_test[:, None] == np.arange(num_classes)[None, :]
-        test = {
-            "per_class": rates_at(logits_test, pos_test, per["threshold"]),
-            "global": rates_at(logits_test.reshape(-1, 1), pos_test.reshape(-1, 1), np.array([global_t])),
-            "per_class_at_global": rates_at(logits_test, pos_test, np.full(num_classes, global_t)),
-        }
-
-    per_class = []
-    for j in range(num_classes):
-        entry = {
-            "class_id": j,
-            "threshold": _f(per["threshold"][j]),
-            "precision": _f(per["precision"][j]),
-            "recall": _f(per["recall"][j]),
-            "reached": bool(per["reached"][j]),
-            "positives": int(per["positives"][j]),
-            "platt": {"a": _f(a[j]), "b": _f(b[j])},
-        }
-        if test is not None:
-            entry["test"] = {"precision": _f(test["per_class"]["precision"][j]), "recall": _f(test["per_class"]["recall"][j]),
-                             "positives": int(test["per_class"]["positives"][j])}
-        per_class.append(entry)
-
-    global_entry = {
-        "threshold": global_t,
-        "precision": _f(pooled["precision"][0]),
-        "recall": _f(pooled["recall"][0]),
-        "reached": bool(pooled["reached"][0]),
-    }
-    if test is not None:
-        global_entry["test"] = {"precision": _f(test["global"]["precision"][0]), "recall": _f(test["global"]["recall"][0])}
-
-    summary = {
-        "classes": num_classes,
-        "classes_reached": int(per["reached"].sum()),
-        "per_class_mean_precision": _f(per["precision"].mean()),
-        "per_class_mean_recall": _f(per["recall"].mean()),
-        "global_threshold_per_class_mean_precision": _f(per_at_global["precision"].mean()),
-        "global_threshold_per_class_mean_recall": _f(per_at_global["recall"].mean()),
-    }
-    if test is not None:
-        achieved = test["per_class"][kind]
-        summary["test"] = {
-            # how far the calibrated thresholds fall short of the target on unseen data
-            f"mean_{kind}_shortfall": _f(np.maximum(0.0, value - achieved).mean()),
-            "classes_reaching_target": int((achieved >= value - 1e-12).sum()),
-            "per_class_mean_precision": _f(test["per_class"]["precision"].mean()),
-            "per_class_mean_recall": _f(test["per_class"]["recall"].mean()),
-            "global_precision": _f(test["global"]["precision"][0]),
-            "global_recall": _f(test["global"]["recall"][0]),
-            "global_threshold_per_class_mean_precision": _f(test["per_class_at_global"]["precision"].mean()),
-            "global_threshold_per_class_mean_recall": _f(test["per_class_at_global"]["recall"].mean()),
-            f"global_threshold_mean_{kind}_shortfall": _f(np.maximum(0.0, value - test["per_class_at_global"][kind]).mean()),
-        }
-
+    test = _test_rates(logits_test, y_test, num_classes, per["threshold"], global_t) if logits_test is not None else None
     out = {
         "target": {kind: value},
         "decision": "match = logit >= threshold",
         "probability": "sigmoid(a * logit + b)",
         "split": "calibration",
         "examples": int(n),
-        "global": global_entry,
-        "per_class": per_class,
-        "summary": summary,
+        "global": _global_entry(pooled, test),
+        "per_class": _per_class_entries(per, a, b, test),
+        "summary": _summary(per, per_at_global, test, kind, value),
     }
     if test is not None:
-        out["test_examples"] = int(len(y_test))
+        out["test_examples"] = test["examples"]
     _assert_finite(out)
     return out
 

@@ -1,192 +1,177 @@
-"""The `slc` command line (DESIGN.md §8).
+"""The trainer's commands: train, evaluate, export, experiment table1, bench losses.
 
-Each command imports its module lazily, so `slc serve` works in an image without torch.
+Composed into `slc` by slc/cli.py, which imports this module only when one of these runs
+(it imports torch through the registries, whose names are the choices). Choices are checked
+before any work starts: a bad dataset, loss, backbone, optimizer or schedule, an unwritable
+--out or a count below 1 is one line and exit 2.
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
-import typer
+import click
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Single-logit classification: train, export, serve, measure.")
-experiment_app = typer.Typer(no_args_is_help=True, help="Paper experiments.")
-bundle_app = typer.Typer(no_args_is_help=True, help="Bundles that need no training.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks written to docs/results.")
-app.add_typer(experiment_app, name="experiment")
-app.add_typer(bundle_app, name="bundle")
-app.add_typer(bench_app, name="bench")
+from models import list_backbones
+from serving.bundle.cliopts import OUT, POSITIVE, key_values
+from trainer.data import check_dataset_name, dataset_choices
+from trainer.losses import list_losses
+from trainer.train import OPTIMIZERS, SCHEDULES
 
-
-def _parse_params(items: list[str]) -> dict:
-    """k=v pairs; values parsed as JSON when they can be (numbers, lists), else strings."""
-    import json
-
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise typer.BadParameter(f"expected k=v, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
+RUN_FILES = ("config.json", "data.json", "checkpoint.pt")
 
 
-@app.command()
-def train(
-    dataset: str = typer.Option(..., help="digits | mnist5k | synthetic[:C=..,d=..,sep=..] | npz:PATH"),
-    backbone: str = typer.Option("mlp"),
-    loss: str = typer.Option("batch_ce"),
-    loss_param: List[str] = typer.Option([], "--loss-param", help="k=v, repeatable"),
-    backbone_param: List[str] = typer.Option([], "--backbone-param", help="k=v, repeatable"),
-    epochs: int = typer.Option(20),
-    lr: float = typer.Option(0.01),
-    batch_size: int = typer.Option(128),
-    optimizer: str = typer.Option("adam", help="adam | sgd"),
-    schedule: str = typer.Option("cosine", help="cosine | constant"),
-    weight_decay: float = typer.Option(0.0),
-    seed: int = typer.Option(0),
-    out: Path = typer.Option(..., help="run directory"),
-):
+def _dataset(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        check_dataset_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
+def _run_dir(ctx: click.Context, param: click.Parameter, value: Path) -> Path:
+    missing = [name for name in RUN_FILES if not (value / name).is_file()]
+    if missing:
+        raise click.BadParameter(f"{value} is not a run directory of `slc train` (missing {', '.join(missing)})",
+                                 ctx, param)
+    return value
+
+
+DATASET = dict(callback=_dataset, help=f"one of: {dataset_choices()}")
+RUN = dict(type=click.Path(path_type=Path), callback=_run_dir)
+
+
+@click.command()
+@click.option("--dataset", required=True, **DATASET)
+@click.option("--backbone", type=click.Choice(list_backbones()), default="mlp", show_default=True)
+@click.option("--loss", type=click.Choice(list_losses()), default="batch_ce", show_default=True,
+              help="loss of docs/losses.md")
+@click.option("--loss-param", "loss_params", multiple=True, callback=key_values, help="k=v keyword of the loss, repeatable")
+@click.option("--backbone-param", "backbone_params", multiple=True, callback=key_values,
+              help="k=v keyword of the backbone, repeatable")
+@click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--lr", type=POSITIVE, default=0.01, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="cosine", show_default=True)
+@click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", required=True, help="run directory (config, checkpoint, metrics)", **OUT)
+def train(out: Path, **options) -> None:
     """Fit a backbone + class head with a loss; writes config, checkpoint and metrics to OUT."""
     from trainer.train import TrainConfig, train as run_train
 
-    cfg = TrainConfig(
-        dataset=dataset, backbone=backbone, backbone_params=_parse_params(backbone_param), loss=loss,
-        loss_params=_parse_params(loss_param), epochs=epochs, lr=lr, batch_size=batch_size,
-        optimizer=optimizer, schedule=schedule, weight_decay=weight_decay, seed=seed,
-    )
+    cfg = TrainConfig(**options)
+    _check_params(cfg)
+    t0 = time.perf_counter()
     run_train(cfg, out)
+    metrics_path = out / "metrics.json"
+    if metrics_path.is_file():  # rank 0 writes it; other ranks of torchrun stay quiet
+        test = json.loads(metrics_path.read_text())["test"]
+        click.echo(f"trained {out} in {time.perf_counter() - t0:.0f} s: test accuracy {test['accuracy']:.4f}, "
+                   f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}  -> next: slc export {out} --out BUNDLE")
 
 
-@app.command()
-def evaluate(run: Path, split: str = typer.Option("test", help="calibration | test")):
-    """Single-logit metrics of a trained run on a split."""
+def _check_params(cfg) -> None:
+    """Loss and backbone keywords checked by building them once, before training starts."""
+    from models import build_backbone
+    from trainer.losses import build_loss
+
+    try:
+        build_loss(cfg.loss, 2, **cfg.loss_params)
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(f"{cfg.loss}: {exc}", param_hint="--loss-param") from None
+    if cfg.backbone_params:
+        try:
+            build_backbone(cfg.backbone, (1, 28, 28), **cfg.backbone_params)
+        except (TypeError, ValueError) as exc:
+            raise click.BadParameter(f"{cfg.backbone}: {exc}", param_hint="--backbone-param") from None
+
+
+@click.command()
+@click.argument("run", **RUN)
+@click.option("--split", type=click.Choice(["calibration", "test"]), default="test", show_default=True)
+def evaluate(run: Path, split: str) -> None:
+    """Single-logit metrics of a trained RUN on a split."""
     from trainer.train import evaluate_run
 
-    evaluate_run(run, split=split, print_table=True)
+    metrics = evaluate_run(run, split=split, print_table=True)
+    click.echo(f"{run} on {split}: accuracy {metrics['accuracy']:.4f}, auprc {metrics['auprc']:.4f}")
 
 
-@experiment_app.command("table1")
-def table1(
-    dataset: str = typer.Option("mnist5k"),
-    seeds: int = typer.Option(3),
-    epochs: int = typer.Option(30),
-    lrs: str = typer.Option("1,0.1,0.01,0.001", help="learning rates searched per loss on the calibration split"),
-    losses: str = typer.Option("", help="comma list; default every registered loss"),
-    out: Path = typer.Option(...),
-):
+@click.command("export")
+@click.argument("run", **RUN)
+@click.option("--out", required=True, help="bundle directory to write (replaced atomically)", **OUT)
+@click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="calibrate thresholds for this precision [default: 0.99]")
+@click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="or for this recall (not with --target-precision)")
+def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float]) -> None:
+    """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
+    if target_precision is not None and target_recall is not None:
+        raise click.UsageError("give --target-precision or --target-recall, not both")
+    from serving.bundle import load_bundle
+    from trainer.export import export_bundle
+
+    t0 = time.perf_counter()
+    export_bundle(run, out, target_precision=target_precision, target_recall=target_recall)
+    b = load_bundle(out, verify=False)
+    test = (b.calibration.get("summary") or {}).get("test") or {}
+    extra = (f", test per-class mean precision {test['per_class_mean_precision']:.3f} recall "
+             f"{test['per_class_mean_recall']:.3f}") if test else ""
+    click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}"
+               f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: slc serve {out}")
+
+
+@click.group(no_args_is_help=True)
+def experiment() -> None:
+    """Paper experiments."""
+
+
+def _floats(ctx: click.Context, param: click.Parameter, value: str) -> list[float]:
+    try:
+        return [float(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}", ctx, param) from None
+
+
+def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    names = [x for x in value.split(",") if x]
+    if bad := [x for x in names if x not in list_losses()]:
+        raise click.BadParameter(f"unknown loss {bad[0]!r}; choose from {', '.join(list_losses())}", ctx, param)
+    return names
+
+
+@experiment.command("table1")
+@click.option("--dataset", default="mnist5k", show_default=True, **DATASET)
+@click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=30, show_default=True)
+@click.option("--lrs", default="1,0.1,0.01,0.001", show_default=True, callback=_floats,
+              help="learning rates searched per loss on the calibration split")
+@click.option("--losses", default="", callback=_losses, help=f"comma list [default: all: {', '.join(list_losses())}]")
+@click.option("--out", required=True, **OUT)
+def table1(dataset: str, seeds: int, epochs: int, lrs: list[float], losses: list[str], out: Path) -> None:
     """The PoLS paper's Table 1: every loss, raw single logits, plus the normalized-CE row."""
     from trainer.experiments import table1 as run_table1
 
-    run_table1(dataset=dataset, seeds=seeds, epochs=epochs, lrs=[float(x) for x in lrs.split(",")],
-               losses=[x for x in losses.split(",") if x] or None, out=out)
+    command = (f"slc experiment table1 --dataset {dataset} --seeds {seeds} --epochs {epochs} "
+               f"--lrs {','.join(f'{x:g}' for x in lrs)}" + (f" --losses {','.join(losses)}" if losses else "")
+               + f" --out {out}")
+    res = run_table1(dataset=dataset, seeds=seeds, epochs=epochs, lrs=lrs, losses=losses or None, out=out,
+                     command=command)
+    p = res["protocol"]
+    click.echo(f"table1: {len(res['rows'])} rows, {p['runs_trained']} runs trained, {p['runs_reused']} reused "
+               f"-> {out / 'table1.md'}")
 
 
-@app.command("export")
-def export(
-    run: Path,
-    out: Path = typer.Option(...),
-    target_precision: Optional[float] = typer.Option(None),
-    target_recall: Optional[float] = typer.Option(None),
-):
-    """Write the ONNX bundle (DESIGN.md §6) of a trained run, calibrated on the calibration split."""
-    from trainer.export import export_bundle
-
-    export_bundle(run, out, target_precision=target_precision, target_recall=target_recall)
-
-
-@app.command()
-def verify(bundle: Path):
-    """Re-check hashes, graphs, samples and calibration of a bundle; non-zero exit on any mismatch."""
-    from serving.bundle import verify_bundle
-
-    problems = verify_bundle(bundle)
-    if problems:
-        for p in problems:
-            typer.echo(f"FAIL {p}", err=True)
-        raise typer.Exit(1)
-    typer.echo(f"OK {bundle}")
-
-
-@bundle_app.command("synthetic")
-def bundle_synthetic(
-    classes: int = typer.Option(..., help="D"),
-    dim: int = typer.Option(256, help="d"),
-    input_dim: int = typer.Option(64),
-    seed: int = typer.Option(0),
-    rows: str = typer.Option("clustered", help="clustered (rows share directions, like trained heads) | gaussian (i.i.d., worst case for an index)"),
-    out: Path = typer.Option(...),
-):
-    """A bundle with a random backbone and D random class rows, for scale work."""
-    from trainer.synthetic import build_synthetic_bundle
-
-    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows)
-
-
-@app.command()
-def serve(
-    bundle: Optional[Path] = typer.Argument(None, help="bundle directory; default: the embedded model"),
-    host: Optional[str] = typer.Option(None),
-    port: Optional[int] = typer.Option(None),
-    data_dir: Optional[Path] = typer.Option(None),
-    max_batch: Optional[int] = typer.Option(None),
-    max_delay_ms: Optional[float] = typer.Option(None),
-    queue_size: Optional[int] = typer.Option(None),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda"),
-):
-    """Serve a bundle over HTTP (DESIGN.md §7). Flags override SLC_* environment variables."""
-    from serving.main import run_server
-
-    overrides = dict(bundle=bundle, host=host, port=port, data_dir=data_dir, max_batch=max_batch,
-                     max_delay_ms=max_delay_ms, queue_size=queue_size, device=device)
-    run_server({k: v for k, v in overrides.items() if v is not None})
-
-
-@app.command()
-def loadtest(
-    url: str = typer.Option(...),
-    endpoint: str = typer.Option("detect", help="detect | softmax | topk, comma list to interleave"),
-    class_: Optional[str] = typer.Option(None, "--class"),
-    concurrency: Optional[int] = typer.Option(None),
-    rate: Optional[float] = typer.Option(None),
-    duration: float = typer.Option(10.0),
-    warmup: float = typer.Option(2.0),
-    max_requests: Optional[int] = typer.Option(None),
-    batch: int = typer.Option(1, help="inputs per request"),
-    allow_remote: bool = typer.Option(False),
-    out: Path = typer.Option(...),
-):
-    """Load a running server; writes report.json, report.md, latency.png to OUT."""
-    from serving.loadtest import run_loadtest_cli
-
-    run_loadtest_cli(url=url, endpoints=endpoint.split(","), class_=class_, concurrency=concurrency, rate=rate,
-                     duration=duration, warmup=warmup, max_requests=max_requests, batch=batch,
-                     allow_remote=allow_remote, out=out)
-
-
-@bench_app.command("scale")
-def bench_scale(
-    classes: str = typer.Option("10,1000,100000,1000000"),
-    dim: int = typer.Option(256),
-    duration: float = typer.Option(8.0),
-    out: Path = typer.Option(Path("docs/results")),
-):
-    """Single-logit vs full softmax as D grows: docs/results/scale.{json,md,png}."""
-    from serving.bench import run_scale_bench
-
-    run_scale_bench(classes=[int(c) for c in classes.split(",")], dim=dim, duration=duration, out=out)
-
-
-@bench_app.command("losses")
-def bench_losses(out: Path = typer.Option(Path("docs/results"))):
+@click.command("losses")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def bench_losses(out: Path) -> None:
     """Forward+backward time of smooth_topk against ce (C=1000, k=5, B=256)."""
     from trainer.losses.bench import run_loss_bench
 
-    run_loss_bench(out=out)
-
-
-if __name__ == "__main__":
-    app()
+    res = run_loss_bench(out=out)
+    st = res["methods"]["smooth_topk"]
+    click.echo(f"smooth_topk: {st['median_ms']:.2f} ms per batch, {st['ratio_to_ce']:.1f}x ce -> {out / 'losses-bench.md'}")

@@ -92,6 +92,27 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, S
     return tuple((x[np.sort(i)], y[np.sort(i)]) for i in (train_idx, cal_idx, test_idx))  # type: ignore[return-value]
 
 
+DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH")
+
+
+def dataset_choices() -> str:
+    return ", ".join(DATASETS)
+
+
+def check_dataset_name(name: str) -> None:
+    """ValueError naming the valid choices unless `name` names a dataset (nothing is loaded)."""
+    if name in ("digits", "mnist5k"):
+        return
+    if name == "synthetic" or name.startswith("synthetic:"):
+        _parse_synthetic(name)
+        return
+    if name.startswith("npz:"):
+        if not Path(name[4:]).is_file():
+            raise ValueError(f"npz dataset file {name[4:]!r} not found")
+        return
+    raise ValueError(f"unknown dataset {name!r}; choose from {dataset_choices()}")
+
+
 def load_dataset(name: str, seed: int = 0) -> Splits:
     """Load a dataset by name with its fixed stratified 60/20/20 split (`seed` = split seed)."""
     return _load_cached(name, seed)
@@ -120,7 +141,7 @@ def _load_cached(name: str, seed: int) -> Splits:
             raise FileNotFoundError(f"npz dataset {path!r} not found")
         x, y, classes = _load_npz(path)
     else:
-        raise KeyError(f"unknown dataset {name!r}; known: digits, mnist5k, synthetic[:C=..,d=..,n=..,sep=..], npz:PATH")
+        raise KeyError(f"unknown dataset {name!r}; choose from {dataset_choices()}")
 
     x = np.asarray(x, dtype=np.float32)
     y = np.asarray(y)

@@ -16,20 +16,24 @@ Protocol (what `table1` does, and where it departs from the paper):
 - metrics: DESIGN.md §5 on the test split; means and sample standard deviations (ddof=1)
   over seeds.
 
-Runs are cached outside the repository (SLC_CACHE_DIR, default ~/.cache/slc/runs) under a
+Runs are cached outside the repository (SLC_CACHE_DIR, default $SLC_HOME/runs) under a
 hash of the config and of the training code, so a re-run only trains what changed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import shlex
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from serving.bundle import slc_home
+
+log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("auprc", "p_at_r90", "p_at_r99", "accuracy")
 EXTRA_KEYS = ("top5_accuracy", "separation")
@@ -69,7 +73,8 @@ def _code_fingerprint(loss: str) -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("SLC_CACHE_DIR", Path.home() / ".cache" / "slc" / "runs"))
+    """Cached Table 1 runs: $SLC_CACHE_DIR, else $SLC_HOME/runs."""
+    return Path(os.environ.get("SLC_CACHE_DIR") or slc_home() / "runs")
 
 
 class _Runs:
@@ -103,12 +108,12 @@ class _Runs:
         except FloatingPointError as err:
             run.mkdir(parents=True, exist_ok=True)
             (run / "failed.json").write_text(json.dumps({"error": str(err)}))
-            print(f"  {cfg.loss:18s} lr={cfg.lr:<6g} seed={cfg.seed}  diverged: {err}", flush=True)
+            log.info("  %-18s lr=%-6g seed=%d  diverged: %s", cfg.loss, cfg.lr, cfg.seed, err)
             return None
         self.trained += 1
         cal = json.loads((run / "metrics.json").read_text())["calibration"]
-        print(f"  {cfg.loss:18s} lr={cfg.lr:<6g} seed={cfg.seed}  cal auprc={cal['auprc']:.4f} "
-              f"acc={cal['accuracy']:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
+        log.info("  %-18s lr=%-6g seed=%d  cal auprc=%.4f acc=%.4f  (%.1f s)", cfg.loss, cfg.lr, cfg.seed,
+                 cal["auprc"], cal["accuracy"], time.perf_counter() - start)
         return run
 
 
@@ -260,78 +265,106 @@ def _pr_plot(out: Path, runs: dict[str, Path]) -> str:
     return path.name
 
 
+@dataclass
+class _Table1Plan:
+    """One Table 1 run: what is trained (dataset, losses, seeds, lr grid) and how."""
+
+    dataset: str
+    seeds: list[int]
+    epochs: int
+    lrs: list[float]
+    optimizer: str
+    batch_size: int
+    lr_seed: int
+
+    def config(self, loss: str, lr: float, seed: int):
+        from trainer.train import TrainConfig
+
+        return TrainConfig(dataset=self.dataset, backbone="mlp", loss=loss, epochs=self.epochs, lr=lr,
+                           batch_size=self.batch_size, optimizer=self.optimizer, schedule="cosine", seed=seed)
+
+
+def _metrics_of(run: Path, split: str, normalized: bool) -> dict:
+    if normalized:
+        return _normalized_metrics(run, split)
+    return json.loads((run / "metrics.json").read_text())[split]
+
+
+def _pick_lr(plan: _Table1Plan, runs: _Runs, loss: str, normalized: bool) -> float | None:
+    """lr with the best calibration AUPRC on the lr seed (None if every lr diverged)."""
+    scored = []
+    for lr in plan.lrs:
+        run = runs.get(plan.config(loss, lr, plan.lr_seed))
+        if run is not None:
+            scored.append((_metrics_of(run, "calibration", normalized)["auprc"], lr))
+    return max(scored)[1] if scored else None
+
+
+def _table1_row(plan: _Table1Plan, runs: _Runs, loss: str, normalized: bool, num_classes: int,
+                seed0_runs: dict[str, Path]) -> dict:
+    """Choose the lr, train every seed at it, summarise the test metrics of one row."""
+    from trainer.losses import build_loss
+
+    name = "normalized_ce" if normalized else loss
+    log.info("%s: choosing lr among %s on calibration AUPRC (seed %d)", name, plan.lrs, plan.lr_seed)
+    lr = _pick_lr(plan, runs, loss, normalized)
+    per_seed, failed = [], 0
+    for seed in plan.seeds if lr is not None else ():
+        run = runs.get(plan.config(loss, lr, seed))
+        if run is None:
+            failed += 1
+            continue
+        per_seed.append(_metrics_of(run, "test", normalized))
+        if seed == plan.seeds[0] and not normalized:
+            seed0_runs[loss] = run
+    pols = bool(getattr(build_loss(loss, num_classes), "pols", False)) and not normalized
+    return _summarise(name, pols, lr, per_seed, failed if lr is not None else len(plan.seeds))
+
+
+def _paper_order(row: dict) -> tuple:
+    """The paper's order: losses without the PoLS, then with it, normalized CE last."""
+    order = list(PAPER_NAMES)
+    return (row["loss"] == "normalized_ce", row["pols"],
+            order.index(row["loss"]) if row["loss"] in order else len(order), row["loss"])
+
+
 def table1(dataset: str = "mnist5k", seeds: int | list[int] = 3, epochs: int = 30,
            lrs: list[float] = (1.0, 0.1, 0.01, 0.001), losses: list[str] | None = None, out: Path = Path("table1"),
-           optimizer: str = "sgd", batch_size: int = 128, lr_seed: int | None = None) -> dict:
-    """Train every loss × seed (lr chosen on calibration AUPRC), write out/table1.{json,md} and pr_curve.png."""
+           optimizer: str = "sgd", batch_size: int = 128, lr_seed: int | None = None,
+           command: str | None = None) -> dict:
+    """Train every loss × seed (lr chosen on calibration AUPRC), write out/table1.{json,md} and pr_curve.png.
+
+    `command`: what produced the table, printed in table1.md (the CLI passes what was typed)."""
     import torch
 
     from trainer.data import load_dataset
-    from trainer.losses import build_loss, list_losses
-    from trainer.train import TrainConfig
+    from trainer.losses import list_losses
 
     torch.set_num_threads(1)
     started = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    lr_seed = seed_list[0] if lr_seed is None else lr_seed
+    plan = _Table1Plan(dataset, seed_list, epochs, list(lrs), optimizer, batch_size,
+                       seed_list[0] if lr_seed is None else lr_seed)
     losses = list(losses) if losses else list_losses()
     splits = load_dataset(dataset)
     runs = _Runs(_cache_dir())
-
-    def config(loss: str, lr: float, seed: int) -> TrainConfig:
-        return TrainConfig(dataset=dataset, backbone="mlp", loss=loss, epochs=epochs, lr=lr, batch_size=batch_size,
-                           optimizer=optimizer, schedule="cosine", seed=seed)
-
-    def metrics_of(run: Path, split: str, normalized: bool) -> dict:
-        if normalized:
-            return _normalized_metrics(run, split)
-        return json.loads((run / "metrics.json").read_text())[split]
-
-    def pick_lr(loss: str, normalized: bool = False) -> float | None:
-        """lr with the best calibration AUPRC on the lr seed (None if every lr diverged)."""
-        scored = []
-        for lr in lrs:
-            run = runs.get(config(loss, lr, lr_seed))
-            if run is not None:
-                scored.append((metrics_of(run, "calibration", normalized)["auprc"], lr))
-        return max(scored)[1] if scored else None
-
-    rows, seed0_runs = [], {}
+    seed0_runs: dict[str, Path] = {}
     variants = [(loss, False) for loss in losses] + ([("ce", True)] if "ce" in losses else [])
-    for loss, normalized in variants:
-        name = "normalized_ce" if normalized else loss
-        print(f"{name}: choosing lr among {list(lrs)} on calibration AUPRC (seed {lr_seed})", flush=True)
-        lr = pick_lr(loss, normalized)
-        per_seed, failed = [], 0
-        if lr is not None:
-            for seed in seed_list:
-                run = runs.get(config(loss, lr, seed))
-                if run is None:
-                    failed += 1
-                    continue
-                per_seed.append(metrics_of(run, "test", normalized))
-                if seed == seed_list[0] and not normalized:
-                    seed0_runs[loss] = run
-        pols = bool(getattr(build_loss(loss, splits.num_classes), "pols", False)) and not normalized
-        rows.append(_summarise(name, pols, lr, per_seed, failed if lr is not None else len(seed_list)))
-
-    # The paper's order: losses without the PoLS, then with it, normalized CE last.
-    paper_order = list(PAPER_NAMES)
-    rows.sort(key=lambda r: (r["loss"] == "normalized_ce", r["pols"],
-                             paper_order.index(r["loss"]) if r["loss"] in paper_order else len(paper_order), r["loss"]))
+    rows = sorted((_table1_row(plan, runs, loss, normalized, splits.num_classes, seed0_runs)
+                   for loss, normalized in variants), key=_paper_order)
     pr_runs = {k: seed0_runs[k] for k in ("ce", "batch_ce") if k in seed0_runs}
     pr_curve = _pr_plot(out, pr_runs) if "ce" in pr_runs else "(not drawn: no ce run)"
-    steps = epochs * (len(splits.train[1]) // batch_size)
     result = {
         "dataset": dataset,
         "seeds": seed_list,
         "classes": splits.classes,
         "rows": rows,
         "protocol": {
-            "backbone": "mlp", "optimizer": optimizer, "batch_size": batch_size, "epochs": epochs, "steps": steps,
-            "schedule": "cosine", "lrs": list(lrs), "lr_selection": "calibration auprc", "lr_seed": lr_seed,
+            "backbone": "mlp", "optimizer": optimizer, "batch_size": batch_size, "epochs": epochs,
+            "steps": epochs * (len(splits.train[1]) // batch_size),
+            "schedule": "cosine", "lrs": list(lrs), "lr_selection": "calibration auprc", "lr_seed": plan.lr_seed,
             "split": "test", "std": "sample (ddof=1) over seeds",
             "split_sizes": [len(splits.split(s)[1]) for s in ("train", "calibration", "test")],
             "runs_trained": runs.trained, "runs_reused": runs.reused, "pr_curve": pr_curve,
@@ -339,10 +372,7 @@ def table1(dataset: str = "mnist5k", seeds: int | list[int] = 3, epochs: int = 3
         "paper_mnist_one_minus": {k: dict(zip(("auprc", "p_at_r90", "p_at_r99", "accuracy"), v)) for k, v in PAPER_MNIST.items()},
     }
     (out / "table1.json").write_text(json.dumps(result, indent=2))
-    if "table1" in sys.argv:  # called from the CLI: repeat what was typed
-        command = "slc experiment table1 " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("table1") + 1:])
-    else:
-        command = f"trainer.experiments.table1(dataset={dataset!r}, seeds={seeds!r}, epochs={epochs}, lrs={list(lrs)}, out={str(out)!r})"
+    command = command or (f"trainer.experiments.table1(dataset={dataset!r}, seeds={seeds!r}, epochs={epochs}, "
+                          f"lrs={list(lrs)}, out={str(out)!r})")
     _write_markdown(out, result, command, time.perf_counter() - started)
-    print(f"wrote {out / 'table1.json'}, {out / 'table1.md'}, {out / pr_curve}", flush=True)
     return result

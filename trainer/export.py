@@ -16,19 +16,26 @@ is only measured.
 """
 from __future__ import annotations
 
-import datetime as _dt
+import contextlib
 import json
 import logging
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 
-from serving.bundle import FORMAT, FORMAT_VERSION, GRAPH_IO, MANIFEST, graph_problems, verify_bundle, write_manifest
+from serving.bundle import (
+    GRAPH_IO, MANIFEST, NpyStream, base_manifest, graph_problems, ort_session, replace_dir, verify_bundle,
+    write_manifest,
+)
+from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from trainer.calibrate import calibrate
-from trainer.synthetic import MAX_SAMPLE_COLUMNS, NpyStream
+
+log = logging.getLogger(__name__)
 
 PARITY_TOL = 1e-4
 EXTERNAL_DATA_BYTES = 1 << 30  # heads above 1 GiB go to external data (protobuf's hard limit is 2 GiB)
@@ -76,20 +83,23 @@ def _export_graph(module, kind: str, example: tuple, path: Path, external: bool)
     batch = torch.export.Dim("N")
     dynamic = tuple({0: batch} for _ in example)
     ins, outs = GRAPH_IO[kind]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_logger("torch.onnx"):
         warnings.simplefilter("ignore")
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         program = torch.onnx.export(module, example, None, input_names=ins, output_names=outs, dynamo=True,
                                     dynamic_shapes=dynamic, verbose=False, optimize=True)
     program.save(str(path), external_data=external)
 
 
-def _session(path: Path):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """The exporter's progress chatter off for one export; the logger's level is restored after."""
+    logger = logging.getLogger(name)
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
 
 
 def _rel_diff(got: np.ndarray, want: np.ndarray) -> float:
@@ -113,7 +123,7 @@ def parity(path: Path, kind: str, module, x: np.ndarray, class_id: np.ndarray) -
     """Max relative difference of onnxruntime vs torch over x (at batch 1 and at the full batch)."""
     import torch
 
-    sess = _session(path)
+    sess = ort_session(path)
     worst = 0.0
     for sl in (slice(0, 1), slice(0, len(x))):
         feeds = {"input": x[sl]}
@@ -131,7 +141,7 @@ def parity(path: Path, kind: str, module, x: np.ndarray, class_id: np.ndarray) -
 
 
 def _ort_logits(path: Path, x: np.ndarray, batch: int = 1024) -> np.ndarray:
-    sess = _session(path)
+    sess = ort_session(path, threads=os.cpu_count() or 1)
     return np.concatenate([sess.run(None, {"input": x[i:i + batch]})[0] for i in range(0, len(x), batch)])
 
 
@@ -154,110 +164,141 @@ def _prepare_out(out: Path) -> Path:
     return stage
 
 
-def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None) -> Path:
-    """Write BUNDLE (DESIGN.md §6) from a run directory; returns `out`. Raises ExportError if unfaithful."""
-    import torch
+@dataclass
+class _Run:
+    """What export needs of a trained run: the network, its config and the calibration/test data."""
 
+    path: Path
+    net: Any
+    config: dict
+    data_info: dict
+    x_cal: np.ndarray
+    y_cal: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def head(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weight [D, d], bias [D]) as float32 numpy."""
+        h = self.net.head
+        return (h.weight.detach().cpu().numpy().astype(np.float32), h.bias.detach().cpu().numpy().astype(np.float32))
+
+
+def _open_run(run: Path) -> _Run:
     from trainer.data import load_dataset
     from trainer.train import load_run
 
-    run, out = Path(run), Path(out)
-    target = _target(target_precision, target_recall)
     net, config, data_info = load_run(run)
     net.eval()
     splits = load_dataset(data_info["dataset"])
-    x_cal, y_cal = splits.calibration
-    x_test, y_test = splits.test
-    x_cal = np.ascontiguousarray(x_cal, dtype=np.float32)
-    x_test = np.ascontiguousarray(x_test, dtype=np.float32)
-    weight = net.head.weight.detach().cpu().numpy().astype(np.float32)  # [D, d]
-    bias = net.head.bias.detach().cpu().numpy().astype(np.float32)  # [D]
+    (x_cal, y_cal), (x_test, y_test) = splits.calibration, splits.test
+    return _Run(path=run, net=net, config=config, data_info=data_info,
+                x_cal=np.ascontiguousarray(x_cal, dtype=np.float32), y_cal=np.asarray(y_cal),
+                x_test=np.ascontiguousarray(x_test, dtype=np.float32), y_test=np.asarray(y_test))
+
+
+def _export_graphs(r: _Run, stage: Path, D: int, external: bool) -> dict[str, float]:
+    """backbone/full/single.onnx, each checked and compared with torch; returns the parity per graph."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    example_x = torch.from_numpy(r.x_cal[:max(2, min(4, len(r.x_cal)))].copy())
+    example_c = torch.from_numpy(np.array(r.y_cal[:len(example_x)], dtype=np.int64))
+    parity_x = np.array(r.x_cal[:PARITY_BATCH], dtype=np.float32)  # writable copy for torch.from_numpy
+    parity_c = rng.integers(0, D, len(parity_x)).astype(np.int64)
+    report = {}
+    for kind, module in _wrappers(r.net).items():
+        example = (example_x, example_c) if kind == "single" else (example_x,)
+        path = stage / f"{kind}.onnx"
+        _export_graph(module, kind, example, path, external=external and kind != "backbone")
+        check_graph(path, kind)
+        report[kind] = parity(path, kind, module, parity_x, parity_c)
+    return report
+
+
+def _write_head(stage: Path, weight: np.ndarray, bias: np.ndarray) -> None:
+    """The head rows as page-aligned .npy (what the server memory-maps and the index reads)."""
+    for name, arr in (("head_weight.npy", weight), ("head_bias.npy", bias)):
+        stream = NpyStream(stage / name, arr.shape)
+        stream.write(arr)
+        stream.close()
+
+
+def _write_calibration(r: _Run, stage: Path, target: dict) -> dict:
+    """Thresholds chosen on the calibration split's logits as the server computes them (full.onnx)."""
+    logits_cal = _ort_logits(stage / "full.onnx", r.x_cal)
+    has_test = len(r.x_test) > 0
+    logits_test = _ort_logits(stage / "full.onnx", r.x_test) if has_test else None
+    cal = calibrate(logits_cal, r.y_cal, target, logits_test, r.y_test if has_test else None)
+    (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
+    return cal
+
+
+def _write_samples(r: _Run, stage: Path, D: int) -> None:
+    """samples.npz: the first example of a few classes, expected outputs from torch."""
+    import torch
+
+    rng = np.random.default_rng(1)
+    pick = np.sort(np.unique(r.y_cal, return_index=True)[1][:N_SAMPLES])
+    xs = r.x_cal[pick]
+    sample_cid = r.y_cal.astype(np.int64)[pick]
+    sample_cid[-1] = D - 1
+    columns = np.arange(D) if D <= MAX_SAMPLE_COLUMNS else np.unique(
+        np.concatenate([[0, D - 1], sample_cid, rng.choice(D, MAX_SAMPLE_COLUMNS, replace=False)]))
+    with torch.no_grad():
+        xt = torch.from_numpy(xs)
+        emb = r.net.embed(xt).numpy()  # [n, d]
+        logits = r.net(xt).numpy()[:, columns]  # [n, c]
+        single = r.net.single(xt, torch.from_numpy(sample_cid)).numpy()  # [n]
+    np.savez(stage / "samples.npz", input=xs, embedding=emb.astype(np.float32), logits=logits.astype(np.float32),
+             logit_columns=columns.astype(np.int64), class_id=sample_cid, logit=single.astype(np.float32))
+
+
+def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dict, parity_report: dict) -> dict:
+    import onnx
+    import torch
+
+    config = r.config
+    metrics = json.loads((r.path / "metrics.json").read_text()) if (r.path / "metrics.json").exists() else {}
+    full_model = onnx.load(str(stage / "full.onnx"), load_external_data=False)
+    opset = max(o.version for o in full_model.opset_import if o.domain in ("", "ai.onnx"))
+    return base_manifest(
+        r.path.resolve().name, r.data_info["input_shape"], embed_dim, classes,
+        version=str(config.get("versions", {}).get("slc", "dev")),
+        loss={"name": config.get("loss"), "params": config.get("loss_params", {}),
+              "pols": bool(config.get("loss_pols", False))},
+        backbone={"name": config.get("backbone"), "params": config.get("backbone_params", {})},
+        training=config, dataset=r.data_info.get("dataset"), test_metrics=metrics.get("test"),
+        calibration_metrics=metrics.get("calibration"),
+        onnx={"opset": int(opset), "ir_version": int(full_model.ir_version),
+              "exporter": f"torch {torch.__version__} dynamo", "parity_max_rel_diff": parity_report},
+        calibration_target=cal["target"])
+
+
+def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None) -> Path:
+    """Write BUNDLE (DESIGN.md §6) from a run directory; returns `out`. Raises ExportError if unfaithful."""
+    run, out = Path(run), Path(out)
+    target = _target(target_precision, target_recall)
+    r = _open_run(run)
+    weight, bias = r.head  # [D, d], [D]
     D, d = weight.shape
-    classes = [str(c) for c in data_info["classes"]]
+    classes = [str(c) for c in r.data_info["classes"]]
     if len(classes) != D:
         raise ExportError(f"{len(classes)} class names for a head of {D} rows")
-
     stage = _prepare_out(out)
     try:
-        rng = np.random.default_rng(0)
-        modules = _wrappers(net)
-        n_ex = min(4, len(x_cal))
-        example_x = torch.from_numpy(x_cal[:max(2, n_ex)].copy())
-        example_c = torch.from_numpy(np.array(y_cal[:len(example_x)], dtype=np.int64))
-        external = weight.nbytes > EXTERNAL_DATA_BYTES
-        parity_x = np.array(x_cal[:PARITY_BATCH], dtype=np.float32)  # writable copy for torch.from_numpy
-        parity_c = rng.integers(0, D, len(parity_x)).astype(np.int64)
-        report = {}
-        for kind, module in modules.items():
-            example = (example_x, example_c) if kind == "single" else (example_x,)
-            path = stage / f"{kind}.onnx"
-            _export_graph(module, kind, example, path, external=external and kind != "backbone")
-            check_graph(path, kind)
-            report[kind] = parity(path, kind, module, parity_x, parity_c)
-
-        # the head rows, page-aligned .npy (also what faiss / retrieval read)
-        for name, arr in (("head_weight.npy", weight), ("head_bias.npy", bias)):
-            stream = NpyStream(stage / name, arr.shape)
-            stream.write(arr)
-            stream.close()
-
-        # calibration on the logits the server computes (onnxruntime, full.onnx)
-        logits_cal = _ort_logits(stage / "full.onnx", x_cal)
-        logits_test = _ort_logits(stage / "full.onnx", x_test) if len(x_test) else None
-        cal = calibrate(logits_cal, y_cal, target, logits_test, y_test if len(x_test) else None)
-        (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
-
-        # samples: the first example of each of a few classes, expected outputs from torch
-        pick = np.unique(np.asarray(y_cal), return_index=True)[1][:N_SAMPLES]
-        xs = x_cal[np.sort(pick)]
-        sample_cid = np.asarray(y_cal, dtype=np.int64)[np.sort(pick)]
-        sample_cid[-1] = D - 1
-        columns = np.arange(D) if D <= MAX_SAMPLE_COLUMNS else np.unique(
-            np.concatenate([[0, D - 1], sample_cid, rng.choice(D, MAX_SAMPLE_COLUMNS, replace=False)]))
-        with torch.no_grad():
-            xt = torch.from_numpy(xs)
-            emb = net.embed(xt).numpy()
-            logits = net(xt).numpy()[:, columns]
-            single = net.single(xt, torch.from_numpy(sample_cid)).numpy()
-        np.savez(stage / "samples.npz", input=xs, embedding=emb.astype(np.float32), logits=logits.astype(np.float32),
-                 logit_columns=columns.astype(np.int64), class_id=sample_cid, logit=single.astype(np.float32))
-
-        metrics = {}
-        if (run / "metrics.json").exists():
-            metrics = json.loads((run / "metrics.json").read_text())
-        import onnx
-
-        full_model = onnx.load(str(stage / "full.onnx"), load_external_data=False)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "name": run.resolve().name,
-            "version": str(config.get("versions", {}).get("slc", "dev")),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "input": {"shape": [int(s) for s in data_info["input_shape"]], "dtype": "float32"},
-            "embed_dim": int(d),
-            "num_classes": int(D),
-            "classes": classes,
-            "dataset": data_info.get("dataset"),
-            "loss": {"name": config.get("loss"), "params": config.get("loss_params", {}),
-                     "pols": bool(config.get("loss_pols", False))},
-            "backbone": {"name": config.get("backbone"), "params": config.get("backbone_params", {})},
-            "training": config,
-            "test_metrics": metrics.get("test"),
-            "calibration_metrics": metrics.get("calibration"),
-            "onnx": {"opset": int(max(o.version for o in full_model.opset_import if o.domain in ("", "ai.onnx"))),
-                     "ir_version": int(full_model.ir_version), "exporter": f"torch {torch.__version__} dynamo",
-                     "parity_max_rel_diff": report},
-            "calibration_target": cal["target"],
-        }
-        write_manifest(stage, manifest)
+        parity_report = _export_graphs(r, stage, D, external=weight.nbytes > EXTERNAL_DATA_BYTES)
+        _write_head(stage, weight, bias)
+        cal = _write_calibration(r, stage, target)
+        _write_samples(r, stage, D)
+        write_manifest(stage, _manifest(r, stage, classes, d, cal, parity_report))
         problems = verify_bundle(stage)
         if problems:
             raise ExportError("exported bundle fails verification: " + "; ".join(problems))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(stage, out)
+        replace_dir(stage, out)
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
+    log.info("exported %s -> %s (%d classes, parity %s)", run, out, D,
+             ", ".join(f"{k} {v:.1e}" for k, v in parity_report.items()))
     return out

@@ -34,6 +34,10 @@ from trainer.losses import build_loss
 from trainer.metrics import pooled_separation, slc_metrics
 
 
+OPTIMIZERS = ("adam", "sgd")
+SCHEDULES = ("cosine", "constant")
+
+
 @dataclass
 class TrainConfig:
     dataset: str

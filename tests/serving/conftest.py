@@ -17,7 +17,7 @@ D, DIM, INPUT_DIM = 50, 16, 12
 
 @pytest.fixture(scope="session")
 def bundle_path(tmp_path_factory) -> Path:
-    from trainer.synthetic import build_synthetic_bundle
+    from serving.bundle.synthetic import build_synthetic_bundle
 
     out = tmp_path_factory.mktemp("bundle") / "synthetic"
     build_synthetic_bundle(classes=D, dim=DIM, input_dim=INPUT_DIM, seed=0, out=out)

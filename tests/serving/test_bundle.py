@@ -1,6 +1,6 @@
 """serving.bundle: loading, the Bundle interface, and verify catching every kind of damage.
 
-Bundles here are synthetic (trainer.synthetic, no torch), so these tests run without torch.
+Bundles here are synthetic (serving.bundle.synthetic, no torch), so these tests run without torch.
 Tamper tests on a trained, exported bundle are in tests/trainer/test_export.py.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from serving.bundle import REQUIRED_FILES, BundleError, load_bundle, verify_bundle, write_manifest
-from trainer.synthetic import build_synthetic_bundle
+from serving.bundle.synthetic import build_synthetic_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 

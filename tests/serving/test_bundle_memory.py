@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from serving.bundle import IdNames, PerClassCalibration, compact_names, load_bundle, write_manifest
-from trainer.synthetic import build_synthetic_bundle
+from serving.bundle.synthetic import build_synthetic_bundle
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Every acknowledged gallery write survives kill -9 of the writer (a child process), then a restart.
 
 Two writers: a plain Python process using Gallery (fast, only this module), and the real server
-(`python -m trainer.cli serve BUNDLE --data-dir D`) written to over HTTP, SIGKILLed while writes are
+(`python -m slc serve BUNDLE --data-dir D`) written to over HTTP, SIGKILLed while writes are
 still in flight.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _request(method: str, url: str, body: dict | None = None, timeout: float = 1
 def _start_server(bundle: Path, data_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "SLC_HOME": str(data_dir.parent / "home")}
     log = open(log_path, "ab")
-    return subprocess.Popen([sys.executable, "-m", "trainer.cli", "serve", str(bundle), "--host", "127.0.0.1",
+    return subprocess.Popen([sys.executable, "-m", "slc", "serve", str(bundle), "--host", "127.0.0.1",
                              "--port", str(port), "--data-dir", str(data_dir), "--device", "cpu"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -113,7 +113,7 @@ def _wait_ready(proc: subprocess.Popen, base: str, log_path: Path, timeout: floa
 def test_server_acknowledged_items_survive_sigkill(tmp_path):
     if not (ROOT / "serving" / "app.py").exists() or not (ROOT / "trainer" / "synthetic.py").exists():
         pytest.skip("the HTTP server or the synthetic bundle builder is not there")
-    from trainer.synthetic import build_synthetic_bundle
+    from serving.bundle.synthetic import build_synthetic_bundle
 
     bundle = build_synthetic_bundle(classes=20, dim=DIM, input_dim=4, seed=0, out=tmp_path / "bundle")
     data_dir, port, log_path = tmp_path / "data", _free_port(), tmp_path / "server.log"

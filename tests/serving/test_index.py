@@ -182,7 +182,7 @@ def test_recall_is_tuned_on_backbone_embeddings_of_random_inputs(tmp_path):
     """With a backbone.onnx the tuning queries are what the server embeds; recall holds on fresh ones."""
     ort = pytest.importorskip("onnxruntime")
     from serving.bundle import load_bundle
-    from trainer.synthetic import build_synthetic_bundle
+    from serving.bundle.synthetic import build_synthetic_bundle
 
     path = build_synthetic_bundle(classes=20_000, dim=32, input_dim=8, seed=3, out=tmp_path / "synthetic")
     bundle = load_bundle(path, False)
@@ -236,7 +236,7 @@ def test_bench_bundle_cache_key_holds_rows_kind_and_builder(tmp_path, monkeypatc
     """The bench never reuses a cached synthetic bundle of another rows kind (the index's worst case)."""
     import json
 
-    from serving import bench
+    from serving.bench import run as bench
 
     monkeypatch.setenv("SLC_HOME", str(tmp_path))
     clustered = bench.cached_bundle(12, 8, rows="clustered")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _serve(bundle: Path, tmp_path: Path, port: int, *flags: str, **env_extra: str) -> subprocess.Popen:
     env = dict(os.environ, SLC_HOME=str(tmp_path / "home"), SLC_INTRA_OP_THREADS="1", PYTHONPATH=str(ROOT), **env_extra)
-    cmd = [sys.executable, "-m", "trainer.cli", "serve", str(bundle), "--port", str(port),
+    cmd = [sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port),
            "--data-dir", str(tmp_path / "data"), *flags]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

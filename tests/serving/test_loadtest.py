@@ -279,17 +279,48 @@ def test_loopback_targets_are_accepted(url):
     lt.check_target(url)
 
 
-def test_cli_refuses_remote(tmp_path):
-    with pytest.raises(SystemExit) as exc:
-        lt.run_loadtest_cli("http://192.0.2.1:8000", ["detect"], None, 1, None, 1, 0, 1, 1, False, tmp_path)
-    assert exc.value.code == 2
+def slc(*args: str) -> int:
+    """`slc ARGS` in this process; its exit code."""
+    from slc.cli import main
+
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def test_cli_refuses_remote(tmp_path, capsys):
+    assert slc("loadtest", "--url", "http://192.0.2.1:8000", "--duration", "1", "--out", tmp_path) == 2
     assert not any(tmp_path.iterdir())
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--allow-remote" in err
+
+
+def test_cli_closed_port_says_so_and_fails(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        code = slc("loadtest", "--url", f"127.0.0.1:{port}", "--duration", "0.5", "--warmup", "0", "--out", tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("error: cannot reach the server") and f"127.0.0.1:{port}" in err[-1]
+
+
+def test_cli_fails_when_every_request_failed(tmp_path, capsys):
+    with FakeServer(topk_status=lambda n: 503) as srv:
+        code = slc("loadtest", "--url", srv.url, "--endpoint", "topk", "--concurrency", "2", "--duration", "0.4",
+                   "--warmup", "0", "--out", tmp_path)
+    assert code == 1
+    assert "no request succeeded" in capsys.readouterr().err
+    assert json.loads((tmp_path / "report.json").read_text())["ok"] == 0
 
 
 def test_cli_writes_three_reports_against_fake(tmp_path):
     with FakeServer(topk_status=lambda n: 429 if n % 2 else 200) as srv:
-        report = lt.run_loadtest_cli(srv.url, ["detect", "softmax", "topk"], None, 2, None, 0.5, 0.2, None, 2,
-                                     False, tmp_path)
+        assert slc("loadtest", "--url", srv.url, "--endpoint", "detect,softmax,topk", "--concurrency", "2",
+                   "--duration", "0.5", "--warmup", "0.2", "--batch", "2", "--out", tmp_path) == 0
+        report = json.loads((tmp_path / "report.json").read_text())
     assert {p.name for p in tmp_path.iterdir()} >= {"report.json", "report.md", "latency.png"}
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["generator_ceiling"]["rps"] > 0
@@ -307,13 +338,13 @@ def test_cli_writes_three_reports_against_fake(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    synthetic = pytest.importorskip("trainer.synthetic")
+    synthetic = pytest.importorskip("serving.bundle.synthetic")
     pytest.importorskip("serving.app")
-    from serving.bench import ServerProcess, _slc_server
+    from serving.bench.server import ServerProcess, slc_server
 
     tmp = tmp_path_factory.mktemp("lt-real")
     bundle = synthetic.build_synthetic_bundle(classes=50, dim=16, input_dim=8, seed=0, out=tmp / "bundle")
-    srv: ServerProcess = _slc_server(bundle, tmp, "test", tmp / "data")
+    srv: ServerProcess = slc_server(bundle, tmp, "test", tmp / "data")
     try:
         srv.wait_ready(120)
         yield srv
@@ -322,11 +353,11 @@ def real_server(tmp_path_factory):
 
 
 def test_short_real_run_writes_three_reports(real_server, tmp_path):
-    report = lt.run_loadtest_cli(real_server.url, ["detect", "softmax", "topk", "topk_index"], "7", 2, None, 0.6, 0.2,
-                                 None, 1, False, tmp_path)
+    url = real_server.url.removeprefix("http://")  # host:port is accepted
+    assert slc("loadtest", "--url", url, "--endpoint", "detect,softmax,topk,topk_index", "--class", "7",
+               "--concurrency", "2", "--duration", "0.6", "--warmup", "0.2", "--out", tmp_path) == 0
     assert {p.name for p in tmp_path.iterdir()} >= {"report.json", "report.md", "latency.png"}
     data = json.loads((tmp_path / "report.json").read_text())
-    assert data == json.loads(json.dumps(report, default=float))
     for name in ("detect", "softmax", "topk", "topk_index"):
         ep = data["endpoints"][name]
         assert ep["requests"] > 0 and ep["errors"] == {}, (name, ep["errors"])
@@ -345,7 +376,7 @@ def test_real_server_open_loop_and_statuses(real_server):
 def test_scale_bench_end_to_end_small(tmp_path, monkeypatch):
     """The whole `slc bench scale` pipeline on two tiny D: three result files, consistent numbers."""
     pytest.importorskip("serving.app")
-    from serving import bench
+    from serving.bench import run as bench
 
     monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
     res = bench.run_scale_bench([5, 40], dim=8, duration=0.3, out=tmp_path / "out", default_model=False)
@@ -367,7 +398,7 @@ def test_process_tree_memory_sums_the_tree():
     """A shell with one child: the tree's RSS is the sum of both /proc/PID/status VmRSS."""
     import subprocess
 
-    from serving.bench import process_tree_memory
+    from serving.bench.server import process_tree_memory
 
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
     try:
@@ -400,7 +431,7 @@ def test_process_tree_memory_sums_the_tree():
 
 def test_head_kernels_compute_the_right_logits(tmp_path):
     """What head_alone times are the logits of the bundle rows (float64 reference), one or all."""
-    from serving.bench import head_alone, head_kernels
+    from serving.bench.head import head_alone, head_kernels
 
     rng = np.random.default_rng(0)
     W = rng.standard_normal((30, 8)).astype(np.float32)

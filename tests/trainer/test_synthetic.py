@@ -11,7 +11,8 @@ import onnxruntime as ort
 import pytest
 
 from serving.bundle import load_bundle, verify_bundle
-from trainer.synthetic import NPY_ALIGN, QUANTILE, NpyStream, build_synthetic_bundle
+from serving.bundle.npy import NPY_ALIGN, NpyStream
+from serving.bundle.synthetic import QUANTILE, build_synthetic_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ def test_graphs_share_the_npy_rows_instead_of_copying(moderate):
 def test_thresholds_are_near_the_claimed_quantile(tmp_path):
     """Brute force: the share of random inputs at or above each class's threshold is about 1 - 0.999.
 
-    The rule is a Gaussian approximation of the logit over random inputs (see trainer.synthetic);
+    The rule is a Gaussian approximation of the logit over random inputs (see serving.bundle.synthetic);
     with normalised embeddings the true tails are a little lighter, so allow a factor ~3.
     """
     p = build_synthetic_bundle(classes=200, dim=256, input_dim=32, seed=5, out=tmp_path / "q")
@@ -106,7 +107,7 @@ def test_npy_stream_round_trip(tmp_path):
 def test_building_imports_no_torch(tmp_path):
     code = (
         "import sys\n"
-        "from trainer.synthetic import build_synthetic_bundle\n"
+        "from serving.bundle.synthetic import build_synthetic_bundle\n"
         f"build_synthetic_bundle(classes=20, dim=8, input_dim=4, seed=0, out={str(tmp_path / 'nt')!r})\n"
         "assert 'torch' not in sys.modules\n"
         "print('ok')\n"

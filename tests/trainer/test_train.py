@@ -127,7 +127,7 @@ def test_two_rank_data_parallel_equals_single_process(tmp_path):
     args = ["--dataset", "digits", "--backbone", "linear", "--loss", "ce", "--epochs", "2", "--lr", "0.05",
             "--batch-size", "64", "--optimizer", "sgd", "--seed", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "trainer.cli", "train", *args, "--out", str(tmp_path / "one")],
+    subprocess.run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")],
                    check=True, cwd=ROOT, env=env, capture_output=True)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                     "trainer.cli", "train", *args, "--out", str(tmp_path / "two")],

@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from trainer.losses.smooth_topk import smooth_topk_autograd, smooth_topk_loss
 
-COMMAND = "slc bench losses --out docs/results  (or: .venv/bin/python -m trainer.cli bench losses --out docs/results)"
+COMMAND = "slc bench losses --out docs/results"
 
 
 def _methods(k: int, tau: float, alpha: float) -> dict[str, Callable]:
@@ -87,7 +86,6 @@ def run_loss_bench(out: Path, classes: int = 1000, k: int = 5, batch: int = 256,
         rows[name]["min_ratio_to_ce"] = rows[name]["min_ms"] / rows["ce"]["min_ms"]
     result = {
         "command": COMMAND,
-        "argv": " ".join(sys.argv),
         "setup": {"classes": classes, "k": k, "batch": batch, "tau": tau, "alpha": alpha, "dtype": "float32",
                   "device": "cpu", "torch_threads": threads, "repeats": repeats, "warmup": warmup, "seed": seed},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,

@@ -24,18 +24,19 @@ The global threshold is the median of the per-class ones.
 """
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from serving.bundle import FORMAT, FORMAT_VERSION, write_manifest
+from serving.bundle.format import base_manifest, write_manifest
+from serving.bundle.graphs import external_tensor
+from serving.bundle.npy import NPY_ALIGN, NpyStream  # noqa: F401  (NPY_ALIGN: part of this module's contract)
 
 OPSET = 17
 IR_VERSION = 8
@@ -44,76 +45,13 @@ PROBE = 4096  # random inputs used for the embedding mean / covariance
 QUANTILE = 0.999
 Z_QUANTILE = 3.090232306167813  # Phi^-1(0.999)
 ROW_CHUNK = 65536
-NPY_ALIGN = 4096
 N_SAMPLES = 8
 MAX_SAMPLE_COLUMNS = 4096
 N_CENTRES = 1000  # directions shared by class rows when rows="clustered"
-
-
-# ---------------------------------------------------------------- .npy written as a stream
-
-
-def npy_header(shape: tuple[int, ...], dtype=np.float32, align: int = NPY_ALIGN) -> bytes:
-    """A version 1.0 .npy header padded so the data starts at a multiple of `align`.
-
-    np.load accepts any header length that ends in a newline; the padding is spaces.
-    """
-    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
-    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, tuple(int(s) for s in shape))
-    prefix = 10  # magic (6) + version (2) + uint16 header length (2)
-    total = -(-(prefix + len(text) + 1) // align) * align
-    if total - prefix > 0xFFFF:
-        raise ValueError("npy header too long for format 1.0")
-    body = text + " " * (total - prefix - len(text) - 1) + "\n"
-    return b"\x93NUMPY\x01\x00" + (total - prefix).to_bytes(2, "little") + body.encode("latin1")
-
-
-class NpyStream:
-    """Append rows of a C-order float32 array to a .npy file while hashing it."""
-
-    def __init__(self, path: Path, shape: tuple[int, ...]):
-        self.path, self.shape = Path(path), tuple(shape)
-        self.header = npy_header(self.shape)
-        self._f = open(self.path, "wb")
-        self._hash = hashlib.sha256(self.header)
-        self._f.write(self.header)
-        self._rows = 0
-
-    @property
-    def offset(self) -> int:
-        return len(self.header)
-
-    def write(self, rows: np.ndarray) -> None:
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        if rows.shape[1:] != self.shape[1:]:
-            raise ValueError(f"rows {rows.shape} do not fit {self.shape}")
-        data = rows.data.cast("B")  # no copy
-        self._f.write(data)
-        self._hash.update(data)
-        self._rows += rows.shape[0]
-
-    def close(self) -> tuple[str, int]:
-        self._f.close()
-        if self._rows != self.shape[0]:
-            raise ValueError(f"{self.path.name}: wrote {self._rows} rows, expected {self.shape[0]}")
-        return self._hash.hexdigest(), self.path.stat().st_size
+ROW_KINDS = ("clustered", "gaussian")
 
 
 # ---------------------------------------------------------------- graph pieces
-
-
-def external_tensor(name: str, shape: tuple[int, ...], location: str, offset: int, dtype=TensorProto.FLOAT) -> TensorProto:
-    """An initializer whose data lives in `location` (relative to the graph) at `offset`."""
-    t = TensorProto()
-    t.name = name
-    t.data_type = dtype
-    t.dims.extend(int(s) for s in shape)
-    t.data_location = TensorProto.EXTERNAL
-    length = int(np.prod(shape)) * np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
-    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        e = t.external_data.add()
-        e.key, e.value = k, v
-    return t
 
 
 def backbone_nodes(params: dict[str, np.ndarray]) -> tuple[list, list]:
@@ -173,12 +111,95 @@ def write_graphs(out: Path, params: dict[str, np.ndarray], input_dim: int, d: in
 # ---------------------------------------------------------------- the bundle
 
 
+@dataclass
+class _Samples:
+    """A few inputs whose expected outputs are filled in while the rows stream past."""
+
+    x: np.ndarray  # [n, input_dim] float32
+    h: np.ndarray  # [n, d] float64 embeddings
+    class_id: np.ndarray  # [n] int64
+    columns: np.ndarray  # [c] int64: logit columns stored for the full graph
+    logits: np.ndarray  # [n, c]
+    single: np.ndarray  # [n]
+
+    def fill(self, start: int, rows64: np.ndarray, bias: np.ndarray) -> None:
+        """Expected logits for the columns / class ids inside rows [start, start + len(rows64))."""
+        stop = start + len(rows64)
+        in_chunk = (self.columns >= start) & (self.columns < stop)
+        cols = self.columns[in_chunk]
+        self.logits[:, in_chunk] = self.h @ rows64[cols - start].T + bias[cols]
+        hit = (self.class_id >= start) & (self.class_id < stop)
+        self.single[hit] = (self.h[hit] * rows64[self.class_id[hit] - start]).sum(axis=1) + bias[self.class_id[hit]]
+
+    def save(self, path: Path) -> None:
+        np.savez(path, input=self.x, embedding=self.h.astype(np.float32), logits=self.logits.astype(np.float32),
+                 logit_columns=self.columns.astype(np.int64), class_id=self.class_id.astype(np.int64),
+                 logit=self.single.astype(np.float32))
+
+
+def _backbone_params(rng: np.random.Generator, input_dim: int, d: int) -> dict[str, np.ndarray]:
+    return {
+        "bb_w1": (rng.standard_normal((HIDDEN, input_dim)) * math.sqrt(2.0 / input_dim)).astype(np.float32),
+        "bb_b1": np.zeros(HIDDEN, dtype=np.float32),
+        "bb_w2": (rng.standard_normal((d, HIDDEN)) * math.sqrt(2.0 / HIDDEN)).astype(np.float32),
+        "bb_b2": (0.1 * rng.standard_normal(d)).astype(np.float32),
+    }
+
+
+def _plan_samples(rng: np.random.Generator, params: dict, input_dim: int, D: int) -> _Samples:
+    x = rng.standard_normal((N_SAMPLES, input_dim)).astype(np.float32)
+    cid = rng.integers(0, D, N_SAMPLES)
+    cid[0], cid[-1] = 0, D - 1
+    if D <= MAX_SAMPLE_COLUMNS:
+        columns = np.arange(D)
+    else:
+        columns = np.unique(np.concatenate([[0, D - 1], rng.choice(D, MAX_SAMPLE_COLUMNS - 2, replace=False)]))
+    return _Samples(x=x, h=backbone_numpy(params, x.astype(np.float64)), class_id=cid, columns=columns,
+                    logits=np.empty((N_SAMPLES, len(columns))), single=np.empty(N_SAMPLES))
+
+
+def _row_chunks(rng: np.random.Generator, D: int, d: int, rows: str):
+    """Yield (start, rows [c, d] float32) of the head, ROW_CHUNK rows at a time."""
+    centres = rng.standard_normal((min(D, N_CENTRES), d), dtype=np.float32)  # [K, d]
+    for start in range(0, D, ROW_CHUNK):
+        stop = min(D, start + ROW_CHUNK)
+        noise = rng.standard_normal((stop - start, d), dtype=np.float32)  # [c, d]
+        if rows == "clustered":
+            yield start, (centres[rng.integers(0, len(centres), stop - start)] + 0.5 * noise) / np.float32(math.sqrt(1.25 * d))
+        else:
+            yield start, noise / np.float32(math.sqrt(d))
+
+
+def _write_head(out: Path, rng: np.random.Generator, D: int, d: int, rows: str, probe: np.ndarray,
+                samples: _Samples) -> tuple[dict, dict[str, int], np.ndarray, np.ndarray]:
+    """Stream the rows and bias to .npy; per-class threshold and sd of the logit (module docstring).
+
+    Returns (known hashes, data offsets, threshold [D], sd [D])."""
+    mu, cov = probe.mean(axis=0), np.cov(probe, rowvar=False).reshape(d, d)  # [d], [d, d]
+    bias = (0.1 * rng.standard_normal(D)).astype(np.float32)  # [D], 4 MB at 1M
+    threshold, sd = np.empty(D, dtype=np.float64), np.empty(D, dtype=np.float64)
+    weight_stream = NpyStream(out / "head_weight.npy", (D, d))
+    for start, chunk in _row_chunks(rng, D, d, rows):
+        weight_stream.write(chunk)
+        rows64 = chunk.astype(np.float64)
+        stop = start + len(chunk)
+        var_j = np.einsum("cd,cd->c", rows64 @ cov, rows64)  # [c]: W_j S W_j^T
+        sd[start:stop] = np.sqrt(np.maximum(var_j, 1e-12))
+        threshold[start:stop] = rows64 @ mu + bias[start:stop] + Z_QUANTILE * sd[start:stop]
+        samples.fill(start, rows64, bias)
+    known = {"head_weight.npy": weight_stream.close()}
+    bias_stream = NpyStream(out / "head_bias.npy", (D,))
+    bias_stream.write(bias)
+    known["head_bias.npy"] = bias_stream.close()
+    return known, {"weight": weight_stream.offset, "bias": bias_stream.offset}, threshold, sd
+
+
 def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle",
                            rows: str = "clustered") -> Path:
     """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`."""
     D, d = int(classes), int(dim)
-    if rows not in ("clustered", "gaussian"):
-        raise ValueError(f"rows must be 'clustered' or 'gaussian', got {rows!r}")
+    if rows not in ROW_KINDS:
+        raise ValueError(f"rows must be one of {', '.join(ROW_KINDS)}; got {rows!r}")
     if D < 1 or d < 1 or input_dim < 1:
         raise ValueError("classes, dim and input_dim must be positive")
     out = Path(out)
@@ -186,81 +207,20 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
         shutil.rmtree(out)
     out.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-
-    params = {
-        "bb_w1": (rng.standard_normal((HIDDEN, input_dim)) * math.sqrt(2.0 / input_dim)).astype(np.float32),
-        "bb_b1": np.zeros(HIDDEN, dtype=np.float32),
-        "bb_w2": (rng.standard_normal((d, HIDDEN)) * math.sqrt(2.0 / HIDDEN)).astype(np.float32),
-        "bb_b2": (0.1 * rng.standard_normal(d)).astype(np.float32),
-    }
+    params = _backbone_params(rng, input_dim, d)
     probe = backbone_numpy(params, rng.standard_normal((PROBE, input_dim)))  # [P, d]
-    mu = probe.mean(axis=0)  # [d]
-    cov = np.cov(probe, rowvar=False).reshape(d, d)  # [d, d]
-
-    x_samples = rng.standard_normal((N_SAMPLES, input_dim)).astype(np.float32)
-    h_samples = backbone_numpy(params, x_samples.astype(np.float64))  # [n, d]
-    sample_cid = rng.integers(0, D, N_SAMPLES)
-    sample_cid[0], sample_cid[-1] = 0, D - 1
-    if D <= MAX_SAMPLE_COLUMNS:
-        columns = np.arange(D)
-    else:
-        columns = np.unique(np.concatenate([[0, D - 1], rng.choice(D, MAX_SAMPLE_COLUMNS - 2, replace=False)]))
-
-    bias = (0.1 * rng.standard_normal(D)).astype(np.float32)  # [D], 4 MB at 1M
-    threshold = np.empty(D, dtype=np.float64)
-    sd = np.empty(D, dtype=np.float64)
-    sample_logits = np.empty((N_SAMPLES, len(columns)))
-    sample_single = np.empty(N_SAMPLES)
-
-    centres = rng.standard_normal((min(D, N_CENTRES), d), dtype=np.float32)  # [K, d]
-    weight_stream = NpyStream(out / "head_weight.npy", (D, d))
-    for start in range(0, D, ROW_CHUNK):
-        stop = min(D, start + ROW_CHUNK)
-        noise = rng.standard_normal((stop - start, d), dtype=np.float32)  # [c, d]
-        if rows == "clustered":
-            chunk = (centres[rng.integers(0, len(centres), stop - start)] + 0.5 * noise) / np.float32(math.sqrt(1.25 * d))
-        else:
-            chunk = noise / np.float32(math.sqrt(d))
-        weight_stream.write(chunk)
-        rows64 = chunk.astype(np.float64)
-        mean_j = rows64 @ mu + bias[start:stop]  # [c]
-        var_j = np.einsum("cd,cd->c", rows64 @ cov, rows64)  # [c]: W_j S W_j^T
-        sd[start:stop] = np.sqrt(np.maximum(var_j, 1e-12))
-        threshold[start:stop] = mean_j + Z_QUANTILE * sd[start:stop]
-        # expected sample outputs for the columns / class ids that fall in this chunk
-        in_chunk = (columns >= start) & (columns < stop)
-        sample_logits[:, in_chunk] = h_samples @ rows64[columns[in_chunk] - start].T + bias[columns[in_chunk]]
-        hit = (sample_cid >= start) & (sample_cid < stop)
-        sample_single[hit] = (h_samples[hit] * rows64[sample_cid[hit] - start]).sum(axis=1) + bias[sample_cid[hit]]
-        del noise, chunk, rows64
-    known = {"head_weight.npy": weight_stream.close()}
-    bias_stream = NpyStream(out / "head_bias.npy", (D,))
-    bias_stream.write(bias)
-    known["head_bias.npy"] = bias_stream.close()
-
-    write_graphs(out, params, input_dim, d, D, weight_stream.offset, bias_stream.offset)
-    np.savez(out / "samples.npz", input=x_samples, embedding=h_samples.astype(np.float32),
-             logits=sample_logits.astype(np.float32), logit_columns=columns.astype(np.int64),
-             class_id=sample_cid.astype(np.int64), logit=sample_single.astype(np.float32))
+    samples = _plan_samples(rng, params, input_dim, D)
+    known, offsets, threshold, sd = _write_head(out, rng, D, d, rows, probe, samples)
+    write_graphs(out, params, input_dim, d, D, offsets["weight"], offsets["bias"])
+    samples.save(out / "samples.npz")
     _write_calibration(out / "calibration.json", threshold, sd)
-
-    name = f"synthetic-D{D}-d{d}-s{seed}"
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "name": name,
-        "version": "1",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "input": {"shape": [int(input_dim)], "dtype": "float32"},
-        "embed_dim": d,
-        "num_classes": D,
-        "classes": [str(j) for j in range(D)],
-        "loss": {"name": "none", "params": {}, "pols": False},
-        "backbone": {"name": "synthetic_mlp", "params": {"input_dim": int(input_dim), "hidden": HIDDEN, "normalize": "l2"}},
-        "training": {"synthetic": True, "seed": int(seed), "rows": rows},
-        "test_metrics": None,
-        "external_data": {"full.onnx": ["head_weight.npy", "head_bias.npy"], "single.onnx": ["head_weight.npy", "head_bias.npy"]},
-    }
+    manifest = base_manifest(
+        f"synthetic-D{D}-d{d}-s{seed}", [input_dim], d, [str(j) for j in range(D)],
+        loss={"name": "none", "params": {}, "pols": False},
+        backbone={"name": "synthetic_mlp", "params": {"input_dim": int(input_dim), "hidden": HIDDEN, "normalize": "l2"}},
+        training={"synthetic": True, "seed": int(seed), "rows": rows}, test_metrics=None,
+        external_data={"full.onnx": ["head_weight.npy", "head_bias.npy"],
+                       "single.onnx": ["head_weight.npy", "head_bias.npy"]})
     write_manifest(out, manifest, known_hashes=known)
     return out
 

@@ -16,7 +16,7 @@ Routes: POST /v1/classes/{class}/softmax (same body and answer shape as slc's), 
 GET /v1/health/live, /v1/health/ready.
 
 This module may import torch -- lazily, inside functions -- and nothing on the serving path
-imports it (serving.app never does). Run: `python -m serving.torch_peer BUNDLE --port P`.
+imports it (it runs only as a subprocess of the bench). Run: `python -m serving.bench.torch_peer BUNDLE --port P` (needs the train extra).
 """
 # no `from __future__ import annotations`: FastAPI must see the real body model class below
 import argparse
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+from serving.bundle.session import ort_session
 
 
 def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
@@ -108,7 +110,6 @@ def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
 
 def create_peer_app(bundle_path: Path | str):
     """FastAPI app of the plain peer over a bundle directory."""
-    import onnxruntime as ort
     import torch
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel
@@ -127,7 +128,7 @@ def create_peer_app(bundle_path: Path | str):
         backbone = torch_backbone
     else:  # an op not covered: onnxruntime for the backbone only, the head stays in torch
         backbone_kind = "onnxruntime (graph has ops the torch rebuild does not cover)"
-        session = ort.InferenceSession(str(bundle_path / "backbone.onnx"), providers=["CPUExecutionProvider"])
+        session = ort_session(bundle_path / "backbone.onnx", threads=0)  # 0: onnxruntime's default threads
 
         def backbone(x):
             return torch.from_numpy(session.run(["embedding"], {"input": x.numpy()})[0])

@@ -1,0 +1,73 @@
+"""The head alone in numpy, no HTTP: one logit per input against all D logits. The bound the
+server's figures are read against."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _time_call(fn, min_time: float = 0.3, repeats: int = 5) -> float:
+    """Median seconds per call over `repeats` rounds of at least `min_time` each."""
+    fn()
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= min_time / repeats or n >= 1 << 20:
+            break
+        n *= 4
+    rounds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n)
+    return float(np.median(rounds))
+
+
+def head_kernels(W: np.ndarray, b: np.ndarray, H: np.ndarray, ids: np.ndarray) -> dict:
+    """The timed head computations: one logit per input (gathered row) vs all D logits.
+
+    W [D, d], b [D], H [B, d] embeddings, ids [B] class ids. Each returns its logits.
+    """
+    h1, j = H[:1], int(ids[0])  # [1, d], the first query's class
+
+    def softmax_batch():
+        z = H @ W.T + b  # [B, D]
+        z -= z.max(axis=1, keepdims=True)
+        np.exp(z, out=z)
+        return z / z.sum(axis=1, keepdims=True)
+
+    return {
+        "one_logit_single": lambda: np.float32(W[j] @ h1[0] + b[j]),  # scalar
+        "one_logit_batch": lambda: np.einsum("nd,nd->n", W[ids], H) + b[ids],  # [B]
+        "all_logits_single": lambda: h1 @ W.T + b,  # [1, D]
+        "all_logits_batch": lambda: H @ W.T + b,  # [B, D]
+        "softmax_batch": softmax_batch,  # [B, D]
+    }
+
+
+def head_alone(bundle: Path, batch: int = 64, seed: int = 0) -> dict:
+    """The head in numpy without HTTP: one logit vs all D logits, microseconds per input."""
+    W = np.load(bundle / "head_weight.npy", mmap_mode="r", allow_pickle=False)  # [D, d], mapped as the server does
+    b = np.load(bundle / "head_bias.npy", allow_pickle=False)  # [D]
+    D, d = W.shape
+    rng = np.random.default_rng(seed)
+    H = rng.standard_normal((batch, d)).astype(np.float32)
+    H /= np.linalg.norm(H, axis=1, keepdims=True)  # [B, d]
+    ids = rng.integers(0, D, batch)  # [B]
+    t = {name: _time_call(fn) for name, fn in head_kernels(W, b, H, ids).items()}
+    us = {
+        "one_logit_per_input_single_us": t["one_logit_single"] * 1e6,
+        "one_logit_per_input_batch64_us": t["one_logit_batch"] / batch * 1e6,
+        "all_logits_per_input_single_us": t["all_logits_single"] * 1e6,
+        "all_logits_per_input_batch64_us": t["all_logits_batch"] / batch * 1e6,
+        "softmax_per_input_batch64_us": t["softmax_batch"] / batch * 1e6,
+    }
+    us["all_over_one_single"] = us["all_logits_per_input_single_us"] / us["one_logit_per_input_single_us"]
+    us["all_over_one_batch64"] = us["all_logits_per_input_batch64_us"] / us["one_logit_per_input_batch64_us"]
+    return us

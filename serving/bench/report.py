@@ -1,0 +1,263 @@
+"""`slc bench scale`'s report: the headline targets (measured, goal, met), scale.md tables and
+scale.png."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+def _ratio(a, b):
+    return (a / b) if (a is not None and b not in (None, 0)) else None
+
+
+def evaluate_targets(rows: list[dict], default_model: Optional[dict], paired: Optional[dict] = None) -> list[dict]:
+    """The product's headline figures: measured value, target, met or not."""
+    by_d = {r["classes"]: r for r in rows}
+    lo, hi = min(by_d), max(by_d)
+    t: list[dict] = []
+
+    def add(name, value, target, better="higher", note=""):
+        met = None if value is None else (value >= target if better == "higher" else value <= target)
+        t.append({"target": name, "value": value, "goal": target, "better": better, "met": met, "note": note})
+
+    c = lambda D, ep: by_d[D]["slc"]["closed"][ep]  # noqa: E731
+    s = lambda D, ep: by_d[D]["slc"]["single_connection"][ep]  # noqa: E731
+    if paired and "large_over_small" in paired:
+        add(f"detect throughput at D={hi:,} / at D={lo:,} (both servers up, alternating blocks)",
+            paired["large_over_small"], 0.8)
+    add(f"detect throughput at D={hi:,} / at D={lo:,} (sequential runs, drift-prone)",
+        _ratio(c(hi, "detect")["rps"], c(lo, "detect")["rps"]), 0.8)
+    add(f"detect / softmax throughput at D={hi:,}", _ratio(c(hi, "detect")["rps"], c(hi, "softmax")["rps"]), 10.0,
+        note="aim 20")
+    add(f"softmax / detect single-connection p50 latency at D={hi:,}",
+        _ratio(s(hi, "softmax")["p50_ms"], s(hi, "detect")["p50_ms"]), 30.0)
+    add(f"topk index recall@10 at D={hi:,}", by_d[hi]["recall"]["recall_at_k"], 0.95)
+    add(f"topk index / exact throughput at D={hi:,} (per batch, closed loop)",
+        _ratio(c(hi, "topk_index")["rps"], c(hi, "topk_exact")["rps"]), 5.0)
+    add(f"topk exact / index single-connection p50 latency at D={hi:,} (per request)",
+        _ratio(s(hi, "topk_exact")["p50_ms"], s(hi, "topk_index")["p50_ms"]), 5.0)
+    add(f"server RSS / head size at D={hi:,}", by_d[hi]["memory"]["rss_over_head"], 1.5, better="lower",
+        note=f"(RSS - RSS at D={lo:,}) / head = {_fmt(by_d[hi]['memory'].get('over_baseline_over_head'), 2)}")
+    if default_model and "detect_over_live" in default_model:
+        add("detect / trivial endpoint throughput, default model", default_model["detect_over_live"], 0.5)
+    else:
+        add("detect / trivial endpoint throughput, default model", None, 0.5,
+            note=(default_model or {}).get("error", "not measured")[:200])
+    for D in (100_000, hi):
+        if D in by_d and "closed" in by_d[D].get("peer", {}):
+            add(f"slc softmax / torch peer softmax throughput at D={D:,}",
+                _ratio(c(D, "softmax")["rps"], by_d[D]["peer"]["closed"]["softmax"]["rps"]), 1.0)
+            add(f"torch peer / slc softmax single-connection p50 at D={D:,}",
+                _ratio(by_d[D]["peer"]["single_connection"]["softmax"]["p50_ms"], s(D, "softmax")["p50_ms"]), 1.0)
+            if D == hi:
+                break
+    return t
+
+
+def _fmt(x, digits=1):
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "–"
+        return f"{x:,.{digits}f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def _index_kind(row: dict) -> str:
+    info = (row.get("server_model") or {}).get("index") or {}
+    kind = info.get("kind", "?")
+    if info.get("fallback_reason"):
+        return f"{kind} (asked {info['requested']}, fell back)"
+    if kind == "ivf":
+        return f"ivf nlist {info.get('nlist')} nprobe {info.get('nprobe')} rerank {info.get('rerank')}, build {_fmt(info.get('build_seconds'))} s"
+    return kind
+
+
+def _md_header(res: dict) -> list[str]:
+    """Title, command, machine, load and the targets table."""
+    L = [f"# Single logit vs full softmax as D grows (d = {res['dim']})", "",
+         f"Command: `{res['command']}`  ", f"Machine: {res['machine']['cpus']} CPUs ({res['machine']['cpu_model']}), "
+         f"load average at start {', '.join(f'{x:.1f}' for x in res['machine']['loadavg_start'])}, at end "
+         f"{', '.join(f'{x:.1f}' for x in res['machine']['loadavg_end'])} (shared machine: absolute numbers are noisy, "
+         "ratios within a run are the figures to read).  ",
+         f"Load: closed loop, concurrency {res['concurrency']}, endpoints rotated in {res.get('block_s', 2.0):g} s blocks (each block drains before the next), "
+         f"{res['duration_s']:g} s per endpoint after 2 s warm-up; single connection: endpoints interleaved per "
+         f"request, {res['duration_s']:g} s. 1 input per request. Client: serving/loadtest (raw asyncio HTTP/1.1, uvloop).",
+         "", "## Targets", "", "| figure | measured | goal | met |", "|---|---:|---:|---|"]
+    for t in res["targets"]:
+        goal = ("≥ " if t["better"] == "higher" else "≤ ") + _fmt(float(t["goal"]), 2)
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        note = f" ({t['note']})" if t.get("note") else ""
+        L.append(f"| {t['target']}{note} | {_fmt(t['value'], 2)} | {goal} | {met} |")
+    return L
+
+
+def _md_throughput(res: dict) -> list[str]:
+    """Closed-loop throughput per endpoint and D."""
+    rows = res["rows"]
+    L = ["", "## Throughput, closed loop (req/s)", "",
+          "| D | live | detect | softmax | topk exact | topk index | torch peer softmax | detect/softmax | index/exact | slc/peer softmax |",
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r["slc"]["closed"]
+        peer = r.get("peer", {}).get("closed", {}).get("softmax", {}).get("rps")
+        L.append(f"| {r['classes']:,} | {_fmt(c['live']['rps'])} | {_fmt(c['detect']['rps'])} | {_fmt(c['softmax']['rps'])} | "
+                 f"{_fmt(c['topk_exact']['rps'])} | {_fmt(c['topk_index']['rps'])} | {_fmt(peer)} | "
+                 f"{_fmt(_ratio(c['detect']['rps'], c['softmax']['rps']), 2)} | "
+                 f"{_fmt(_ratio(c['topk_index']['rps'], c['topk_exact']['rps']), 2)} | {_fmt(_ratio(c['softmax']['rps'], peer), 2)} |")
+    return L
+
+
+def _md_latency_closed(res: dict) -> list[str]:
+    """Closed-loop p50 / p99."""
+    rows = res["rows"]
+    L = ["", "## Latency, closed loop (ms, p50 / p99)", "",
+          "| D | detect | softmax | topk exact | topk index | torch peer softmax |", "|---:|---|---|---|---|---|"]
+    for r in rows:
+        c = r["slc"]["closed"]
+        pc = r.get("peer", {}).get("closed", {}).get("softmax")
+        cell = lambda e: f"{_fmt(e['p50_ms'], 2)} / {_fmt(e['p99_ms'], 2)}" if e else "–"  # noqa: E731
+        L.append(f"| {r['classes']:,} | {cell(c['detect'])} | {cell(c['softmax'])} | {cell(c['topk_exact'])} | "
+                 f"{cell(c['topk_index'])} | {cell(pc)} |")
+    return L
+
+
+def _md_latency_single(res: dict) -> list[str]:
+    """One-connection p50 / p99."""
+    rows = res["rows"]
+    L = ["", "## Latency, one connection (ms, p50 / p99)", "",
+          "| D | detect | softmax | topk exact | topk index | torch peer softmax | softmax/detect p50 |",
+          "|---:|---|---|---|---|---|---:|"]
+    for r in rows:
+        s = r["slc"]["single_connection"]
+        ps = r.get("peer", {}).get("single_connection", {}).get("softmax")
+        cell = lambda e: f"{_fmt(e['p50_ms'], 2)} / {_fmt(e['p99_ms'], 2)}" if e else "–"  # noqa: E731
+        L.append(f"| {r['classes']:,} | {cell(s['detect'])} | {cell(s['softmax'])} | {cell(s['topk_exact'])} | "
+                 f"{cell(s['topk_index'])} | {cell(ps)} | {_fmt(_ratio(s['softmax']['p50_ms'], s['detect']['p50_ms']), 1)} |")
+    return L
+
+
+def _md_memory(res: dict) -> list[str]:
+    """Memory, recall, start-up per D."""
+    rows = res["rows"]
+    L = ["", "## Memory, recall, start-up", "",
+          "| D | head MiB | server RSS MiB | RSS / head | (RSS − smallest-D RSS) / head | peer RSS MiB | topk index recall@10 | index kind | ready s |",
+          "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        mem = r["memory"]
+        L.append(f"| {r['classes']:,} | {_fmt(r['head_bytes'] / 2**20)} | {_fmt(mem['loaded_rss'] / 2**20)} | "
+                 f"{_fmt(mem['rss_over_head'], 2)} | {_fmt(mem.get('over_baseline_over_head'), 2)} | "
+                 f"{_fmt((r.get('peer', {}).get('memory_rss') or 0) / 2**20)} | "
+                 f"{_fmt(r['recall']['recall_at_k'], 3)} | {_index_kind(r)} | {_fmt(r['ready_s'])} |")
+    return L
+
+
+def _md_head_alone(res: dict) -> list[str]:
+    """The head alone in numpy."""
+    rows = res["rows"]
+    L = ["", "## The head alone (numpy, no HTTP; µs per input)", "",
+          "| D | one logit, 1 input | all logits, 1 input | ratio | one logit, batch 64 | all logits, batch 64 | ratio | softmax, batch 64 |",
+          "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        h = r["head_alone"]
+        L.append(f"| {r['classes']:,} | {_fmt(h['one_logit_per_input_single_us'], 2)} | {_fmt(h['all_logits_per_input_single_us'], 2)} | "
+                 f"{_fmt(h['all_over_one_single'])} | {_fmt(h['one_logit_per_input_batch64_us'], 3)} | "
+                 f"{_fmt(h['all_logits_per_input_batch64_us'], 2)} | {_fmt(h['all_over_one_batch64'])} | "
+                 f"{_fmt(h['softmax_per_input_batch64_us'], 2)} |")
+    return L
+
+
+def _md_ceiling(res: dict) -> list[str]:
+    """The generator ceiling (trivial endpoint, wrk)."""
+    rows = res["rows"]
+    L = ["", "## Generator ceiling", "",
+          "The trivial endpoint (`GET /v1/health/live`) in the same rotation is the ceiling of client + server "
+          "framework on these cores; wrk on the same endpoint for comparison:", "",
+          "| D | live via slc loadtest (req/s) | wrk (req/s) |", "|---:|---:|---:|"]
+    for r in rows:
+        w = r.get("wrk_live") or {}
+        L.append(f"| {r['classes']:,} | {_fmt(r['slc']['closed']['live']['rps'])} | "
+                 f"{_fmt(w.get('rps')) if w.get('available') else w.get('note', '–')} |")
+    return L
+
+
+def _md_paired(res: dict) -> list[str]:
+    """detect at the smallest vs the largest D, both servers up."""
+    L: list[str] = []
+    pd = res.get("paired_detect")
+    if pd:
+        L += ["", "## detect at the smallest vs the largest D, both servers up", ""]
+        if "error" in pd:
+            L.append(f"Not measured: {pd['error'][:300]}")
+        else:
+            L += [f"Alternating {pd['rounds']} × {pd['block_s']:g} s closed-loop blocks per server (concurrency "
+                  f"{res['concurrency']}), so both see the same machine.", "",
+                  "| D | detect req/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|"]
+            for key, v in pd.items():
+                if isinstance(v, dict):
+                    L.append(f"| {int(key):,} | {_fmt(v['rps'])} | {_fmt(v['p50_ms'], 2)} | {_fmt(v['p99_ms'], 2)} |")
+            L.append(f"\nRatio large / small: {_fmt(pd['large_over_small'], 2)}.")
+    return L
+
+
+def _md_default_model(res: dict) -> list[str]:
+    """detect on the default model against the trivial endpoint."""
+    L: list[str] = []
+    dm = res.get("default_model")
+    if dm:
+        L += ["", "## Default model (`slc serve` without a bundle)", ""]
+        if "error" in dm:
+            L.append(f"Not measured: {dm['error'][:300]}")
+        else:
+            L.append(f"detect {_fmt(dm['closed']['detect']['rps'])} req/s vs live {_fmt(dm['closed']['live']['rps'])} req/s "
+                     f"→ {_fmt(dm['detect_over_live'], 2)} of the trivial endpoint.")
+    return L
+
+
+def scale_markdown(res: dict) -> str:
+    L = [line for section in (_md_header, _md_throughput, _md_latency_closed, _md_latency_single, _md_memory,
+                              _md_head_alone, _md_ceiling, _md_paired, _md_default_model) for line in section(res)]
+    L += ["", "Peer: serving/bench/torch_peer.py — FastAPI, pydantic body, eager torch backbone rebuilt from backbone.onnx, "
+          "W and b as torch tensors, full softmax over D per request, no batching.", ""]
+    return "\n".join(L)
+
+
+
+
+def scale_plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    D = [r["classes"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    series = [("detect", "detect"), ("softmax", "softmax"), ("topk_exact", "topk exact"), ("topk_index", "topk index"),
+              ("live", "live (trivial)")]
+    for key, label in series:
+        axes[0].plot(D, [r["slc"]["closed"][key]["rps"] for r in rows], marker="o", label=label)
+        if key != "live":
+            axes[1].plot(D, [r["slc"]["closed"][key]["p99_ms"] for r in rows], marker="o", label=label)
+            axes[2].plot(D, [r["slc"]["single_connection"][key]["p50_ms"] for r in rows], marker="o", label=label)
+    peer_rows = [r for r in rows if "closed" in r.get("peer", {})]
+    if peer_rows:
+        pd = [r["classes"] for r in peer_rows]
+        axes[0].plot(pd, [r["peer"]["closed"]["softmax"]["rps"] for r in peer_rows], "k--", marker="x", label="torch peer softmax")
+        axes[1].plot(pd, [r["peer"]["closed"]["softmax"]["p99_ms"] for r in peer_rows], "k--", marker="x", label="torch peer softmax")
+        axes[2].plot(pd, [r["peer"]["single_connection"]["softmax"]["p50_ms"] for r in peer_rows], "k--", marker="x",
+                     label="torch peer softmax")
+    titles = [f"throughput, closed loop c={res['concurrency']} (req/s)", "p99 latency, closed loop (ms)",
+              "p50 latency, one connection (ms)"]
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("classes D")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

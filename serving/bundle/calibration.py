@@ -1,0 +1,138 @@
+"""calibration.json read into float32 arrays [D] (threshold, Platt a/b, precision, recall):
+a 1M-class calibration is a million dicts, which the server must not keep."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serving.bundle.format import json_load
+
+# per_class fields kept as float32 arrays [D]: name -> path inside one calibration.json entry
+_PER_CLASS_OPTIONAL = {"precision": ("precision",), "recall": ("recall",),
+                       "test_precision": ("test", "precision"), "test_recall": ("test", "recall")}
+
+
+class PerClassCalibration(Sequence):
+    """`calibration["per_class"]` without a million dicts: entry j rebuilt from the float32 arrays on demand."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays["threshold"])
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        j = int(j)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"class index {j} out of range")
+        arr = self.arrays
+        entry: dict[str, Any] = {"class_id": j, "threshold": float(arr["threshold"][j])}
+        for key in ("precision", "recall"):
+            if key in arr:
+                entry[key] = float(arr[key][j])
+        entry["platt"] = {"a": float(arr["a"][j]), "b": float(arr["b"][j])}
+        if "test_precision" in arr and "test_recall" in arr:
+            entry["test"] = {"precision": float(arr["test_precision"][j]), "recall": float(arr["test_recall"][j])}
+        return entry
+
+    def __repr__(self) -> str:
+        return f"PerClassCalibration({len(self)} classes: {', '.join(self.arrays)})"
+
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def calibration_arrays(calibration: dict, num_classes: int) -> dict[str, np.ndarray]:
+    """per_class list -> float32 arrays [D] of threshold, a, b (and precision, recall, test_precision,
+    test_recall when every entry has them); ValueError naming the first bad entry.
+
+    Vectorised (np.fromiter) because a 1M-class calibration.json is a million dicts.
+    """
+    per = calibration.get("per_class") if isinstance(calibration, dict) else None
+    if not isinstance(per, list) or len(per) != num_classes:
+        got = len(per) if isinstance(per, list) else type(per).__name__
+        raise ValueError(f"'per_class' must hold one entry per class ({num_classes}), got {got}")
+    try:
+        ids = np.fromiter((e["class_id"] for e in per), dtype=np.int64, count=num_classes)
+        out = {
+            "threshold": np.fromiter((e["threshold"] for e in per), dtype=np.float64, count=num_classes),
+            "a": np.fromiter((e["platt"]["a"] for e in per), dtype=np.float64, count=num_classes),
+            "b": np.fromiter((e["platt"]["b"] for e in per), dtype=np.float64, count=num_classes),
+        }
+        bad = ids != np.arange(num_classes)
+        for v in out.values():
+            bad |= ~np.isfinite(v)
+    except (KeyError, TypeError, ValueError):
+        bad = None
+    if bad is None or bad.any():
+        # slow path only to name the first bad entry
+        for j, e in enumerate(per):
+            ok = (isinstance(e, dict) and e.get("class_id") == j and is_number(e.get("threshold"))
+                  and isinstance(e.get("platt"), dict) and is_number(e["platt"].get("a"))
+                  and is_number(e["platt"].get("b")))
+            if not ok:
+                raise ValueError(f"per_class[{j}] needs class_id {j}, a finite threshold and platt {{a, b}}")
+        raise ValueError("per_class entries are not numbers")  # pragma: no cover
+    for key, where in _PER_CLASS_OPTIONAL.items():
+        values = _optional_field(per, where, num_classes)
+        if values is not None:
+            out[key] = values
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.ndarray | None:
+    """The number at `where` in every entry as float64 [D], or None when any entry lacks a finite one."""
+    def get(e):
+        for key in where:
+            e = e[key]
+        if not is_number(e):
+            raise TypeError
+        return e
+
+    try:
+        return np.fromiter((get(e) for e in per), dtype=np.float64, count=num_classes)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | None, list[str]]:
+    """(calibration, arrays, problems); strict JSON, so every number in it is finite."""
+    name = "calibration.json"
+    try:
+        cal = json_load((path / name).read_bytes())
+    except FileNotFoundError:
+        return None, None, [f"{name}: missing"]
+    except Exception as e:  # noqa: BLE001
+        return None, None, [f"{name}: not valid JSON ({e})"]
+    problems = []
+    if not isinstance(cal, dict):
+        return None, None, [f"{name}: not a JSON object"]
+    target = cal.get("target")
+    if not (isinstance(target, dict) and len(target) == 1 and next(iter(target)) in ("precision", "recall", "quantile")
+            and is_number(next(iter(target.values())))):
+        problems.append(f"{name}: 'target' must be {{'precision'|'recall': number}}")
+    g = cal.get("global")
+    if not (isinstance(g, dict) and is_number(g.get("threshold"))):
+        problems.append(f"{name}: 'global' needs a finite threshold")
+    try:
+        arrays = calibration_arrays(cal, int(manifest["num_classes"]))
+    except ValueError as e:
+        problems.append(f"{name}: {e}")
+        arrays = None
+    if problems:
+        return None, arrays, problems
+    cal["per_class"] = PerClassCalibration(arrays)  # the D dicts are freed here
+    return cal, arrays, problems
+

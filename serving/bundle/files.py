@@ -1,0 +1,87 @@
+"""Atomic writes: a reader sees the old file or the whole new one, never half of either.
+
+One fsync policy for every writer (bundle manifest, index cache, staged bundles): the new
+content is fsynced before the rename, and the directory after it, so a power cut after the
+call returns keeps the new version.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Persist a directory entry (a rename into it); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def atomic_replace(path: Path | str, write: Callable[[str], None], mode: int = 0o644) -> Path:
+    """Call `write(tmp_path)` on a temporary file next to `path`, fsync it, rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)  # mkstemp makes 0600
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def atomic_write_text(path: Path | str, text: str) -> Path:
+    return atomic_replace(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def replace_dir(staged: Path | str, target: Path | str) -> Path:
+    """Move a fully written directory into place (fsynced first); an old `target` is removed."""
+    staged, target = Path(staged), Path(target)
+    _fsync_tree(staged)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staged, target)
+    fsync_dir(target.parent)
+    return target
+
+
+def check_writable_dir(path: Path | str) -> Path:
+    """`path` as an output directory, checked before long work starts: it must be a directory
+    (or not exist yet) and its nearest existing ancestor must take a new file (probed, since
+    permission bits say nothing for root or read-only mounts). OSError naming the path otherwise."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        with tempfile.TemporaryFile(dir=parent, prefix=".slc-write-probe-"):
+            pass
+    except OSError as exc:
+        raise PermissionError(f"cannot write to {path}: {parent} does not take new files ({exc.strerror})") from None
+    return path

@@ -1,0 +1,32 @@
+"""The one onnxruntime session builder: the server's runtime, verify, export parity and the
+tools all open graphs through it, so thread and memory settings are set in one place."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+CPU = ["CPUExecutionProvider"]
+
+
+def ort_session(path: Path | str, threads: int = 1, providers: Sequence[str] = CPU, prepack: bool = True,
+                spin: bool = True, optimize: bool = True):
+    """An InferenceSession on `path` (external data resolved next to it).
+
+    `prepack=False` makes the Gemm read (memory-mapped) weights as they are instead of keeping a
+    pre-packed copy: right for a graph run a few times (verify's samples), wrong for serving.
+    `spin=False` stops idle intra-op threads from spinning on cores others need.
+    """
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3  # a failed CUDA probe under device=auto is expected, not an error
+    opts.intra_op_num_threads = int(threads)
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), sess_options=opts, providers=list(providers))

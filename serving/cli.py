@@ -1,0 +1,49 @@
+"""The server's commands: `slc serve` and `slc verify`. Neither imports the trainer or torch."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from serving.bundle.cliopts import bundle_dir
+
+
+@click.command()
+@click.argument("bundle", required=False, type=click.Path(path_type=Path), callback=bundle_dir)
+@click.option("--host", help="[default: 127.0.0.1, or SLC_HOST]")
+@click.option("--port", type=click.IntRange(0, 65535), help="[default: 8000, or SLC_PORT]")
+@click.option("--data-dir", type=click.Path(path_type=Path), help="gallery and index cache [default: $SLC_HOME/data]")
+@click.option("--max-batch", type=click.IntRange(min=1), help="inputs per backbone call [default: 64]")
+@click.option("--max-delay-ms", type=click.FloatRange(min=0.0), help="batching wait in ms [default: 2.0]")
+@click.option("--queue-size", type=click.IntRange(min=1), help="queued inputs before 429 [default: 1024]")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
+              help="[default: auto: CUDA when onnxruntime can use a GPU, else CPU]")
+def serve(bundle: Optional[Path], **flags) -> None:
+    """Serve BUNDLE over HTTP (docs/api.md); without one, the embedded default model.
+
+    Flags override SLC_* environment variables (docs/configuration.md)."""
+    from serving.main import run_server
+
+    overrides = dict(bundle=bundle, **flags)
+    run_server({k: v for k, v in overrides.items() if v is not None})
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path, exists=True, file_okay=False))
+def verify(bundle: Path) -> None:
+    """Re-check hashes, graphs, samples and calibration of BUNDLE; exit 1 on any problem."""
+    from serving.bundle import verify_bundle
+    from serving.bundle.format import MANIFEST
+
+    t0 = time.perf_counter()
+    problems = verify_bundle(bundle)
+    if problems:
+        for p in problems:
+            click.echo(f"FAIL {p}", err=True)
+        raise click.ClickException(f"{bundle}: {len(problems)} problem(s); the bundle must not be served")
+    m = json.loads((bundle / MANIFEST).read_text())
+    click.echo(f"OK {bundle}: {m['num_classes']} classes, d={m['embed_dim']}, {len(m['files'])} files hashed, "
+               f"graphs and samples checked ({time.perf_counter() - t0:.1f} s)")

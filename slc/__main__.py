@@ -1,0 +1,3 @@
+from slc.cli import main
+
+main()

@@ -1,0 +1,128 @@
+"""`slc`: the root command line. It composes the commands of each package and imports a
+command's module only when that command runs (or its help is shown), so `slc serve` and
+`slc verify` never import the trainer or torch.
+
+Every mistake ends in one line on stderr: a usage error (bad choice, bad path, missing
+option) exits 2, a failure while working exits 1. Tracebacks only with --debug or SLC_DEBUG=1.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from importlib import metadata
+from typing import Optional, Sequence
+
+import click
+
+# name -> ("module:attribute" of a click command, one-line help shown by `slc --help`)
+COMMANDS: dict[str, tuple[Optional[str], str]] = {
+    "train": ("trainer.cli:train", "Fit a backbone and class head with a loss; writes a run directory."),
+    "evaluate": ("trainer.cli:evaluate", "Single-logit metrics of a trained run on a split."),
+    "export": ("trainer.cli:export", "Write the ONNX bundle of a trained run, calibrated on its calibration split."),
+    "experiment": ("trainer.cli:experiment", "Paper experiments (table1)."),
+    "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),
+    "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
+    "bundle": ("serving.bundle.cli:bundle", "Bundles that need no training (synthetic, for scale work)."),
+    "loadtest": ("serving.loadtest.cli:loadtest", "Load a running server; writes report.json, report.md, latency.png."),
+    "bench": (None, "Benchmarks written to docs/results (scale, index, losses)."),
+}
+BENCH: dict[str, tuple[Optional[str], str]] = {
+    "scale": ("serving.bench.cli:scale", "Single-logit vs full softmax serving as the number of classes grows."),
+    "index": ("serving.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
+    "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
+}
+DEBUG_ENV = "SLC_DEBUG"
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use (click's lazy-loading pattern);
+    `slc --help` lists them from the table above without importing anything."""
+
+    def __init__(self, *args, lazy: dict[str, tuple[Optional[str], str]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.lazy)
+
+    def get_command(self, ctx: click.Context, name: str) -> Optional[click.Command]:
+        if name not in self.lazy:
+            return None
+        target = self.lazy[name][0]
+        if target is None:  # a nested lazy group
+            return bench_group
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_text) for name, (_, help_text) in self.lazy.items()])
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name = args[0] if args else None
+        if name is not None and name not in self.lazy and not name.startswith("-"):
+            close = [c for c in self.lazy if c[:2] == name[:2]]
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise click.UsageError(f"no command {name!r}{hint} (commands: {', '.join(self.lazy)})", ctx)
+        return super().resolve_command(ctx, args)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("slc")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]},
+             invoke_without_command=False, no_args_is_help=True)
+@click.version_option(_version(), "--version", prog_name="slc", message="%(prog)s %(version)s")
+@click.option("--debug", is_flag=True, help=f"Show tracebacks (also {DEBUG_ENV}=1). Accepted after any command too.")
+def root(debug: bool) -> None:
+    """Single-logit classification: train, export, verify, serve, measure."""
+
+
+bench_group = LazyGroup("bench", lazy=BENCH, no_args_is_help=True, help=COMMANDS["bench"][1])
+
+
+def _usage_line(exc: click.UsageError) -> str:
+    path = exc.ctx.command_path if exc.ctx is not None else "slc"
+    hint = f" (see: {path} --help)" if exc.ctx is not None else ""
+    return f"{path}: {exc.format_message()}{hint}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of the `slc` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
+    args = [a for a in args if a != "--debug"]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # subprocesses (the default model's build) show theirs too
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(message)s")
+    try:
+        code = root.main(args=args, prog_name="slc", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:  # `slc`, `slc bench`: the help, as asked
+        click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message(), err=True)
+        sys.exit(2)
+    except click.UsageError as exc:
+        if debug:
+            raise
+        click.echo(_usage_line(exc), err=True)
+        sys.exit(2)
+    except click.ClickException as exc:  # a failure a command explained
+        if debug:
+            raise
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - an unexplained failure: one line, the traceback with --debug
+        if debug:
+            raise
+        click.echo(f"error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)", err=True)
+        sys.exit(1)
+    if isinstance(code, int) and code:  # click.exceptions.Exit(code) inside a command
+        sys.exit(code)

@@ -33,6 +33,8 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "index": ("serving.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
     "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
 }
+# the extra a command's module needs beyond the base (server) install
+EXTRAS = {"trainer": "train", "serving.loadtest.cli": "bench", "serving.bench.cli": "bench"}
 DEBUG_ENV = "SLC_DEBUG"
 
 
@@ -54,7 +56,12 @@ class LazyGroup(click.Group):
         if target is None:  # a nested lazy group
             return bench_group
         module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ImportError as exc:  # a command whose extra is not installed
+            extra = EXTRAS.get(module.split(".")[0] if module.startswith("trainer") else module, "train")
+            raise click.ClickException(f"`{ctx.command_path} {name}` needs {exc.name or exc}, which this install "
+                                       f"lacks: pip install 'slc[{extra}]'") from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE, key_values
+from serving.bundle.cliopts import OUT, POSITIVE, key_values, require
 
 
 def _classes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -35,6 +35,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
     from serving.bench.report import scale_markdown
     from serving.bench.run import run_scale_bench
 
+    require("matplotlib", "bench")  # scale.png, written after the sweep
     res = run_scale_bench(classes=classes, dim=dim, duration=duration, out=out, concurrency=concurrency,
                           with_peer=peer, default_model=default_model)
     click.echo(scale_markdown(res))

@@ -48,3 +48,11 @@ def key_values(ctx: click.Context, param: click.Parameter, items: tuple[str, ...
 
 POSITIVE = click.FloatRange(min=0.0, min_open=True)
 OUT = dict(type=click.Path(path_type=Path), callback=out_dir)
+
+
+def require(module: str, extra: str) -> None:
+    """Fail before the work when a command's optional dependency is missing, naming the extra."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise click.ClickException(f"this command needs {module}, which this install lacks: pip install 'slc[{extra}]'")

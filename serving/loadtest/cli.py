@@ -11,7 +11,7 @@ from typing import Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE
+from serving.bundle.cliopts import OUT, POSITIVE, require
 from serving.loadtest.client import ENDPOINT_NAMES, RemoteTargetError, check_target, normalize_url
 
 
@@ -55,6 +55,7 @@ def loadtest(url: str, endpoints: list[str], class_: Optional[str], concurrency:
 
     if concurrency is not None and rate is not None:
         raise click.UsageError("give either --concurrency or --rate, not both")
+    require("matplotlib", "bench")  # latency.png, written after the run
     url = _target(url, allow_remote)
     try:
         result = run_with_ceiling(url, endpoints, class_=class_, concurrency=concurrency, rate=rate, duration=duration,

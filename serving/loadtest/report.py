@@ -85,7 +85,8 @@ def plot_latency(result: LoadtestResult, path: Path) -> None:
     ax1.set_xlabel("latency (ms)")
     ax1.set_ylabel("requests")
     ax1.set_title("latency histogram")
-    ax1.legend(fontsize=8)
+    if ax1.get_legend_handles_labels()[0]:  # nothing to label when no request succeeded
+        ax1.legend(fontsize=8)
     ax2.set_xscale("log")
     ax2.set_yscale("log")
     ticks = [2, 10, 100, 1000]
@@ -94,7 +95,8 @@ def plot_latency(result: LoadtestResult, path: Path) -> None:
     ax2.set_xlabel("percentile")
     ax2.set_ylabel("latency (ms)")
     ax2.set_title("percentile spectrum")
-    ax2.legend(fontsize=8)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

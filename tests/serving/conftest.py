@@ -3,16 +3,13 @@ in-process with their lifespan, a real uvicorn on a free port, and the offline r
 (an independent onnxruntime session + the head rows in float64) the answers are checked against."""
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pytest
 
-D, DIM, INPUT_DIM = 50, 16, 12
+from tests.serving.helpers import D, DIM, INPUT_DIM, Offline, free_port, make_settings, wait_http_ready, wait_ready
 
 
 @pytest.fixture(scope="session")
@@ -31,31 +28,6 @@ def bundle(bundle_path):
     return load_bundle(bundle_path)
 
 
-class Offline:
-    """The truth the server is checked against: its own ORT session and the head in float64."""
-
-    def __init__(self, bundle):
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        self.backbone = ort.InferenceSession(str(bundle.graph_path("backbone")), opts, providers=["CPUExecutionProvider"])
-        self.single = ort.InferenceSession(str(bundle.graph_path("single")), opts, providers=["CPUExecutionProvider"])
-        self.W = np.asarray(bundle.weight, dtype=np.float64)  # [D, d]
-        self.b = np.asarray(bundle.bias, dtype=np.float64)  # [D]
-        self.bundle = bundle
-
-    def embed(self, x) -> np.ndarray:
-        return self.backbone.run(None, {"input": np.asarray(x, np.float32)})[0]  # [N, d] float32
-
-    def logits(self, x) -> np.ndarray:
-        """All D logits in float64 [N, D]."""
-        return self.embed(x).astype(np.float64) @ self.W.T + self.b
-
-    def single_logit(self, x, ids) -> np.ndarray:
-        return self.single.run(None, {"input": np.asarray(x, np.float32), "class_id": np.asarray(ids, np.int64)})[0]
-
-
 @pytest.fixture(scope="session")
 def offline(bundle) -> Offline:
     return Offline(bundle)
@@ -64,25 +36,6 @@ def offline(bundle) -> Offline:
 @pytest.fixture
 def inputs():
     return np.random.default_rng(1).standard_normal((5, INPUT_DIM)).astype(np.float32)
-
-
-def make_settings(bundle_path, tmp_path, **overrides):
-    from serving.settings import Settings
-
-    base = dict(bundle=bundle_path, data_dir=tmp_path / "data", home=tmp_path / "home", intra_op_threads=1,
-                log_level="warning")
-    base.update(overrides)
-    return Settings(**base)
-
-
-def wait_ready(get, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = get("/v1/health/ready")
-        if r.status_code == 200:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"server not ready after {timeout} s: {r.status_code} {r.text}")
 
 
 @pytest.fixture
@@ -120,16 +73,9 @@ def client(client_factory):
     return client_factory()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def live_server(app_factory):
     """A real uvicorn (asyncio loop, h11/httptools) in a thread; yields its base URL."""
-    import httpx
     import uvicorn
 
     servers = []
@@ -142,15 +88,8 @@ def live_server(app_factory):
         thread.start()
         servers.append((server, thread))
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/v1/health/ready", timeout=1).status_code == 200:
-                    return url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("live server did not become ready")
+        wait_http_ready(url, timeout=30)
+        return url
 
     yield start
     for server, thread in servers:
@@ -158,13 +97,8 @@ def live_server(app_factory):
         thread.join(timeout=15)
 
 
-def assert_envelope(response, status: int, code: Optional[str] = None) -> dict:
-    assert response.status_code == status, (response.status_code, response.text)
-    body = response.json()
-    assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"code", "message"}, body
-    assert body["error"]["code"] and body["error"]["code"] == body["error"]["code"].lower()
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    return body
+def pytest_collection_modifyitems(items):
+    """A test on a real uvicorn (the live_server fixture) is an integration test."""
+    for item in items:
+        if "live_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)

@@ -9,7 +9,7 @@ import pytest
 
 from serving.batcher import Batcher
 from serving.errors import DeadlineExceeded, Overloaded
-from tests.serving.conftest import assert_envelope
+from tests.serving.helpers import assert_envelope
 
 
 class Recorder:

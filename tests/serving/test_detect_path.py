@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.serving.conftest import D, INPUT_DIM, assert_envelope
+from tests.serving.helpers import D, INPUT_DIM, assert_envelope
 
 LEAN_CT = {"Content-Type": "application/json"}
 FASTAPI_CT = {"Content-Type": "application/json; v=1"}  # JSON to FastAPI, declined by the lean path
@@ -65,7 +65,7 @@ def lean_client(bundle_path, tmp_path_factory):
     from fastapi.testclient import TestClient
 
     from serving.app import create_app
-    from tests.serving.conftest import make_settings, wait_ready
+    from tests.serving.helpers import make_settings, wait_ready
 
     app = create_app(make_settings(bundle_path, tmp_path_factory.mktemp("lean"), max_inputs=4, max_topk=20))
     with TestClient(app, raise_server_exceptions=False) as client:
@@ -111,7 +111,7 @@ def test_lean_path_limits_and_readiness(bundle_path, tmp_path):
     from fastapi.testclient import TestClient
 
     from serving.app import create_app
-    from tests.serving.conftest import make_settings, wait_ready
+    from tests.serving.helpers import make_settings, wait_ready
 
     app = create_app(make_settings(bundle_path, tmp_path, max_body_bytes=1024))
     with TestClient(app, raise_server_exceptions=False) as client:

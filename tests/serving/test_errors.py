@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serving.conftest import assert_envelope
+from tests.serving.helpers import assert_envelope
 
 GOOD = [[0.5] * 12]
 DETECT = "/v1/classes/3/detect"

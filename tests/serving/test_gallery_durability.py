@@ -24,6 +24,8 @@ import pytest
 
 from serving.gallery import Gallery
 
+pytestmark = pytest.mark.integration  # real processes, sockets or files
+
 ROOT = Path(__file__).resolve().parents[2]
 DIM = 8
 
@@ -111,8 +113,6 @@ def _wait_ready(proc: subprocess.Popen, base: str, log_path: Path, timeout: floa
 
 @pytest.mark.slow
 def test_server_acknowledged_items_survive_sigkill(tmp_path):
-    if not (ROOT / "serving" / "app.py").exists() or not (ROOT / "trainer" / "synthetic.py").exists():
-        pytest.skip("the HTTP server or the synthetic bundle builder is not there")
     from serving.bundle.synthetic import build_synthetic_bundle
 
     bundle = build_synthetic_bundle(classes=20, dim=DIM, input_dim=4, seed=0, out=tmp_path / "bundle")

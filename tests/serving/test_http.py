@@ -191,7 +191,7 @@ def test_to_batch_accepts_nested_and_flat_examples(bundle):
 
 def test_gallery_persists_across_restarts_and_is_reembedded_for_a_new_bundle(client_factory, bundle_path, tmp_path):
     from serving.bundle import load_bundle
-    from tests.serving.conftest import INPUT_DIM, Offline
+    from tests.serving.helpers import INPUT_DIM, Offline
     from serving.bundle.synthetic import build_synthetic_bundle
 
     x = np.random.default_rng(4).standard_normal((3, INPUT_DIM)).astype(np.float32)

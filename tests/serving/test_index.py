@@ -230,18 +230,3 @@ def test_engine_searches_the_index_once_per_batch(tmp_path):
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(logits, want_logits)
     np.testing.assert_array_equal(results[1], hs[1])
-
-
-def test_bench_bundle_cache_key_holds_rows_kind_and_builder(tmp_path, monkeypatch):
-    """The bench never reuses a cached synthetic bundle of another rows kind (the index's worst case)."""
-    import json
-
-    from serving.bench import run as bench
-
-    monkeypatch.setenv("SLC_HOME", str(tmp_path))
-    clustered = bench.cached_bundle(12, 8, rows="clustered")
-    gaussian = bench.cached_bundle(12, 8, rows="gaussian")
-    assert clustered != gaussian and bench.synthetic_builder_version() in clustered.name
-    for path, rows in ((clustered, "clustered"), (gaussian, "gaussian")):
-        assert json.loads((path / "manifest.json").read_text())["training"]["rows"] == rows
-    assert bench.cached_bundle(12, 8) == clustered  # the default, reused

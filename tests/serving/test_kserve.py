@@ -5,7 +5,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.serving.conftest import assert_envelope
+from tests.serving.helpers import assert_envelope
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 

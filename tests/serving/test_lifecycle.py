@@ -2,11 +2,10 @@
 hashes do not match is never served and the process exits non-zero."""
 from __future__ import annotations
 
-import os
+import pytest
+
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,31 +13,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tests.serving.conftest import assert_envelope, free_port
+from tests.serving.helpers import assert_envelope, free_port, serve_process, wait_http_ready
+
+pytestmark = pytest.mark.integration  # real processes, sockets or files
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _serve(bundle: Path, tmp_path: Path, port: int, *flags: str, **env_extra: str) -> subprocess.Popen:
-    env = dict(os.environ, SLC_HOME=str(tmp_path / "home"), SLC_INTRA_OP_THREADS="1", PYTHONPATH=str(ROOT), **env_extra)
-    cmd = [sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port),
-           "--data-dir", str(tmp_path / "data"), *flags]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early ({proc.returncode}):\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/v1/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("server not ready in time")
 
 
 def _wait_queued(url: str, inputs: int, timeout: float = 20) -> None:
@@ -55,9 +34,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(bundle_path, tmp_path,
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # A long batching delay keeps requests queued when the signal arrives.
-    proc = _serve(bundle_path, tmp_path, port, "--max-delay-ms", "3000", SLC_ADAPTIVE_DELAY="false")
+    proc = serve_process(bundle_path, tmp_path, port, "--max-delay-ms", "3000", SLC_ADAPTIVE_DELAY="false")
     try:
-        _wait_ready(proc, url)
+        wait_http_ready(url, proc)
         x = np.random.default_rng(3).standard_normal((2, 12)).astype(np.float32)
 
         def call(j):
@@ -88,7 +67,7 @@ def test_tampered_bundle_exits_non_zero(bundle_path, tmp_path):
     raw = bytearray((bad / "head_weight.npy").read_bytes())
     raw[-3] ^= 0x10
     (bad / "head_weight.npy").write_bytes(bytes(raw))
-    proc = _serve(bad, tmp_path, free_port())
+    proc = serve_process(bad, tmp_path, free_port())
     try:
         code = proc.wait(timeout=60)
     finally:

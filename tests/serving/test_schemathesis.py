@@ -3,9 +3,7 @@ non-2xx JSON answer is the error envelope."""
 from __future__ import annotations
 
 import threading
-import time
 
-import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -13,7 +11,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from serving.app import create_app  # noqa: E402
 from serving.settings import Settings  # noqa: E402
-from tests.serving.conftest import free_port, make_settings  # noqa: E402
+from tests.serving.helpers import free_port, make_settings, wait_http_ready  # noqa: E402
+
+pytestmark = pytest.mark.integration  # real processes, sockets or files
 
 # The schema does not depend on the bundle: an app that is never started gives it.
 schema = schemathesis.openapi.from_dict(create_app(Settings(bundle="/nonexistent", home="/tmp/slc-unused")).openapi())
@@ -29,13 +29,7 @@ def base_url(bundle_path, tmp_path_factory):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/v1/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+    wait_http_ready(url, timeout=15)
     yield url
     server.should_exit = True
     thread.join(timeout=15)

@@ -18,7 +18,7 @@ import pytest
 from serving.bundle import REQUIRED_FILES, BundleError, load_bundle, verify_bundle, write_manifest
 from serving.bundle.synthetic import build_synthetic_bundle
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

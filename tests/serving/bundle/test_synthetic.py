@@ -14,7 +14,7 @@ from serving.bundle import load_bundle, verify_bundle
 from serving.bundle.npy import NPY_ALIGN, NpyStream
 from serving.bundle.synthetic import QUANTILE, build_synthetic_bundle
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def session(path: Path) -> ort.InferenceSession:

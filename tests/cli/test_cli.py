@@ -1,0 +1,129 @@
+"""The root command line (slc/cli.py): every mistake is one line on stderr naming the bad value,
+exit 2 for usage and 1 for failures, tracebacks only with --debug; successes end in a summary.
+Driven in-process through `slc.cli.main`, the console script's entry point."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from slc.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `slc ARGS`."""
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# (argv, a piece the one line must hold): each a mistake a user makes
+MISTAKES = [
+    (["trian"], "did you mean train"),
+    (["train", "--dataset", "foo", "--out", "{tmp}/r"], "'foo'"),
+    (["train", "--dataset", "digits", "--loss", "cee", "--out", "{tmp}/r"], "'cee' is not one of"),
+    (["train", "--dataset", "digits", "--backbone", "resnet", "--out", "{tmp}/r"], "'resnet' is not one of"),
+    (["train", "--dataset", "digits", "--optimizer", "adamw", "--out", "{tmp}/r"], "'adamw' is not one of 'adam', 'sgd'"),
+    (["train", "--dataset", "digits", "--schedule", "step", "--out", "{tmp}/r"], "'step' is not one of"),
+    (["train", "--dataset", "digits", "--epochs", "0", "--out", "{tmp}/r"], "--epochs"),
+    (["train", "--dataset", "digits", "--lr", "0", "--out", "{tmp}/r"], "--lr"),
+    (["train", "--dataset", "synthetic:C=1", "--out", "{tmp}/r"], "C >= 2"),
+    (["train", "--dataset", "npz:{tmp}/none.npz", "--out", "{tmp}/r"], "none.npz"),
+    (["train", "--dataset", "digits", "--loss-param", "gamma", "--out", "{tmp}/r"], "expected k=v"),
+    (["train", "--dataset", "digits", "--loss", "max_margin", "--loss-param", "foo=1", "--out", "{tmp}/r"], "foo"),
+    (["train", "--dataset", "digits", "--out", "{tmp}/file/r"], "{tmp}/file"),
+    (["train", "--dataset", "digits"], "Missing option '--out'"),
+    (["evaluate", "{tmp}/nothing"], "not a run directory"),
+    (["export", "{tmp}", "--out", "{tmp}/b"], "not a run directory"),
+    (["export", "{tmp}/r", "--out", "{tmp}/b", "--target-precision", "1.5"], "--target-precision"),
+    (["serve", "{tmp}/nothing"], "not a bundle directory"),
+    (["serve", "--device", "tpu"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
+    (["serve", "--port", "70000"], "--port"),
+    (["verify", "{tmp}/nothing"], "{tmp}/nothing"),
+    (["bundle", "synthetic", "--classes", "0", "--out", "{tmp}/b"], "--classes"),
+    (["bundle", "synthetic", "--classes", "5", "--rows", "uniform", "--out", "{tmp}/b"], "'uniform' is not one of"),
+    (["loadtest", "--url", "127.0.0.1:9", "--endpoint", "detekt", "--out", "{tmp}/lt"], "'detekt' is not an endpoint"),
+    (["loadtest", "--url", "127.0.0.1:9", "--rate", "5", "--concurrency", "2", "--out", "{tmp}/lt"], "not both"),
+    (["loadtest", "--url", "http://192.0.2.1:80", "--out", "{tmp}/lt"], "--allow-remote"),
+    (["bench", "scale", "--classes", "ten", "--out", "{tmp}/s"], "'ten'"),
+    (["bench", "nope"], "no command 'nope'"),
+    (["experiment", "table1", "--losses", "ce,foo", "--out", "{tmp}/t"], "'foo'"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", MISTAKES, ids=[" ".join(a[:3]) for a, _ in MISTAKES])
+def test_a_mistake_is_one_line_and_exit_2(argv, needle, tmp_path, capsys):
+    (tmp_path / "file").write_text("a file, not a directory")
+    code, out, err = run(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert needle.format(tmp=tmp_path) in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_no_work_is_done_before_a_mistake_is_reported(tmp_path, capsys):
+    """An unwritable --out fails before training starts: no run directory, no progress."""
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, "train", "--dataset", "digits", "--out", tmp_path / "file" / "run")
+    assert code == 2 and "epoch" not in err and not (tmp_path / "file" / "run").exists()
+
+
+def test_version_is_the_installed_distribution(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"slc {metadata.version('slc')}"
+
+
+def test_every_command_is_listed_without_importing_torch():
+    code = "import sys; from slc.cli import main\ntry:\n main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    for name in ("train", "evaluate", "export", "experiment", "verify", "serve", "bundle", "loadtest", "bench"):
+        assert f"  {name} " in out.stdout
+
+
+def test_debug_shows_the_traceback_otherwise_one_line(tmp_path, capsys, monkeypatch):
+    """An unexplained failure (here: a verify problem turned into a crash) is one line; --debug re-raises."""
+    import serving.bundle
+
+    def boom(path):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(serving.bundle, "verify_bundle", boom)
+    monkeypatch.setenv("SLC_DEBUG", "0")  # restored after the test (--debug sets it for subprocesses)
+    code, _, err = run(capsys, "verify", tmp_path)
+    assert code == 1 and err.strip() == "error: RuntimeError: disk on fire (run again with --debug for the traceback)"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        main(["verify", str(tmp_path), "--debug"])
+    monkeypatch.setenv("SLC_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        main(["verify", str(tmp_path)])
+
+
+def test_bundle_and_verify_end_with_a_summary(tmp_path, capsys):
+    code, out, err = run(capsys, "bundle", "synthetic", "--classes", 12, "--dim", 4, "--input-dim", 3,
+                         "--out", tmp_path / "b")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1].startswith(f"bundle {tmp_path / 'b'}: 12 clustered classes, d=4")
+    code, out, err = run(capsys, "verify", tmp_path / "b")
+    assert code == 0, err
+    assert out.strip().startswith(f"OK {tmp_path / 'b'}: 12 classes, d=4, 7 files hashed")
+
+
+def test_verify_failure_lists_each_problem_then_one_summary_line(tmp_path, capsys):
+    assert run(capsys, "bundle", "synthetic", "--classes", 6, "--dim", 4, "--input-dim", 3, "--out", tmp_path / "b")[0] == 0
+    (tmp_path / "b" / "samples.npz").unlink()
+    code, _, err = run(capsys, "verify", tmp_path / "b")
+    lines = err.strip().splitlines()
+    assert code == 1
+    assert lines[0].startswith("FAIL samples.npz: missing")
+    assert lines[-1] == f"error: {tmp_path / 'b'}: {len(lines) - 1} problem(s); the bundle must not be served"

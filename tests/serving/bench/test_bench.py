@@ -1,0 +1,106 @@
+"""serving.bench: the bundle cache, the head kernels against float64 numpy, the process-tree
+memory against /proc, and the whole `slc bench scale` pipeline on tiny D (slow)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration  # real processes, sockets or files
+
+
+def test_bench_bundle_cache_key_holds_rows_kind_and_builder(tmp_path, monkeypatch):
+    """The bench never reuses a cached synthetic bundle of another rows kind (the index's worst case)."""
+    import json
+
+    from serving.bench import run as bench
+
+    monkeypatch.setenv("SLC_HOME", str(tmp_path))
+    clustered = bench.cached_bundle(12, 8, rows="clustered")
+    gaussian = bench.cached_bundle(12, 8, rows="gaussian")
+    assert clustered != gaussian and bench.synthetic_builder_version() in clustered.name
+    for path, rows in ((clustered, "clustered"), (gaussian, "gaussian")):
+        assert json.loads((path / "manifest.json").read_text())["training"]["rows"] == rows
+    assert bench.cached_bundle(12, 8) == clustered  # the default, reused
+
+
+@pytest.mark.slow
+def test_scale_bench_end_to_end_small(tmp_path, monkeypatch):
+    """The whole `slc bench scale` pipeline on two tiny D: three result files, consistent numbers."""
+    from serving.bench import run as bench
+
+    monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
+    res = bench.run_scale_bench([5, 40], dim=8, duration=0.3, out=tmp_path / "out", default_model=False)
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"scale.json", "scale.md", "scale.png"}
+    data = json.loads((tmp_path / "out" / "scale.json").read_text())
+    assert [r["classes"] for r in data["rows"]] == [5, 40]
+    for r in data["rows"]:
+        assert r["head_bytes"] == r["classes"] * 8 * 4 + r["classes"] * 4
+        assert r["recall"]["recall_at_k"] == 1.0  # tiny D: the index is exact (flat)
+        for ep in ("detect", "softmax", "topk_exact", "topk_index", "live"):
+            assert r["slc"]["closed"][ep]["errors"] == {}, (r["classes"], ep)
+        assert r["peer"]["closed"]["softmax"]["errors"] == {}
+        assert r["memory"]["loaded_rss"] > 0
+    assert "slc bench scale --classes 5,40" in (tmp_path / "out" / "scale.md").read_text()
+    assert res["targets"]
+
+
+def test_process_tree_memory_sums_the_tree():
+    """A shell with one child: the tree's RSS is the sum of both /proc/PID/status VmRSS."""
+    import subprocess
+
+    from serving.bench.server import process_tree_memory
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        child = None
+        def parent_of(pid):
+            try:
+                return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # the process ended meanwhile
+                return None
+
+        for _ in range(100):
+            kids = [p for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == proc.pid]
+            if kids:
+                child = int(kids[0])
+                break
+            time.sleep(0.05)
+        assert child is not None
+
+        def rss(pid):
+            line = next(x for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS:"))
+            return int(line.split()[1]) * 1024
+
+        got = process_tree_memory(proc.pid)
+        assert got["processes"] == 2
+        assert got["rss"] == rss(proc.pid) + rss(child)  # idle processes: stable between the two reads
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_head_kernels_compute_the_right_logits(tmp_path):
+    """What head_alone times are the logits of the bundle rows (float64 reference), one or all."""
+    from serving.bench.head import head_alone, head_kernels
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((30, 8)).astype(np.float32)
+    b = rng.standard_normal(30).astype(np.float32)
+    H = rng.standard_normal((4, 8)).astype(np.float32)
+    ids = rng.integers(0, 30, 4)
+    ref = H.astype(np.float64) @ W.T.astype(np.float64) + b  # [4, 30]
+    k = head_kernels(W, b, H, ids)
+    assert k["one_logit_single"]() == pytest.approx(ref[0, ids[0]], rel=1e-5)
+    np.testing.assert_allclose(k["one_logit_batch"](), ref[np.arange(4), ids], rtol=1e-5)
+    np.testing.assert_allclose(k["all_logits_single"](), ref[:1], rtol=1e-5)
+    np.testing.assert_allclose(k["all_logits_batch"](), ref, rtol=1e-5)
+    p = np.exp(ref - ref.max(1, keepdims=True))
+    np.testing.assert_allclose(k["softmax_batch"](), p / p.sum(1, keepdims=True), rtol=1e-5)
+    np.save(tmp_path / "head_weight.npy", W)
+    np.save(tmp_path / "head_bias.npy", b)
+    out = head_alone(tmp_path, batch=4)
+    assert set(out) >= {"one_logit_per_input_single_us", "all_logits_per_input_batch64_us", "all_over_one_batch64"}

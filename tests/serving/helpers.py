@@ -1,0 +1,109 @@
+"""Helpers of the server tests (plain functions and classes; the fixtures in conftest.py use them):
+the tiny synthetic bundle's sizes, the offline reference math the answers are checked against
+(an independent onnxruntime session + the head rows in float64), settings, readiness waits,
+real server processes, and the error-envelope check."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+D, DIM, INPUT_DIM = 50, 16, 12
+
+
+class Offline:
+    """The truth the server is checked against: its own ORT session and the head in float64."""
+
+    def __init__(self, bundle):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        self.backbone = ort.InferenceSession(str(bundle.graph_path("backbone")), opts, providers=["CPUExecutionProvider"])
+        self.single = ort.InferenceSession(str(bundle.graph_path("single")), opts, providers=["CPUExecutionProvider"])
+        self.W = np.asarray(bundle.weight, dtype=np.float64)  # [D, d]
+        self.b = np.asarray(bundle.bias, dtype=np.float64)  # [D]
+        self.bundle = bundle
+
+    def embed(self, x) -> np.ndarray:
+        return self.backbone.run(None, {"input": np.asarray(x, np.float32)})[0]  # [N, d] float32
+
+    def logits(self, x) -> np.ndarray:
+        """All D logits in float64 [N, D]."""
+        return self.embed(x).astype(np.float64) @ self.W.T + self.b
+
+    def single_logit(self, x, ids) -> np.ndarray:
+        return self.single.run(None, {"input": np.asarray(x, np.float32), "class_id": np.asarray(ids, np.int64)})[0]
+
+
+
+def make_settings(bundle_path, tmp_path, **overrides):
+    from serving.settings import Settings
+
+    base = dict(bundle=bundle_path, data_dir=tmp_path / "data", home=tmp_path / "home", intra_op_threads=1,
+                log_level="warning")
+    base.update(overrides)
+    return Settings(**base)
+
+
+def wait_ready(get, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = get("/v1/health/ready")
+        if r.status_code == 200:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"server not ready after {timeout} s: {r.status_code} {r.text}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_envelope(response, status: int, code: Optional[str] = None) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"code", "message"}, body
+    assert body["error"]["code"] and body["error"]["code"] == body["error"]["code"].lower()
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body
+
+
+def wait_http_ready(url: str, proc: Optional[subprocess.Popen] = None, timeout: float = 60.0) -> None:
+    """Poll GET /v1/health/ready until 200; fail early when the server process exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"server exited early ({proc.returncode}):\n{out}")
+        try:
+            if httpx.get(url + "/v1/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    if proc is not None:
+        proc.kill()
+    raise AssertionError(f"{url} not ready after {timeout} s")
+
+
+def serve_process(bundle: Path, tmp_path: Path, port: int, *flags: str, **env_extra: str) -> subprocess.Popen:
+    """`python -m slc serve BUNDLE` as a real process (its own SLC_HOME and data dir under tmp_path)."""
+    env = dict(os.environ, SLC_HOME=str(tmp_path / "home"), SLC_INTRA_OP_THREADS="1", PYTHONPATH=str(ROOT), **env_extra)
+    cmd = [sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port),
+           "--data-dir", str(tmp_path / "data"), *flags]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

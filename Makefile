@@ -12,7 +12,7 @@ comma := ,
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
 
-.PHONY: setup serve test test-all lint bench table1 server-venv clean
+.PHONY: setup serve test test-unit test-all lint docs bench table1 server-venv clean
 
 setup: $(STAMP)
 
@@ -38,11 +38,19 @@ serve: setup
 test: setup
 	$(BIN)/python -m pytest -q -ra
 
+# the fast tier only: no server processes, sockets or slow tests
+test-unit: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow and not bench and not integration"
+
 test-all: setup
 	$(BIN)/python -m pytest -q -ra -m "not bench"
 
 lint: setup
 	$(BIN)/ruff check --select F,E9 slc serving trainer models tests
+
+# docs/cli.md from the commands' own help (a test keeps them equal)
+docs: setup
+	$(BIN)/python -m slc.clidoc > docs/cli.md
 
 # The server-only install (no extras: no torch, no CUDA wheels) in .venv-server, and its size.
 server-venv:

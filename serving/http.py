@@ -1,6 +1,6 @@
 """The /v1 routes (DESIGN.md §7): parse, resolve the class, hand over to the engine, answer.
 
-Request bodies are parsed with orjson (10x faster than the stdlib on float arrays); if orjson
+Request bodies are parsed with orjson (much faster than the stdlib on float arrays); if orjson
 refuses a body, the stdlib parser gets a second try so the JSON literals `NaN` / `Infinity`
 become floats that validation turns into 422 (non_finite_value), and truly malformed JSON
 still fails there (400 malformed_json).
@@ -143,15 +143,15 @@ def _engine_of(scope):
     return scope["app"].state.slc.ready_engine()
 
 
-def _errors(*codes: int) -> dict:
+def error_responses(*codes: int) -> dict:
     text = {400: "malformed JSON", 401: "missing or wrong API key", 404: "unknown class, item or route",
             413: "body over the limit", 422: "schema or shape violation, NaN/inf, too many inputs",
             429: "queue full (Retry-After)", 503: "not ready", 504: "deadline passed in the queue"}
     return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
 
 
-_QUERY_ERRORS = _errors(400, 404, 413, 422, 429, 503, 504)
-_WRITE_ERRORS = _errors(400, 401, 404, 413, 422, 429, 503, 504)
+_QUERY_ERRORS = error_responses(400, 404, 413, 422, 429, 503, 504)
+_WRITE_ERRORS = error_responses(400, 401, 404, 413, 422, 429, 503, 504)
 
 
 # Dependencies are `async def`: a sync one runs in the AnyIO thread pool on every request.
@@ -188,14 +188,14 @@ async def live() -> dict:
     return {"status": "live"}
 
 
-@router.get("/health/ready", response_model=Health, responses=_errors(503), tags=["health"])
+@router.get("/health/ready", response_model=Health, responses=error_responses(503), tags=["health"])
 async def ready(state=Depends(server_state)) -> dict:
     if not state.is_ready:
         raise NotReady(state.not_ready_reason())
     return {"status": "ready"}
 
 
-@router.get("/model", response_model=ModelInfo, responses=_errors(503), tags=["model"])
+@router.get("/model", response_model=ModelInfo, responses=error_responses(503), tags=["model"])
 async def model(engine=Depends(ready_engine), state=Depends(server_state)):
     return OrjsonResponse(state.model_info())
 
@@ -259,12 +259,12 @@ async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine
     return OrjsonResponse({"upserted": len(ids), "ids": ids}, status_code=201)
 
 
-@router.get("/gallery/items/{item_id:path}", response_model=GalleryItem, responses=_errors(404, 503), tags=["gallery"])
+@router.get("/gallery/items/{item_id:path}", response_model=GalleryItem, responses=error_responses(404, 503), tags=["gallery"])
 async def gallery_get(item_id: str, engine=Depends(ready_engine)):
     return OrjsonResponse(await engine.gallery_get(item_id))
 
 
-@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=_errors(401, 404, 503),
+@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=error_responses(401, 404, 503),
                dependencies=[Depends(require_api_key)], tags=["gallery"])
 async def gallery_delete(item_id: str, engine=Depends(ready_engine)):
     await engine.gallery_delete(item_id)
@@ -280,7 +280,7 @@ async def class_search(body: Optional[ClassSearchRequest] = None, class_ref: str
     return OrjsonResponse(await engine.gallery_search(cls, body.threshold, body.limit))
 
 
-@router.get("/gallery", response_model=GalleryInfo, responses=_errors(503), tags=["gallery"])
+@router.get("/gallery", response_model=GalleryInfo, responses=error_responses(503), tags=["gallery"])
 async def gallery_info(engine=Depends(ready_engine)):
     return OrjsonResponse(await engine.gallery_info())
 

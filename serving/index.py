@@ -9,8 +9,8 @@ query [h, 1]. Kinds:
 - ``exact`` numpy matmul over the memory-mapped head in chunks (no copy; the reference and
             the fallback when no index is wanted).
 - ``ivf``   inner-product ``IndexIVFScalarQuantizer`` over [W_j, s·b_j] (4-bit codes: an eighth
-            of the head's memory; the candidates are re-scored exactly, and at D = 1M 4-bit codes
-            reached the recall of 8-bit ones at the same nprobe), queried with [h, 1/s] (same inner product). The bias matters:
+            of the head's memory; the candidates are re-scored exactly, which is why 4-bit codes
+            suffice: docs/results/memory-1m.md), queried with [h, 1/s] (same inner product). The bias matters:
             with b_j spread like the W_j·h (trained and synthetic heads alike) the top logits
             belong to high-bias rows of *many* directions, so cells by direction alone (spherical
             k-means) must probe most lists. Cells therefore come from L2 k-means on [W_j, s·b_j]
@@ -344,8 +344,7 @@ class ClassIndex:
         if h.shape[0] == 0:
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
         # flat on CPU: numpy BLAS over the rows gives the same candidates without faiss's OpenMP
-        # threads, which spin after each call and took the event loop's core (flat topk at D <= 1,000
-        # ran at 0.4x of exact mode in the scale bench)
+        # threads, which spin after each call and take the event loop's core
         if self.meta.kind == "exact" or (self.meta.kind == "flat" and self.device == "cpu") \
                 or (self.device != "cpu" and k + 16 > _GPU_MAX_K):
             # a margin of candidates so float32 near-ties at rank k are settled by the exact re-score

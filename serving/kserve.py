@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
 from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
-from serving.http import _errors, parse_json, ready_engine, server_state
+from serving.http import error_responses, parse_json, ready_engine, server_state
 
 _DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
            "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -138,22 +138,22 @@ async def v2_live():
     return {"live": True}
 
 
-@router.get("/health/ready", response_model=Readiness, responses=_errors(503))
+@router.get("/health/ready", response_model=Readiness, responses=error_responses(503))
 async def v2_ready(state=Depends(server_state)):
     if not state.is_ready:
         raise NotReady(state.not_ready_reason())
     return {"ready": True}
 
 
-@router.get("/models/{model}", response_model=ModelMetadata, responses=_errors(404, 503))
-@router.get("/models/{model}/versions/{version}", response_model=ModelMetadata, responses=_errors(404, 503),
+@router.get("/models/{model}", response_model=ModelMetadata, responses=error_responses(404, 503))
+@router.get("/models/{model}/versions/{version}", response_model=ModelMetadata, responses=error_responses(404, 503),
             include_in_schema=False)
 async def model_metadata(model: str, engine=Depends(ready_engine)):
     return OrjsonResponse(_metadata(engine, _model_kind(engine, model)))
 
 
-@router.get("/models/{model}/ready", response_model=Readiness, responses=_errors(404, 503))
-@router.get("/models/{model}/versions/{version}/ready", response_model=Readiness, responses=_errors(404, 503),
+@router.get("/models/{model}/ready", response_model=Readiness, responses=error_responses(404, 503))
+@router.get("/models/{model}/versions/{version}/ready", response_model=Readiness, responses=error_responses(404, 503),
             include_in_schema=False)
 async def model_ready(model: str, engine=Depends(ready_engine), state=Depends(server_state)):
     _model_kind(engine, model)
@@ -166,7 +166,7 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
     "schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-@router.post("/models/{model}/infer", response_model=InferResponse, responses=_errors(400, 404, 413, 422, 429, 503, 504),
+@router.post("/models/{model}/infer", response_model=InferResponse, responses=error_responses(400, 404, 413, 422, 429, 503, 504),
              openapi_extra=_INFER_BODY)
 @router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
 async def infer(model: str, request: Request, engine=Depends(ready_engine)):

@@ -173,5 +173,6 @@ def bench_losses(out: Path) -> None:
     from trainer.losses.bench import run_loss_bench
 
     res = run_loss_bench(out=out)
+    click.echo((out / "losses-bench.md").read_text())
     st = res["methods"]["smooth_topk"]
     click.echo(f"smooth_topk: {st['median_ms']:.2f} ms per batch, {st['ratio_to_ce']:.1f}x ce -> {out / 'losses-bench.md'}")

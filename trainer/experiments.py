@@ -60,11 +60,11 @@ def _code_fingerprint(loss: str) -> str:
     module, so editing one loss family invalidates only its cached runs."""
     import inspect
 
-    from trainer.losses import _REGISTRY
+    from trainer.losses import loss_class
 
     root = Path(__file__).resolve().parent.parent
     files = [path for pattern in _COMMON_CODE for path in sorted(root.glob(pattern))]
-    files.append(Path(inspect.getsourcefile(_REGISTRY[loss])).resolve())
+    files.append(Path(inspect.getsourcefile(loss_class(loss))).resolve())
     h = hashlib.sha256()
     for path in files:
         h.update(path.name.encode())

@@ -65,7 +65,7 @@ class IdNames(Sequence):
 
 
 def compact_names(raw: Sequence) -> Union[IdNames, list[str]]:
-    """Manifest class names as str; IdNames when they are exactly "0".."D-1" (1M strings ≈ 60 MB saved)."""
+    """Manifest class names as str; IdNames when they are exactly "0".."D-1" (no million strings at D = 1M)."""
     names = [c if type(c) is str else str(c) for c in raw]
     n = len(names)
     if n and names[0] == "0" and names[-1] == str(n - 1) and names == list(map(str, range(n))):

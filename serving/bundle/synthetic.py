@@ -176,7 +176,7 @@ def _write_head(out: Path, rng: np.random.Generator, D: int, d: int, rows: str, 
 
     Returns (known hashes, data offsets, threshold [D], sd [D])."""
     mu, cov = probe.mean(axis=0), np.cov(probe, rowvar=False).reshape(d, d)  # [d], [d, d]
-    bias = (0.1 * rng.standard_normal(D)).astype(np.float32)  # [D], 4 MB at 1M
+    bias = (0.1 * rng.standard_normal(D)).astype(np.float32)  # [D]
     threshold, sd = np.empty(D, dtype=np.float64), np.empty(D, dtype=np.float64)
     weight_stream = NpyStream(out / "head_weight.npy", (D, d))
     for start, chunk in _row_chunks(rng, D, d, rows):
@@ -226,7 +226,7 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
 
 
 def _write_calibration(path: Path, threshold: np.ndarray, sd: np.ndarray) -> None:
-    """calibration.json streamed line by line (a million dicts would cost ~1 GB of Python objects)."""
+    """calibration.json streamed line by line: a million dicts would cost far more memory than the head."""
     a = 1.0 / sd
     b = -threshold / sd
     head = {

@@ -127,3 +127,10 @@ def test_verify_failure_lists_each_problem_then_one_summary_line(tmp_path, capsy
     assert code == 1
     assert lines[0].startswith("FAIL samples.npz: missing")
     assert lines[-1] == f"error: {tmp_path / 'b'}: {len(lines) - 1} problem(s); the bundle must not be served"
+
+
+def test_cli_reference_matches_the_commands():
+    """docs/cli.md is generated from the commands (`make docs`): it must not drift from them."""
+    from slc.clidoc import render
+
+    assert (ROOT / "docs" / "cli.md").read_text() == render(), "docs/cli.md is stale: run `make docs`"

@@ -28,10 +28,15 @@ def list_losses() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_loss(name: str, num_classes: int, **params) -> nn.Module:
+def loss_class(name: str) -> Callable[..., nn.Module]:
+    """The registered class (or factory) of a loss: what its code and its defaults are."""
     if name not in _REGISTRY:
         raise KeyError(f"unknown loss {name!r}; known: {', '.join(list_losses())}")
-    return _REGISTRY[name](num_classes=num_classes, **params)
+    return _REGISTRY[name]
+
+
+def build_loss(name: str, num_classes: int, **params) -> nn.Module:
+    return loss_class(name)(num_classes=num_classes, **params)
 
 
 # Importing the families fills the registry.

@@ -97,7 +97,6 @@ def run_loss_bench(out: Path, classes: int = 1000, k: int = 5, batch: int = 256,
     out.mkdir(parents=True, exist_ok=True)
     (out / "losses-bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "losses-bench.md").write_text(_markdown(result))
-    print(_markdown(result))
     return result
 
 

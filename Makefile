@@ -4,7 +4,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PORT ?= 8000
+PORT ?=
 export PYTHONUNBUFFERED := 1
 comma := ,
 
@@ -33,7 +33,7 @@ endif
 	touch $(STAMP)
 
 serve: setup
-	$(BIN)/slc serve --port $(PORT) $(if $(BUNDLE),$(BUNDLE),)
+	$(BIN)/slc serve $(if $(PORT),--port $(PORT),) $(if $(BUNDLE),$(BUNDLE),)
 
 test: setup
 	$(BIN)/python -m pytest -q -ra

@@ -1,4 +1,4 @@
-"""`create_app(settings) -> FastAPI`: the server's assembly and lifecycle (DESIGN.md §7).
+"""`create_app(settings) -> FastAPI`: the server's assembly and lifecycle (docs/api.md).
 
 Start-up runs in the background so /health/live answers at once: load and verify the bundle
 (a hash mismatch means never ready; under `slc serve` the process exits non-zero), open the
@@ -74,7 +74,7 @@ class ServerState:
         b, engine = self.bundle, self.engine
         m = b.manifest
         summary = {k: m[k] for k in ("format", "format_version", "name", "version", "created", "input", "embed_dim",
-                                     "num_classes", "loss", "backbone", "metrics", "test_metrics", "dataset",
+                                     "num_classes", "loss", "backbone", "test_metrics", "calibration_metrics", "dataset",
                                      "content_sha256") if k in m}
         summary["classes_preview"] = list(b.classes[:10])
         cal = b.calibration
@@ -203,7 +203,7 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
             log.info("stopped")
 
     app = FastAPI(title="slc", version="1", lifespan=lifespan, default_response_class=OrjsonResponse,
-                  description="Single-logit classification: one logit per query (DESIGN.md §7).")
+                  description="Single-logit classification: one logit per query (docs/api.md).")
     app.state.slc = state
 
     from serving.http import metrics_router, router as v1

@@ -25,10 +25,20 @@ def serve(bundle: Optional[Path], **flags) -> None:
     """Serve BUNDLE over HTTP (docs/api.md); without one, the embedded default model.
 
     Flags override SLC_* environment variables (docs/configuration.md)."""
-    from serving.main import run_server
+    from pydantic import ValidationError
 
-    overrides = dict(bundle=bundle, **flags)
-    run_server({k: v for k, v in overrides.items() if v is not None})
+    from serving.main import run_server
+    from serving.settings import Settings
+
+    overrides = {k: v for k, v in dict(bundle=bundle, **flags).items() if v is not None}
+    try:
+        Settings(**overrides)  # every SLC_* variable checked before anything starts
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "settings"
+        flag = f" / --{field.replace('_', '-')}" if field in flags else ""
+        raise click.UsageError(f"SLC_{field.upper()}{flag}: {first['msg']} (got {first.get('input')!r})") from None
+    run_server(overrides)
 
 
 @click.command()

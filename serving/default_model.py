@@ -1,4 +1,4 @@
-"""The embedded default model of `slc serve` with no BUNDLE (DESIGN.md §8).
+"""The embedded default model of `slc serve` with no BUNDLE (docs/cli.md).
 
 First use: train an mlp on mnist5k with batch_ce, export and calibrate it into
 $SLC_HOME/default-bundle; later starts reuse it. Training and export run as

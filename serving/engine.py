@@ -1,4 +1,4 @@
-"""The inference engine: what each query computes (DESIGN.md §1, §7).
+"""The inference engine: what each query computes (docs/api.md).
 
 detect   embed once (batched with other requests), then ONE dot product per input with the
          class row W[j] of the memory-mapped head: the cost does not depend on D.

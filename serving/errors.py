@@ -1,4 +1,4 @@
-"""One error envelope for every non-2xx answer (DESIGN.md §7): {"error": {"code", "message"}}.
+"""One error envelope for every non-2xx answer (docs/api.md): {"error": {"code", "message"}}.
 
 FastAPI's own failures (validation 422, unknown route 404, malformed JSON) are rewritten into
 the same envelope, the request body is capped while it is read (FastAPI has no limit), and an

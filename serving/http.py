@@ -1,4 +1,4 @@
-"""The /v1 routes (DESIGN.md §7): parse, resolve the class, hand over to the engine, answer.
+"""The /v1 routes (docs/api.md): parse, resolve the class, hand over to the engine, answer.
 
 Request bodies are parsed with orjson (much faster than the stdlib on float arrays); if orjson
 refuses a body, the stdlib parser gets a second try so the JSON literals `NaN` / `Infinity`

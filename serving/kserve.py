@@ -1,4 +1,4 @@
-"""KServe v2 / Open Inference Protocol (DESIGN.md §7), JSON tensors and the binary tensor extension.
+"""KServe v2 / Open Inference Protocol (docs/api.md), JSON tensors and the binary tensor extension.
 
 Models:
   `<name>`       inputs `input` FP32 [N, ...] and `class_id` INT64 [N] -> `logit` FP32 [N], `match` BOOL [N]

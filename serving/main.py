@@ -1,4 +1,4 @@
-"""`run_server(overrides)`: `slc serve` (DESIGN.md §8) — Settings -> create_app -> uvicorn, one worker.
+"""`run_server(overrides)`: `slc serve` (docs/cli.md) — Settings -> create_app -> uvicorn, one worker.
 
 uvicorn picks uvloop and httptools when they are installed (loop="auto", http="auto").
 SIGTERM / SIGINT: readiness turns 503 at once, uvicorn stops accepting connections and waits
@@ -42,7 +42,8 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(overrides: dict) -> None:
     settings = Settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is not news
     fatal: list[BaseException] = []
     server: DrainingServer | None = None

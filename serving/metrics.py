@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §7 GET /metrics), one registry per app so tests can build many apps.
+"""Prometheus metrics (docs/api.md, GET /metrics), one registry per app so tests can build many apps.
 
 Endpoints are labelled by route template (/v1/classes/{class}/detect), never by raw path,
 so label cardinality stays bounded.

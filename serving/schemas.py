@@ -1,4 +1,4 @@
-"""Request and response bodies of the /v1 API (DESIGN.md §7).
+"""Request and response bodies of the /v1 API (docs/api.md).
 
 Numbers are strict (no strings, no booleans) and finite: pydantic accepts NaN/inf by default,
 and the stdlib JSON parser FastAPI uses reads the non-standard literals `NaN`, `Infinity` and

@@ -1,4 +1,4 @@
-"""Server settings (DESIGN.md §8 `slc serve`): SLC_* environment variables, overridden by CLI flags.
+"""Server settings (docs/configuration.md): SLC_* environment variables, overridden by CLI flags.
 
 Every limit the server enforces lives here, so an operator can read one file to know
 what a request may cost.
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from serving.bundle.home import slc_home
@@ -51,7 +51,12 @@ class Settings(BaseSettings):
         "auto", description="full-softmax head: numpy BLAS on embeddings or full.onnx; auto = the faster at warm-up")
     warmup: bool = True
 
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value):
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> "Settings":

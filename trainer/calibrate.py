@@ -1,4 +1,4 @@
-"""Thresholds and Platt scaling chosen on the calibration split (DESIGN.md §6). numpy only.
+"""Thresholds and Platt scaling chosen on the calibration split (docs/bundle-format.md). numpy only.
 
 Decision rule everywhere: `match = logit >= threshold`.
 

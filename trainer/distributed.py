@@ -1,4 +1,4 @@
-"""Data-parallel helpers for losses defined on the whole batch (DESIGN.md §4).
+"""Data-parallel helpers for losses defined on the whole batch (docs/losses.md).
 
 `batch_ce`, `batch_max_margin` and `lgl_inr` couple all examples of a batch, so under
 `torch.distributed` every rank gathers the logits and targets of all ranks and computes

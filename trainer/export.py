@@ -1,4 +1,4 @@
-"""`slc export RUN --out BUNDLE`: the ONNX bundle of a trained run (DESIGN.md §6).
+"""`slc export RUN --out BUNDLE`: the ONNX bundle of a trained run (docs/bundle-format.md).
 
 Exporter: torch.onnx.export with dynamo=True (the torch.export-based exporter, default since
 torch 2.9; onnxscript is installed). With torch 2.13 it gives clean graphs: BatchNorm folded
@@ -276,7 +276,7 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
 
 
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None) -> Path:
-    """Write BUNDLE (DESIGN.md §6) from a run directory; returns `out`. Raises ExportError if unfaithful."""
+    """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful."""
     run, out = Path(run), Path(out)
     target = _target(target_precision, target_recall)
     r = _open_run(run)

@@ -122,7 +122,7 @@ def read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | No
     target = cal.get("target")
     if not (isinstance(target, dict) and len(target) == 1 and next(iter(target)) in ("precision", "recall", "quantile")
             and is_number(next(iter(target.values())))):
-        problems.append(f"{name}: 'target' must be {{'precision'|'recall': number}}")
+        problems.append(f"{name}: 'target' must be {{'precision'|'recall'|'quantile': number}}")
     g = cal.get("global")
     if not (isinstance(g, dict) and is_number(g.get("threshold"))):
         problems.append(f"{name}: 'global' needs a finite threshold")

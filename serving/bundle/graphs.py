@@ -11,7 +11,7 @@ from serving.bundle.format import GRAPH_IO, GRAPH_KINDS, MANIFEST
 
 
 def graph_problems(p: Path, kind: str) -> tuple[list[str], Any]:
-    """onnx.checker (full) by path, I/O names of DESIGN.md §6, and a plain Gather in single.onnx.
+    """onnx.checker (full) by path, I/O names of docs/bundle-format.md, and a plain Gather in single.onnx.
 
     Shared by `slc export` (before a bundle is written) and verify; returns (problems, the
     graph without its external data, or None when the checker failed)."""

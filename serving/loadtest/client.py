@@ -83,7 +83,7 @@ class EndpointSpec:
 
 
 def endpoint_request(name: str, class_: str, inputs: list, k: int = 10) -> tuple[str, str, Optional[dict]]:
-    """(method, path, json body) of one endpoint of DESIGN.md §7."""
+    """(method, path, json body) of one endpoint of docs/api.md."""
     cls = quote(str(class_), safe="")
     if name == "detect":
         return "POST", f"/v1/classes/{cls}/detect", {"inputs": inputs}

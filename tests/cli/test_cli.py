@@ -134,3 +134,12 @@ def test_cli_reference_matches_the_commands():
     from slc.clidoc import render
 
     assert (ROOT / "docs" / "cli.md").read_text() == render(), "docs/cli.md is stale: run `make docs`"
+
+
+@pytest.mark.parametrize("var,value,needle", [("SLC_LOG_LEVEL", "loud", "SLC_LOG_LEVEL:"),
+                                              ("SLC_MAX_BATCH", "0", "SLC_MAX_BATCH / --max-batch:")])
+def test_a_bad_setting_is_one_line_before_the_server_starts(var, value, needle, tmp_path, capsys, monkeypatch):
+    assert run(capsys, "bundle", "synthetic", "--classes", 5, "--dim", 4, "--input-dim", 3, "--out", tmp_path / "b")[0] == 0
+    monkeypatch.setenv(var, value)
+    code, _, err = run(capsys, "serve", tmp_path / "b", "--port", 1)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err and repr(value) in err

@@ -1,4 +1,4 @@
-"""Loss registry (DESIGN.md §4): `list_losses()`, `build_loss(name, num_classes, **params)`.
+"""Loss registry (docs/losses.md): `list_losses()`, `build_loss(name, num_classes, **params)`.
 
 Every loss module takes logits [B, C] and targets [B] and returns a scalar; it carries
 `pols` (does it satisfy the Principle of Logit Separation). Scheduled losses also have

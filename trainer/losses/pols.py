@@ -1,4 +1,4 @@
-"""Losses that satisfy the Principle of Logit Separation (DESIGN.md §4; Keren, Sabato & Schuller).
+"""Losses that satisfy the Principle of Logit Separation (docs/losses.md; Keren, Sabato & Schuller).
 
 A small loss forces every true logit above every false logit *across* examples, so one
 logit z_j(x) compared with a threshold answers "is x of class j?".

@@ -1,4 +1,4 @@
-"""Smooth top-k SVM loss L_{k,τ} of Berrada, Zisserman & Kumar (ICLR 2018), DESIGN.md §4.
+"""Smooth top-k SVM loss L_{k,τ} of Berrada, Zisserman & Kumar (ICLR 2018), docs/losses.md.
 
 Per example, with x = z / (kτ) and e = exp(x), the paper's decomposition (its eq. 10) over the
 "other" classes o = {j ≠ y} gives

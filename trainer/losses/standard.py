@@ -1,4 +1,4 @@
-"""Per-example losses that do NOT satisfy the PoLS (DESIGN.md §4): the baselines of Table 1.
+"""Per-example losses that do NOT satisfy the PoLS (docs/losses.md): the baselines of Table 1.
 
 Each is the mean over the batch of a per-example loss of logits z [B, C] and targets y [B].
 """

@@ -10,6 +10,7 @@ written to a temporary directory and renamed into place, so a crash never leaves
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from serving.bundle.files import replace_dir
 
@@ -32,18 +35,22 @@ def default_bundle_path(home: Path) -> Path:
 
 
 def example_request_path(home: Path) -> Path:
-    """A detect request body holding one test-split image of a 7, for the curl printed at start."""
+    """A detect request body holding one image of a 7 (from the bundle's samples), for the curl printed at start."""
     return Path(home) / "example-7.json"
 
 
-# Runs in the build subprocess (it needs the dataset packages, which a serving image lacks).
-_WRITE_EXAMPLE = """
-import json, sys
-from trainer.data import load_dataset
-x, y = load_dataset("mnist5k").test
-i = int((y == 7).nonzero()[0][0])
-json.dump({"inputs": [x[i].astype(float).tolist()]}, open(sys.argv[1], "w"))
-"""
+def write_example(bundle: Path, path: Path, class_name: str = "7") -> bool:
+    """The first sample input whose true label is `class_name` as a detect body; False when none is."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    with np.load(bundle / "samples.npz", allow_pickle=False) as samples:
+        if "label" not in samples.files or class_name not in manifest["classes"]:
+            return False
+        hits = np.flatnonzero(samples["label"] == manifest["classes"].index(class_name))
+        if hits.size == 0:
+            return False
+        x = samples["input"][hits[0]]
+    path.write_text(json.dumps({"inputs": [x.astype(float).tolist()]}))
+    return True
 
 
 def curl_hint(home: Path, host: str, port: int) -> str | None:
@@ -83,17 +90,17 @@ def _build(home: Path, bundle: Path) -> None:
              "--loss", RECIPE["loss"], "--epochs", RECIPE["epochs"], "--seed", RECIPE["seed"],
              "--optimizer", RECIPE["optimizer"], "--lr", RECIPE["lr"], "--out", str(run)]
     export = [sys.executable, "-m", "slc", "export", str(run), "--out", str(staged)]
-    example = [sys.executable, "-c", _WRITE_EXAMPLE, str(example_request_path(home))]
     log.info("no default model in %s yet: training %s (one time; a few minutes on 2 cores)", bundle,
              " ".join(f"{k}={v}" for k, v in RECIPE.items()))
     t0 = time.perf_counter()
     try:
-        for step, cmd in (("train", train), ("export", export), ("example", example)):
+        for step, cmd in (("train", train), ("export", export)):
             done = subprocess.run(cmd, env=env, cwd=str(project_root))  # inherits the terminal: progress bar shows
             if done.returncode != 0:
                 raise RuntimeError(f"building the default model failed at `{step}` (exit {done.returncode}); "
                                    f"the training extras are needed once: pip install 'slc[train]'; "
                                    f"or serve a bundle: slc serve BUNDLE")
+        write_example(staged, example_request_path(home))
         replace_dir(staged, bundle)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -8,6 +8,7 @@ before any work starts: a bad dataset, loss, backbone, optimizer or schedule, an
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -68,7 +69,7 @@ def train(out: Path, **options) -> None:
     t0 = time.perf_counter()
     run_train(cfg, out)
     metrics_path = out / "metrics.json"
-    if metrics_path.is_file():  # rank 0 writes it; other ranks of torchrun stay quiet
+    if metrics_path.is_file() and os.environ.get("RANK", "0") == "0":  # one summary under torchrun
         test = json.loads(metrics_path.read_text())["test"]
         click.echo(f"trained {out} in {time.perf_counter() - t0:.0f} s: test accuracy {test['accuracy']:.4f}, "
                    f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}  -> next: slc export {out} --out BUNDLE")

@@ -251,7 +251,8 @@ def _write_samples(r: _Run, stage: Path, D: int) -> None:
         logits = r.net(xt).numpy()[:, columns]  # [n, c]
         single = r.net.single(xt, torch.from_numpy(sample_cid)).numpy()  # [n]
     np.savez(stage / "samples.npz", input=xs, embedding=emb.astype(np.float32), logits=logits.astype(np.float32),
-             logit_columns=columns.astype(np.int64), class_id=sample_cid, logit=single.astype(np.float32))
+             logit_columns=columns.astype(np.int64), class_id=sample_cid, logit=single.astype(np.float32),
+             label=r.y_cal.astype(np.int64)[pick])
 
 
 def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dict, parity_report: dict) -> dict:
@@ -299,6 +300,6 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
-    log.info("exported %s -> %s (%d classes, parity %s)", run, out, D,
+    log.debug("exported %s -> %s (%d classes, parity %s)", run, out, D,
              ", ".join(f"{k} {v:.1e}" for k, v in parity_report.items()))
     return out

@@ -217,3 +217,28 @@ def test_external_data_export(tmp_path, monkeypatch):
     assert {"full.onnx.data", "single.onnx.data"} <= names
     assert verify_bundle(bundle) == []
     assert json.loads((bundle / "calibration.json").read_text())["target"] == {"recall": 0.9}
+
+
+@pytest.mark.slow
+def test_samples_carry_their_true_labels(exported):
+    """samples.npz `label` is the dataset's label of each stored input (found by value in the calibration split)."""
+    _, _, bundle, splits = exported
+    x_cal, y_cal = splits.calibration
+    with np.load(bundle / "samples.npz", allow_pickle=False) as s:
+        inputs, labels = s["input"], s["label"]
+    for x, label in zip(inputs, labels):
+        rows = np.flatnonzero((x_cal == x).all(axis=1))
+        assert rows.size and int(y_cal[rows[0]]) == int(label)
+
+
+@pytest.mark.slow
+def test_default_model_example_is_an_image_of_its_class(exported, tmp_path):
+    from serving.default_model import write_example
+
+    _, _, bundle, splits = exported
+    assert write_example(bundle, tmp_path / "ex.json", class_name="7")
+    x = np.asarray(json.loads((tmp_path / "ex.json").read_text())["inputs"][0], dtype=np.float32)
+    x_cal, y_cal = splits.calibration
+    rows = np.flatnonzero((x_cal == x).all(axis=1))
+    assert rows.size and splits.classes[int(y_cal[rows[0]])] == "7"
+    assert not write_example(bundle, tmp_path / "none.json", class_name="no such class")

@@ -21,7 +21,8 @@ from typing import Any, Optional
 import numpy as np
 
 from serving.batcher import Batcher, Job
-from serving.errors import InvalidInput, NotFound
+from serving.errors import NotFound
+from serving.inputs import examples as read_examples
 
 log = logging.getLogger(__name__)
 
@@ -178,31 +179,11 @@ class Engine:
                            code="unknown_class") from None
         return ClassRef(j, str(self.bundle.classes[j]))
 
-    def to_batch(self, inputs: list, what: str = "inputs") -> np.ndarray:
-        """Nested lists -> float32 [N, *input_shape]; each example nested like the shape or flat."""
-        if len(inputs) > self.settings.max_inputs:
-            raise InvalidInput(f"{len(inputs)} {what} in one request; the limit is {self.settings.max_inputs}",
-                               code="too_many_inputs")
-        if not inputs:
-            raise InvalidInput(f"{what} is empty", code="shape_mismatch")
-        try:
-            with np.errstate(over="ignore"):  # 1e39 -> inf, reported below as non-finite
-                arr = np.asarray(inputs, dtype=np.float32)
-        except (ValueError, TypeError):
-            raise InvalidInput(f"{what}: examples must be rectangular lists of numbers of shape "
-                               f"{list(self.input_shape)} or {self.input_size} flat values",
-                               code="shape_mismatch") from None
-        if arr.shape[1:] != self.input_shape:
-            if arr.ndim == 2 and arr.shape[1] == self.input_size:
-                arr = arr.reshape((arr.shape[0],) + self.input_shape)
-            else:
-                raise InvalidInput(f"{what}: each example must have shape {list(self.input_shape)} or "
-                                   f"{self.input_size} flat values; got {list(arr.shape[1:])}",
-                                   code="shape_mismatch")
-        if not np.isfinite(arr).all():
-            raise InvalidInput(f"{what} must be finite float32 values (NaN, Infinity or |x| > 3.4e38 found)",
-                               code="non_finite_value")
-        return arr
+    def to_batch(self, inputs: Any, what: str = "inputs", bools_possible: bool = True) -> np.ndarray:
+        """Examples (each nested like the input shape, or flat) -> float32 [N, *input_shape], strictly
+        and with bounds checked first (serving/inputs.py); `bools_possible=False` when the raw body
+        holds no JSON boolean (saves the walk that looks for one)."""
+        return read_examples(inputs, self.input_shape, self.settings.max_inputs, bools_possible, what)
 
     def threshold_of(self, j: int) -> float:
         t = float(self.bundle.thresholds[j])
@@ -289,11 +270,11 @@ class Engine:
         return await self.batcher.submit(x, "logits", lambda z: np.array(z, np.float32), self._timeout())
 
     # ------------------------------------------------------------------ gallery
-    async def gallery_upsert(self, items: list[dict]) -> list[str]:
+    async def gallery_upsert(self, items: list[dict], bools_possible: bool = True) -> list[str]:
         gallery = self.gallery
         from serving.gallery import GalleryRecord
 
-        x = self.to_batch([it["input"] for it in items], what="items")
+        x = self.to_batch([it["input"] for it in items], what="item inputs", bools_possible=bools_possible)
         h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, np.float32), self._timeout())
         records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"])
                    for i, it in enumerate(items)]

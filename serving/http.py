@@ -1,105 +1,66 @@
 """The /v1 routes (docs/api.md): parse, resolve the class, hand over to the engine, answer.
 
-Request bodies are parsed with orjson (much faster than the stdlib on float arrays); if orjson
-refuses a body, the stdlib parser gets a second try so the JSON literals `NaN` / `Infinity`
-become floats that validation turns into 422 (non_finite_value), and truly malformed JSON
-still fails there (400 malformed_json).
-
-detect, softmax and topk have a lean path for the ordinary request (see `_lean` below): the same
-pydantic model and engine checks, without FastAPI's per-request machinery; any request it
-declines goes through FastAPI as before (docs/results/detect-path.md).
+Every POST with a body (detect, softmax, topk, gallery writes, class search) is read by its
+handler straight from ASGI (`_body_route` below) and checked by serving/inputs.py: the size while
+reading, the parse in C, the counts, then one vectorised conversion of the examples; no value is
+coerced and no per-value Python runs on an ordinary request. pydantic models still describe each
+body in the OpenAPI schema; FastAPI's own handler answers the other methods.
 """
 from __future__ import annotations
 
-import json
 import secrets
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.routing import APIRoute
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from serving import inputs as read
 from serving.errors import InvalidInput, NotReady, OrjsonResponse, Unauthorized
+from serving.inputs import UnsupportedMediaType
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
                              GalleryInfo, GalleryItem, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
                              SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
 
 
-def parse_json(body: bytes):
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        try:
-            return json.loads(body)  # NaN/Infinity literals -> float (rejected later); else JSONDecodeError -> 400
-        except RecursionError:  # nesting deeper than the parser allows: malformed for us
-            raise json.JSONDecodeError("JSON nested too deeply", body.decode("utf-8", "replace")[:32], 0) from None
-
-
-class FastJSONRequest(Request):
-    async def json(self):
-        if not hasattr(self, "_json"):
-            self._json = parse_json(await self.body())
-        return self._json
-
-
 class FastJSONRoute(APIRoute):
-    """APIRoute whose request.json() is `parse_json`. A route with a lean handler (`_lean`) first
-    tries that, straight on ASGI, and falls back to FastAPI's handler when it declines."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def fast_handler(request: Request) -> Response:
-            return await handler(FastJSONRequest(request.scope, request.receive))
-
-        return fast_handler
+    """APIRoute whose POST body, when the route registered a body handler (`_body_route`), is read
+    and answered by that handler, straight on ASGI; errors still reach the app's handlers."""
 
     async def handle(self, scope, receive, send) -> None:
-        lean = _LEAN.get(self.endpoint)  # per request: lean handlers register after their route
-        # (a route given extra dependencies, e.g. an API key, always takes FastAPI's handler)
-        if lean is None or self.dependencies or scope["method"] != "POST" or not _is_json(scope):
+        fn = _BODY_HANDLERS.get(self.endpoint)  # per request: handlers register after their route
+        if fn is None or scope["method"] != "POST":
             return await super().handle(scope, receive, send)
-        model, fn = lean
-        body = await _read_body(receive)
-        parsed = _validate(body, model)
-        if parsed is None:
-            # Odd JSON or a schema violation: FastAPI's handler answers from the same bytes, so
-            # every error keeps exactly the envelope, status and message it always had.
-            return await super().handle(scope, _replay(body, receive), send)
-        payload = orjson.dumps(await fn(scope, parsed), option=orjson.OPT_SERIALIZE_NUMPY)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": payload})
+        status, payload = await fn(scope, receive)
+        body = b"" if payload is None else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = [(b"content-length", str(len(body)).encode())]
+        if payload is not None:
+            headers.append((b"content-type", b"application/json"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
-# ----------------------------------------------------------------------------- lean query path
-# The hot query routes (detect, softmax, topk) skip FastAPI's request cycle for the ordinary
-# request, a JSON object their pydantic model accepts: no Request/Response objects, no
-# content-type parsing through email.message, no dependency solving or signature binding.
-# The same model validates the body (same rules: strict finite numbers, no extra keys), the
-# engine checks the shape, and ApiErrors still reach the app's handlers (one envelope). Anything
-# else goes to FastAPI's handler; the routes keep their signatures, hence their OpenAPI schema.
-_LEAN: dict[Callable, tuple] = {}
+_BODY_HANDLERS: dict[Callable, Callable] = {}
 
 
-def _lean(endpoint: Callable, model):
-    """Register `fn(scope, body_model) -> dict` as the lean handler of `endpoint`'s route."""
+def _body_route(endpoint: Callable):
+    """Register `fn(scope, receive) -> (status, payload)` as the POST handler of `endpoint`'s route."""
     def register(fn: Callable) -> Callable:
-        _LEAN[endpoint] = (model, fn)
+        _BODY_HANDLERS[endpoint] = fn
         return fn
 
     return register
 
 
 def _is_json(scope) -> bool:
-    """Content-Type application/json (charset allowed); anything else is left to FastAPI's rules."""
+    """Content-Type application/json (a charset allowed)."""
     for name, value in scope["headers"]:
         if name == b"content-type":
             ct = value.lower()
-            return ct == b"application/json" or (ct.startswith(b"application/json;") and b"charset" in ct)
+            return ct == b"application/json" or ct.startswith(b"application/json;")
     return False
 
 
@@ -114,33 +75,18 @@ async def _read_body(receive) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _replay(body: bytes, receive):
-    """A receive() that yields the already-read body once, then defers to the real one."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay():
-        return pending.pop() if pending else await receive()
-
-    return replay
+def _state(scope):
+    return scope["app"].state.slc
 
 
-def _validate(body: bytes, model):
-    """The validated body model, or None when FastAPI's handler should answer (and report)."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if type(obj) is not dict:
-        return None
-    try:
-        return model.model_validate(obj)
-    except ValidationError:
-        return None
-
-
-def _engine_of(scope):
-    """`ready_engine` without the dependency machinery."""
-    return scope["app"].state.slc.ready_engine()
+async def _read_object(scope, receive, optional: bool = False) -> tuple[dict, bytes]:
+    """(the JSON object, the raw bytes) of the body; with `optional`, an empty body is {} whatever its type."""
+    body = await _read_body(receive)
+    if optional and not body.strip():
+        return {}, body
+    if not _is_json(scope):
+        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+    return read.parse_object(body), body
 
 
 def error_responses(*codes: int) -> dict:
@@ -166,11 +112,13 @@ async def ready_engine(request: Request):
 
 async def require_api_key(request: Request) -> None:
     """Write routes need the key when SLC_API_KEY is set: `Authorization: Bearer KEY` or `X-API-Key: KEY`."""
-    expected = request.app.state.slc.settings.api_key_value()
+    check_api_key(request.app.state.slc.settings.api_key_value(), request.headers.get("x-api-key"),
+                  request.headers.get("authorization", ""))
+
+
+def check_api_key(expected: Optional[str], given: Optional[str], auth: str) -> None:
     if not expected:
         return
-    given: Optional[str] = request.headers.get("x-api-key")
-    auth = request.headers.get("authorization", "")
     if given is None and auth[:7].lower() == "bearer ":
         given = auth[7:].strip()
     if not given or not secrets.compare_digest(given.encode(), expected.encode()):
@@ -229,34 +177,83 @@ async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(se
     return OrjsonResponse(await engine.topk(x, body.k, body.mode))
 
 
-@_lean(detect, DetectRequest)
-async def _detect_lean(scope, body: DetectRequest) -> dict:
-    engine = _engine_of(scope)
+# ----------------------------------------------------------------------------- POST bodies
+# The same engine calls as the routes above, from the raw body: the routes' own signatures only
+# describe the bodies in OpenAPI (FastAPI's handler never reads a POST body here).
+async def _query(scope, receive, allowed: tuple[str, ...]) -> tuple[Any, dict, np.ndarray]:
+    """(engine, body object, examples [N, *shape]) of a query route, every check before any compute."""
+    engine = _state(scope).ready_engine()
+    obj, body = await _read_object(scope, receive)
+    read.check_keys(obj, allowed, required=("inputs",))
+    return engine, obj, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
+
+
+@_body_route(detect)
+async def _detect_body(scope, receive):
+    engine, obj, x = await _query(scope, receive, ("inputs", "threshold"))
+    threshold = read.number(obj, "threshold")
     cls = engine.resolve_class(scope["path_params"]["class"])
-    return await engine.detect(cls, engine.to_batch(body.inputs), body.threshold)
+    return 200, await engine.detect(cls, x, threshold)
 
 
-@_lean(softmax, SoftmaxRequest)
-async def _softmax_lean(scope, body: SoftmaxRequest) -> dict:
-    engine = _engine_of(scope)
+@_body_route(softmax)
+async def _softmax_body(scope, receive):
+    engine, _, x = await _query(scope, receive, ("inputs",))
     cls = engine.resolve_class(scope["path_params"]["class"])
-    return await engine.softmax(cls, engine.to_batch(body.inputs))
+    return 200, await engine.softmax(cls, x)
 
 
-@_lean(topk, TopkRequest)
-async def _topk_lean(scope, body: TopkRequest) -> dict:
-    engine = _engine_of(scope)
-    _check_k(body.k, scope["app"].state.slc)
-    return await engine.topk(engine.to_batch(body.inputs), body.k, body.mode)
+@_body_route(topk)
+async def _topk_body(scope, receive):
+    engine, obj, x = await _query(scope, receive, ("inputs", "k", "mode"))
+    k = read.integer(obj, "k", 5, 1, _state(scope).settings.max_topk, code="k_too_large")
+    mode = read.choice(obj, "mode", "exact", ("exact", "index"))
+    return 200, await engine.topk(x, k, mode)
+
+
+def _require_key(scope) -> None:
+    headers = dict(scope["headers"])
+    given, auth = headers.get(b"x-api-key"), headers.get(b"authorization", b"")
+    check_api_key(_state(scope).settings.api_key_value(), None if given is None else given.decode("latin-1"),
+                  auth.decode("latin-1"))
+
+
+def _gallery_items(obj: dict, max_items: int) -> list[dict]:
+    """items [{id, input, metadata?}], checked before any input is converted; last one wins per id."""
+    read.check_keys(obj, ("items",), required=("items",))
+    items = obj["items"]
+    if type(items) is not list or not items:
+        raise InvalidInput("items must be a non-empty list of {id, input, metadata?}", code="validation_error")
+    if len(items) > max_items:
+        raise InvalidInput(f"{len(items)} items in one request; the limit is {max_items}", code="too_many_inputs")
+    for k, it in enumerate(items):
+        if type(it) is not dict:
+            raise InvalidInput(f"items[{k}] must be an object {{id, input, metadata?}}", code="validation_error")
+        read.check_keys(it, ("id", "input", "metadata"), required=("id", "input"), where=f"items[{k}]")
+        read.string(it["id"], f"items[{k}].id", 256)
+        if it.get("metadata") is not None and type(it["metadata"]) is not dict:
+            raise InvalidInput(f"items[{k}].metadata must be an object or null", code="validation_error")
+    return list({it["id"]: {"metadata": None, **it} for it in items}.values())
 
 
 @router.post("/gallery/items", status_code=201, response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS,
              dependencies=[Depends(require_api_key)], tags=["gallery"])
 async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine)):
     """Upsert by id; answered only once the items are committed to disk."""
-    items = list({it.id: it.model_dump() for it in body.items}.values())  # last one wins per id
-    ids = await engine.gallery_upsert(items)
-    return OrjsonResponse({"upserted": len(ids), "ids": ids}, status_code=201)
+    raise AssertionError("answered by _gallery_upsert_body")  # pragma: no cover - POST bodies never reach here
+
+
+@_body_route(gallery_upsert)
+async def _gallery_upsert_body(scope, receive):
+    _require_key(scope)  # 401 before the body is read
+    engine = _state(scope).ready_engine()
+    obj, body = await _read_object(scope, receive)
+    items = _gallery_items(obj, _state(scope).settings.max_inputs)
+    if big := read.long_int_literal(body):
+        raise InvalidInput(f"integer {big} is beyond ±2^53, which JSON numbers do not keep exactly; "
+                           "send it as a string", code="validation_error")
+    ids = await engine.gallery_upsert(items, bools_possible=read.has_bool_token(body))
+    return 201, {"upserted": len(ids), "ids": ids}
 
 
 @router.get("/gallery/items/{item_id:path}", response_model=GalleryItem, responses=error_responses(404, 503), tags=["gallery"])
@@ -275,9 +272,18 @@ async def gallery_delete(item_id: str, engine=Depends(ready_engine)):
 async def class_search(body: Optional[ClassSearchRequest] = None, class_ref: str = ClassPath,
                        engine=Depends(ready_engine)):
     """Gallery items whose logit for the class is >= the threshold, best first."""
-    body = body or ClassSearchRequest()
-    cls = engine.resolve_class(class_ref)
-    return OrjsonResponse(await engine.gallery_search(cls, body.threshold, body.limit))
+    raise AssertionError("answered by _class_search_body")  # pragma: no cover - POST bodies never reach here
+
+
+@_body_route(class_search)
+async def _class_search_body(scope, receive):
+    engine = _state(scope).ready_engine()
+    obj, _ = await _read_object(scope, receive, optional=True)
+    read.check_keys(obj, ("limit", "threshold"))
+    limit = read.integer(obj, "limit", 100, 1, 100_000)
+    threshold = read.number(obj, "threshold")
+    cls = engine.resolve_class(scope["path_params"]["class"])
+    return 200, await engine.gallery_search(cls, threshold, limit)
 
 
 @router.get("/gallery", response_model=GalleryInfo, responses=error_responses(503), tags=["gallery"])

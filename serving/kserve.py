@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
 from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
-from serving.http import error_responses, parse_json, ready_engine, server_state
+from serving import inputs as read
+from serving.http import error_responses, ready_engine, server_state
 
 _DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
            "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -31,7 +32,7 @@ _INTS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64
 
 
 class InferTensor(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     name: str
     shape: list[int] = Field(description="[N, ...]")
@@ -41,14 +42,14 @@ class InferTensor(BaseModel):
 
 
 class InferRequestedOutput(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     name: str
     parameters: Optional[dict[str, Any]] = None
 
 
 class InferRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     id: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
@@ -107,6 +108,14 @@ SERVER_VERSION = _package_version()  # looked up once, not per GET /v2
 VERSION = "1"  # the one model version a bundle serves
 
 
+def _check_version(request: Request) -> None:
+    """`/versions/{v}` routes: only the one version a bundle serves exists."""
+    version = request.path_params.get("version")
+    if version is not None and version != VERSION:
+        raise NotFound(f"model version {version!r} does not exist (this server has version {VERSION!r})",
+                       code="unknown_version")
+
+
 def _model_kind(engine, model: str) -> str:
     name = engine.bundle.name
     if model == name:
@@ -148,14 +157,16 @@ async def v2_ready(state=Depends(server_state)):
 @router.get("/models/{model}", response_model=ModelMetadata, responses=error_responses(404, 503))
 @router.get("/models/{model}/versions/{version}", response_model=ModelMetadata, responses=error_responses(404, 503),
             include_in_schema=False)
-async def model_metadata(model: str, engine=Depends(ready_engine)):
+async def model_metadata(model: str, request: Request, engine=Depends(ready_engine)):
+    _check_version(request)
     return OrjsonResponse(_metadata(engine, _model_kind(engine, model)))
 
 
 @router.get("/models/{model}/ready", response_model=Readiness, responses=error_responses(404, 503))
 @router.get("/models/{model}/versions/{version}/ready", response_model=Readiness, responses=error_responses(404, 503),
             include_in_schema=False)
-async def model_ready(model: str, engine=Depends(ready_engine), state=Depends(server_state)):
+async def model_ready(model: str, request: Request, engine=Depends(ready_engine), state=Depends(server_state)):
+    _check_version(request)
     _model_kind(engine, model)
     if not state.is_ready:
         raise NotReady(state.not_ready_reason())
@@ -170,6 +181,7 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
              openapi_extra=_INFER_BODY)
 @router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
 async def infer(model: str, request: Request, engine=Depends(ready_engine)):
+    _check_version(request)
     kind = _model_kind(engine, model)
     body = await request.body()
     header_len = request.headers.get("inference-header-content-length")
@@ -182,10 +194,7 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
         if not 0 <= n <= len(body):
             raise BadRequest("Inference-Header-Content-Length is larger than the body", code="malformed_request")
         body, binary = body[:n], body[n:]
-    try:
-        payload = parse_json(body)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON ({exc})", code="malformed_json") from None
+    payload = read.parse_object(body)
     try:
         req = InferRequest.model_validate(payload)
     except ValidationError as exc:
@@ -193,7 +202,7 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
         loc = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidInput(f"{loc}: {first['msg']}", code="validation_error") from None
 
-    tensors = _decode_inputs(req, binary)
+    tensors = _decode_inputs(req, binary, read.has_bool_token(body))
     if kind == "single":
         x = _input_batch(engine, tensors)
         cid = tensors.get("class_id")
@@ -237,7 +246,7 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
                     headers={"Inference-Header-Content-Length": str(len(head))})
 
 
-def _decode_inputs(req: InferRequest, binary: bytes) -> dict[str, tuple[np.ndarray, str]]:
+def _decode_inputs(req: InferRequest, binary: bytes, bools_possible: bool) -> dict[str, tuple[np.ndarray, str]]:
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     offset = 0
     for t in req.inputs:
@@ -259,11 +268,13 @@ def _decode_inputs(req: InferRequest, binary: bytes) -> dict[str, tuple[np.ndarr
         else:
             if t.data is None:
                 raise InvalidInput(f"input {t.name!r} has no data", code="missing_input")
-            try:
-                arr = np.asarray(t.data, dtype=np.float64 if dt in _FLOATS else _DTYPES[dt])
-            except (ValueError, TypeError, OverflowError):
-                raise InvalidInput(f"input {t.name!r}: data must be a (nested) list of {dt} values",
-                                   code="shape_mismatch") from None
+            kind = "float" if dt in _FLOATS else "int" if dt in _INTS else "bool"
+            arr = read.tensor_values(t.data, t.name, kind, bools_possible)
+            if kind == "int":
+                info = np.iinfo(_DTYPES[dt])
+                if arr.size and (arr.min() < info.min or arr.max() > info.max):
+                    raise InvalidInput(f"input {t.name!r}: values outside the range of {dt}", code="validation_error")
+                arr = arr.astype(_DTYPES[dt])
             if arr.size != count:
                 raise InvalidInput(f"input {t.name!r}: {arr.size} values for shape {t.shape}", code="shape_mismatch")
         try:

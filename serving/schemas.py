@@ -1,9 +1,9 @@
 """Request and response bodies of the /v1 API (docs/api.md).
 
-Numbers are strict (no strings, no booleans) and finite: pydantic accepts NaN/inf by default,
-and the stdlib JSON parser FastAPI uses reads the non-standard literals `NaN`, `Infinity` and
-overflowing `1e999` as such floats — `allow_inf_nan=False` turns them all into 422.
-Shapes are checked against the bundle at request time (serving/engine.py `to_batch`).
+These models describe the bodies in the OpenAPI schema. At run time the POST bodies are read by
+serving/inputs.py with the same rules, without walking a million floats in Python: numbers are
+strict (no strings, no booleans) and finite, no value is coerced, and shapes are checked
+against the bundle.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # strict: ints yes, "1.0" and true no
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # no "1.5", no true
 # One example: flat, or nested like the bundle's input shape (up to rank 4: C, H, W, ...).
 Example = Union[list[Number], list[list[Number]], list[list[list[Number]]], list[list[list[list[Number]]]]]
 Inputs = Annotated[list[Example], Field(min_length=1, description="N examples, each nested like the input shape or flat")]
@@ -76,7 +76,7 @@ class SoftmaxResponse(BaseModel):
 # ----------------------------------------------------------------------------- topk
 class TopkRequest(_Body):
     inputs: Inputs
-    k: int = Field(5, ge=1)
+    k: int = Field(5, ge=1, strict=True, description="at most the server's max_topk")
     mode: Literal["exact", "index"] = "exact"
 
 
@@ -142,7 +142,7 @@ class GalleryItem(BaseModel):
 
 
 class ClassSearchRequest(_Body):
-    limit: Optional[int] = Field(100, ge=1, le=100_000, description="most items returned (best first)")
+    limit: int = Field(100, ge=1, le=100_000, strict=True, description="most items returned (best first)")
     threshold: Optional[FiniteFloat] = Field(None, description="override of the class's calibrated threshold")
 
 

@@ -81,9 +81,8 @@ class Bundle:
                     self._class_index = {name: i for i, name in enumerate(self.classes)}
                 if ref in self._class_index:
                     return self._class_index[ref]
-            text = ref.strip()
-            if _DECIMAL_ID.fullmatch(text) and 0 <= int(text) < self.num_classes:
-                return int(text)
+            if _DECIMAL_ID.fullmatch(ref) and 0 <= int(ref) < self.num_classes:  # no trimming: " 7" is not 7
+                return int(ref)
         raise KeyError(f"unknown class {ref!r}")
 
 

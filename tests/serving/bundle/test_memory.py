@@ -33,9 +33,8 @@ def reference_class_id(names: list[str], ref) -> int:
     if isinstance(ref, str):
         if ref in by_name:
             return by_name[ref]
-        text = ref.strip()
-        if text.lstrip("-").isdigit() and 0 <= int(text) < len(names):
-            return int(text)
+        if ref.isascii() and ref.lstrip("-").isdigit() and 0 <= int(ref) < len(names):  # no trimming: " 7" is not 7
+            return int(ref)
     raise KeyError(ref)
 
 

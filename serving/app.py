@@ -128,7 +128,8 @@ async def _load(state: ServerState) -> None:
         device = "cuda" if state.runtime.uses_cuda else "cpu"
         s.data_dir.mkdir(parents=True, exist_ok=True)
         state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device)
-        state.gallery = await asyncio.to_thread(Gallery, s.data_dir, bundle.digest, bundle.embed_dim, device)
+        state.gallery = await asyncio.to_thread(Gallery, s.data_dir, bundle.digest, bundle.embed_dim, device,
+                                                s.gallery_max_bytes)
         engine = Engine(bundle, state.runtime, s, index=state.index, gallery=state.gallery, metrics=state.metrics)
         engine.start()
         state.engine = engine

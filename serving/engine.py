@@ -21,7 +21,8 @@ from typing import Any, Optional
 import numpy as np
 
 from serving.batcher import Batcher, Job
-from serving.errors import NotFound
+from serving.errors import InsufficientStorage, NotFound
+from serving.gallery import StorageFull
 from serving.inputs import examples as read_examples
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,10 @@ class Engine:
         h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, np.float32), self._timeout())
         records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"])
                    for i, it in enumerate(items)]
-        await asyncio.to_thread(gallery.upsert, records)
+        try:
+            await asyncio.to_thread(gallery.upsert, records)
+        except StorageFull as exc:
+            raise InsufficientStorage(f"{exc}; nothing was written, retry once space is freed") from None
         return [it["id"] for it in items]
 
     async def gallery_get(self, item_id: str) -> dict:
@@ -288,7 +292,11 @@ class Engine:
         return item
 
     async def gallery_delete(self, item_id: str) -> None:
-        if not await asyncio.to_thread(self.gallery.delete, item_id):
+        try:
+            existed = await asyncio.to_thread(self.gallery.delete, item_id)
+        except StorageFull as exc:  # a delete writes too (the WAL)
+            raise InsufficientStorage(f"{exc}; nothing was deleted") from None
+        if not existed:
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
 
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> dict:

@@ -65,6 +65,12 @@ class Overloaded(ApiError):
         self.retry_after = retry_after
 
 
+class InsufficientStorage(ApiError):
+    """A write that could not be committed for lack of space; nothing was written."""
+
+    status, code = 507, "insufficient_storage"
+
+
 class NotReady(ApiError):
     status, code = 503, "not_ready"
 
@@ -89,7 +95,7 @@ def envelope(status: int, code: str, message: str, headers: Optional[dict] = Non
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 406: "not_acceptable", 413: "payload_too_large",
                415: "unsupported_media_type", 422: "invalid_input", 429: "overloaded",
-               503: "not_ready", 504: "deadline_exceeded"}
+               503: "not_ready", 504: "deadline_exceeded", 507: "insufficient_storage"}
 
 
 def _describe_validation(errors: list[dict]) -> tuple[int, str, str]:

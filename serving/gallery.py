@@ -42,6 +42,24 @@ _BATCH = 65_536
 _SQL_VARS = 500  # ids per "IN (...)" query, well under SQLite's variable limit
 
 
+class StorageFull(Exception):
+    """A write could not be committed: the disk (or the gallery's quota) is full. Nothing was
+    written; the gallery stays usable and writes succeed again once space returns."""
+
+
+def _rollback(db: sqlite3.Connection, exc: BaseException) -> None:
+    """Undo the open transaction without masking `exc`: after some errors (SQLITE_FULL among them)
+    SQLite has already rolled back, and a second ROLLBACK would raise an error of its own."""
+    if db.in_transaction:
+        try:
+            db.execute("ROLLBACK")
+        except sqlite3.Error as rollback_exc:  # pragma: no cover - logged, the first error is the news
+            log.warning("rollback after %r failed: %s", exc, rollback_exc)
+    if isinstance(exc, sqlite3.OperationalError) and (
+            getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(exc).lower()):
+        raise StorageFull(f"the gallery could not commit: {exc}") from exc
+
+
 @dataclass
 class GalleryRecord:
     id: str
@@ -55,7 +73,8 @@ class Gallery:
 
     index_kind = "IndexIDMap(IndexFlatIP) exact, cpu"
 
-    def __init__(self, data_dir: Path, bundle_digest: str, embed_dim: int, device: str = "auto"):
+    def __init__(self, data_dir: Path, bundle_digest: str, embed_dim: int, device: str = "auto",
+                 max_bytes: int | None = None):
         # device is accepted for symmetry with ClassIndex; faiss GPU indexes have no range_search,
         # so the gallery index stays on CPU whatever is asked.
         self.data_dir = Path(data_dir)
@@ -69,6 +88,9 @@ class Gallery:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
+        if max_bytes is not None:  # a quota: past it a write fails like a full disk (StorageFull)
+            page = self._db.execute("PRAGMA page_size").fetchone()[0]
+            self._db.execute(f"PRAGMA max_page_count={max(1, int(max_bytes) // page)}")
         self._db.execute(
             """CREATE TABLE IF NOT EXISTS items (
                    num INTEGER PRIMARY KEY,          -- stable int64 id of the row in the faiss index
@@ -153,8 +175,8 @@ class Gallery:
                            RETURNING num""", (item.id, self.digest, blob, meta, inp, now)).fetchone()
                     nums.append(num)
                 self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+            except BaseException as exc:
+                _rollback(self._db, exc)
                 raise
             if indexed:  # O(items in the index): only when replacing
                 self._index.remove_ids(faiss.IDSelectorBatch(np.asarray(indexed, dtype=np.int64)))
@@ -168,8 +190,8 @@ class Gallery:
             try:
                 row = self._db.execute("DELETE FROM items WHERE id = ? RETURNING num, digest", (id,)).fetchone()
                 self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+            except BaseException as exc:
+                _rollback(self._db, exc)
                 raise
             if row is None:
                 return False

@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     max_inputs: int = Field(256, ge=1, description="examples per request (inputs, gallery items); 422 beyond")
     max_topk: int = Field(1000, ge=1)
 
+    # --- storage (serving/gallery.py)
+    gallery_max_bytes: Optional[int] = Field(None, ge=65536, description="quota of the gallery database; a write "
+                                             "past it (or on a full disk) is answered 507 and nothing is written")
+
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.bundle.files import read_bounded
 from serving.bundle.format import json_load
 
 # per_class fields kept as float32 arrays [D]: name -> path inside one calibration.json entry
@@ -110,8 +111,8 @@ def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.n
 def read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | None, list[str]]:
     """(calibration, arrays, problems); strict JSON, so every number in it is finite."""
     name = "calibration.json"
-    try:
-        cal = json_load((path / name).read_bytes())
+    try:  # about 200 bytes per class; a bound far above it
+        cal = json_load(read_bounded(path / name, (1 << 20) + 4096 * int(manifest["num_classes"])))
     except FileNotFoundError:
         return None, None, [f"{name}: missing"]
     except Exception as e:  # noqa: BLE001

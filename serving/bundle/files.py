@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -85,3 +86,32 @@ def check_writable_dir(path: Path | str) -> Path:
     except OSError as exc:
         raise PermissionError(f"cannot write to {path}: {parent} does not take new files ({exc.strerror})") from None
     return path
+
+
+def not_regular(path: Path | str) -> Optional[str]:
+    """Why `path` must not be opened as a bundle file, or None: it must be a regular file itself,
+    not a symlink (whatever it points to), a FIFO (an open would block), a device or a directory.
+    lstat only: nothing is opened."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None  # absence is reported by the checks that need the file
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "a directory" if stat.S_ISDIR(st.st_mode) else "a device or socket")
+    return f"is {kind}, not a regular file (bundle files are opened only as regular files)"
+
+
+def read_bounded(path: Path | str, max_bytes: int) -> bytes:
+    """A regular file's bytes, refusing one larger than `max_bytes` before reading it."""
+    size = os.lstat(path).st_size
+    if size > max_bytes:
+        raise ValueError(f"{size} bytes is over the limit of {max_bytes} for this file")
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grew while read
+        raise ValueError(f"over the limit of {max_bytes} bytes")
+    return data

@@ -14,10 +14,12 @@ import numpy as np
 
 from serving.bundle.calibration import read_calibration
 from serving.bundle.format import MANIFEST, REQUIRED_FILES, SELF_HASH_KEY, FORMAT, FORMAT_VERSION, canonical_manifest_hash, json_load, sha256_file
+from serving.bundle.files import not_regular, read_bounded
 from serving.bundle.graphs import check_graphs
 from serving.bundle.npy import open_head
 from serving.bundle.session import ort_session
 
+MAX_MANIFEST_BYTES = 1 << 30  # class names of millions of classes fit many times over
 SAMPLE_RTOL = 1e-4
 SAMPLE_ATOL = 1e-4
 
@@ -27,13 +29,24 @@ def verify_bundle(path: Path | str) -> list[str]:
     return inspect_bundle(Path(path), deep=True)[0]
 
 
+def _unsafe_files(path: Path, manifest: dict) -> list[str]:
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    names = sorted({*REQUIRED_FILES, *(n for n in files if isinstance(n, str) and "/" not in n and n not in ("", ".", ".."))})
+    return [f"{name}: {why}" for name in names if (why := not_regular(path / name))]
+
+
 def read_manifest(path: Path) -> tuple[dict | None, bytes, list[str]]:
     mpath = path / MANIFEST
     if not path.is_dir():
         return None, b"", [f"{path}: not a bundle directory"]
+    if why := not_regular(mpath):
+        return None, b"", [f"{MANIFEST}: {why}"]
     if not mpath.is_file():
         return None, b"", [f"{MANIFEST}: missing"]
-    data = mpath.read_bytes()
+    try:
+        data = read_bounded(mpath, MAX_MANIFEST_BYTES)
+    except (OSError, ValueError) as e:
+        return None, b"", [f"{MANIFEST}: cannot be read ({e})"]
     try:
         manifest = json_load(data)
     except Exception as e:  # noqa: BLE001 - any parse failure is the file's fault
@@ -170,6 +183,8 @@ def inspect_bundle(path: Path, deep: bool) -> tuple[list[str], dict]:
     parts: dict[str, Any] = {"manifest": manifest, "manifest_bytes": manifest_bytes}
     if manifest is None:
         return problems, parts
+    if unsafe := _unsafe_files(path, manifest):  # nothing else is opened: a FIFO would block, a link could move
+        return problems + unsafe, parts
     if deep:
         problems += check_files(path, manifest)
     try:

@@ -177,3 +177,54 @@ def test_deeply_nested_json_is_400_on_every_route(client):
     text = "[" * 5000 + "]" * 5000
     assert_envelope(_raw(client, DETECT, text), 400, "malformed_json")
     assert_envelope(_raw(client, "/v2/models/synthetic-D50-d16-s0/infer", text), 400, "malformed_json")
+
+
+# --- no coercion anywhere: each of these was once silently accepted
+
+
+def _upsert(client, item_json: str):
+    return _raw(client, "/v1/gallery/items", '{"items": [%s]}' % item_json)
+
+
+@pytest.mark.parametrize("metadata", ['{"n": %d}' % 2**70, '{"n": -%d}' % (2**53 + 1), '{"deep": [{"n": %d}]}' % 2**60])
+def test_metadata_integers_beyond_2_53_are_refused(client, metadata):
+    r = _upsert(client, '{"id": "big", "input": %s, "metadata": %s}' % (GOOD[0], metadata))
+    assert "2^53" in assert_envelope(r, 422, "validation_error")["error"]["message"]
+
+
+def test_metadata_integers_within_2_53_are_kept_exactly(client):
+    n = 2**53 - 1
+    assert _upsert(client, '{"id": "exact", "input": %s, "metadata": {"n": %d, "f": 0.1}}' % (GOOD[0], n)).status_code == 201
+    got = client.get("/v1/gallery/items/exact").json()["metadata"]
+    assert got == {"n": n, "f": 0.1} and type(got["n"]) is int
+
+
+@pytest.mark.parametrize("item,needle", [
+    ('{"id": 7, "input": %s}' % GOOD[0], "items[0].id"),
+    ('{"id": "", "input": %s}' % GOOD[0], "items[0].id"),
+    ('{"id": "a", "input": %s, "metadata": [1]}' % GOOD[0], "items[0].metadata"),
+    ('{"id": "a", "input": %s, "extra": 1}' % GOOD[0], "unknown field 'extra'"),
+    ('{"id": "a"}', "'input' is required"),
+    ('{"id": "a", "input": [true%s]}' % (", 0" * 11), "is a boolean"),
+])
+def test_gallery_items_are_checked_strictly(client, item, needle):
+    assert needle in assert_envelope(_upsert(client, item), 422)["error"]["message"]
+
+
+@pytest.mark.parametrize("body", ['{"limit": null}', '{"limit": "5"}', '{"limit": 5.0}', '{"limit": 0}',
+                                  '{"limit": 100001}', '{"threshold": true}', '{"threshold": "1"}', '{"top": 1}'])
+def test_search_parameters_are_strict(client, body):
+    assert_envelope(_raw(client, "/v1/classes/3/search", body), 422, "validation_error")
+
+
+def test_search_with_no_body_uses_the_defaults(client):
+    r = client.post("/v1/classes/3/search")
+    assert r.status_code == 200, r.text
+    assert r.json()["class_id"] == 3
+
+
+@pytest.mark.parametrize("threshold,code", [("NaN", "non_finite_value"), ("Infinity", "non_finite_value"),
+                                            ("1e999", "non_finite_value"), ("true", "validation_error")])
+def test_threshold_nan_and_booleans_get_their_own_message(client, threshold, code):
+    body = assert_envelope(_raw(client, DETECT, '{"inputs": %s, "threshold": %s}' % (GOOD, threshold)), 422, code)
+    assert ("finite" in body["error"]["message"]) == (code == "non_finite_value")

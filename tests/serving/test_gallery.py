@@ -197,3 +197,63 @@ def test_concurrent_upserts_deletes_and_searches(gallery):
     assert gallery.count() == len(emb)
     got = gallery.search(w, 0.0, -1e9, None)
     assert [(g[0], g[1]) for g in got] == [(i, float(z)) for i, z in brute_force(emb, w, 0.0, -1e9)]
+
+
+# --- a full disk (a quota on the database: SQLite's max_page_count, no root needed)
+
+
+def _fill_until_full(gallery_write, big: dict, limit: int = 500) -> int:
+    """Write items of `big` metadata until a write fails; the count that succeeded."""
+    for n in range(limit):
+        if not gallery_write(f"fill-{n}", big):
+            return n
+    raise AssertionError("the quota was never reached")
+
+
+def test_a_full_gallery_refuses_a_write_and_keeps_every_earlier_one(tmp_path):
+    from serving.gallery import Gallery, GalleryRecord, StorageFull
+
+    g = Gallery(tmp_path, "digest", 4, max_bytes=128 * 1024)
+    big = {"blob": "x" * 4000}
+
+    def write(item_id, metadata):
+        try:
+            g.upsert([GalleryRecord(id=item_id, embedding=np.ones(4, np.float32), metadata=metadata, input=[0] * 4)])
+            return True
+        except StorageFull:
+            return False
+
+    n = _fill_until_full(write, big)
+    assert n > 3 and g.count() == n and g.get(f"fill-{n}") is None  # the refused write left nothing behind
+    assert all(g.get(f"fill-{i}")["metadata"] == big for i in range(n))
+    for i in range(3):
+        assert g.delete(f"fill-{i}")
+    assert write("after", big) and g.get("after")["metadata"] == big  # space came back: writes work again
+    g.close()
+    g2 = Gallery(tmp_path, "digest", 4)  # and all of it is on disk
+    assert g2.count() == n - 3 + 1
+    g2.close()
+
+
+def test_http_write_on_a_full_gallery_is_507_with_the_cause(client_factory):
+    from tests.serving.helpers import assert_envelope
+
+    c = client_factory(gallery_max_bytes=128 * 1024)
+    x = [0.5] * 12
+    big = {"blob": "y" * 4000}
+
+    def write(item_id, metadata):
+        r = c.post("/v1/gallery/items", json={"items": [{"id": item_id, "input": x, "metadata": metadata}]})
+        if r.status_code == 507:
+            message = assert_envelope(r, 507, "insufficient_storage")["error"]["message"]
+            assert "full" in message and "nothing was written" in message
+            return False
+        assert r.status_code == 201, r.text
+        return True
+
+    n = _fill_until_full(write, big)
+    assert c.get("/v1/health/ready").status_code == 200  # the server stays up
+    assert c.get("/v1/gallery").json()["count"] == n
+    for i in range(3):
+        assert c.delete(f"/v1/gallery/items/fill-{i}").status_code == 204
+    assert write("after", big)

@@ -98,3 +98,36 @@ def test_plain_json_nested_data_and_errors(server, bundle, offline, inputs):
     assert_envelope(r, 422, "non_finite_value")
     assert_envelope(httpx.post(f"{server}/v2/models/nope/infer", json=body), 404, "unknown_model")
     assert httpx.get(f"{server}/v2").json()["extensions"] == ["binary_tensor_data"]
+
+
+def _infer(server, model, inputs, version=None):
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+    return httpx.post(server + path, json={"inputs": inputs}, timeout=30)
+
+
+@pytest.mark.parametrize("class_id,needle", [([7.9], "is a number (7.9)"), ([True], "is a boolean"),
+                                             (["7"], "is a string")])
+def test_class_ids_are_integers_not_coerced(server, bundle, class_id, needle):
+    r = _infer(server, bundle.name, [
+        {"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [0.5] * 12},
+        {"name": "class_id", "datatype": "INT64", "shape": [1], "data": class_id}])
+    assert needle in assert_envelope(r, 422, "validation_error")["error"]["message"]
+
+
+@pytest.mark.parametrize("data,needle", [(["0.5"] + [0.5] * 11, "is a string"), ([True] + [0.5] * 11, "is a boolean")])
+def test_fp32_data_is_numbers_not_coerced(server, bundle, data, needle):
+    r = _infer(server, bundle.name + "-full", [{"name": "input", "datatype": "FP32", "shape": [1, 12], "data": data}])
+    assert needle in assert_envelope(r, 422, "validation_error")["error"]["message"]
+
+
+def test_tensor_shapes_are_integers(server, bundle):
+    r = _infer(server, bundle.name + "-full", [{"name": "input", "datatype": "FP32", "shape": ["1", 12],
+                                                 "data": [0.5] * 12}])
+    assert_envelope(r, 422, "validation_error")
+
+
+def test_only_version_1_exists(server, bundle):
+    good = [{"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [0.5] * 12}]
+    assert _infer(server, bundle.name + "-full", good, version="1").status_code == 200
+    assert_envelope(_infer(server, bundle.name + "-full", good, version="7"), 404, "unknown_version")
+    assert_envelope(httpx.get(f"{server}/v2/models/{bundle.name}/versions/2", timeout=10), 404, "unknown_version")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -167,3 +168,38 @@ def test_serving_bundle_imports_no_torch(pristine):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok 300"
+
+
+# --- bundle files are opened only as regular files
+
+
+def _replace_with(bundle: Path, name: str, kind: str, tmp_path: Path) -> None:
+    target = bundle / name
+    original = target.read_bytes()
+    target.unlink()
+    if kind == "symlink_same_content":
+        twin = tmp_path / f"twin-{name}"
+        twin.write_bytes(original)
+        target.symlink_to(twin)
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "directory":
+        target.mkdir()
+
+
+@pytest.mark.parametrize("name", ["samples.npz", "manifest.json", "head_weight.npy", "calibration.json"])
+@pytest.mark.parametrize("kind,word", [("symlink_same_content", "a symlink"), ("fifo", "a FIFO"),
+                                       ("directory", "a directory")])
+def test_a_file_that_is_not_regular_is_named_and_never_opened(bundle, tmp_path, name, kind, word):
+    """Checked in a subprocess with a timeout: a FIFO that was opened would block it for ever."""
+    _replace_with(bundle, name, kind, tmp_path)
+    code = f"from serving.bundle import verify_bundle; print('\\n'.join(verify_bundle({str(bundle)!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{name}: is {word}, not a regular file" in out.stdout
+
+
+def test_load_refuses_a_symlinked_file_too(bundle, tmp_path):
+    _replace_with(bundle, "head_bias.npy", "symlink_same_content", tmp_path)
+    with pytest.raises(BundleError, match="head_bias.npy: is a symlink"):
+        load_bundle(bundle, verify=False)

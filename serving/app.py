@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 from fastapi import FastAPI
 
-from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, install_error_handlers
+from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, ShutdownEnvelopeMiddleware, install_error_handlers
 from serving.metrics import Metrics, MetricsMiddleware
 from serving.settings import Settings
 
@@ -215,6 +215,8 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
     app.include_router(metrics_router)
     install_error_handlers(app, on_error=metrics.reject)
     # Outermost first in the request path: metrics sees every status, including 413s.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject,
+                       timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(ShutdownEnvelopeMiddleware)
     return app

@@ -6,6 +6,7 @@ uncaught exception becomes a logged 500 — a 5xx is a bug.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Optional
 
@@ -92,9 +93,9 @@ def envelope(status: int, code: str, message: str, headers: Optional[dict] = Non
     return OrjsonResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 406: "not_acceptable", 413: "payload_too_large",
-               415: "unsupported_media_type", 422: "invalid_input", 429: "overloaded",
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+               408: "request_timeout", 413: "payload_too_large", 415: "unsupported_media_type",
+               422: "invalid_input", 429: "overloaded",
                503: "not_ready", 504: "deadline_exceeded", 507: "insufficient_storage"}
 
 
@@ -154,14 +155,21 @@ class _BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body is larger than the limit of {limit} bytes")
 
 
+class _BodyTooSlow(StarletteHTTPException):
+    def __init__(self, timeout: float):
+        super().__init__(408, f"the request body did not arrive within {timeout:g} s", headers={"Connection": "close"})
+
+
 class BodyLimitMiddleware:
     """Pure ASGI: refuse a body over `max_bytes`, by Content-Length up front and by counting
-    the bytes while they are read (chunked bodies declare no length)."""
+    the bytes while they are read (chunked bodies declare no length), and one that takes longer
+    than `timeout_s` to arrive (a client that stops sending mid-body): 408."""
 
-    def __init__(self, app, max_bytes: int, on_reject=None):
+    def __init__(self, app, max_bytes: int, on_reject=None, timeout_s: float = 30.0):
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -179,10 +187,18 @@ class BodyLimitMiddleware:
 
         seen = 0
         started = False
+        deadline: Optional[float] = None
 
         async def counting_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, deadline
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTooSlow(self.timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
@@ -202,6 +218,14 @@ class BodyLimitMiddleware:
             if started:
                 raise
             await self._reject(send, limit)
+        except _BodyTooSlow as exc:
+            if started:
+                raise
+            if self.on_reject is not None:
+                self.on_reject("request_timeout")
+            resp = envelope(408, "request_timeout", exc.detail, {"Connection": "close"})
+            await send({"type": "http.response.start", "status": 408, "headers": resp.raw_headers})
+            await send({"type": "http.response.body", "body": resp.body})
 
     async def _reject(self, send, limit: int):
         if self.on_reject is not None:
@@ -210,3 +234,33 @@ class BodyLimitMiddleware:
                         {"Connection": "close"})
         await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
+
+
+class ShutdownEnvelopeMiddleware:
+    """Pure ASGI, outermost: a request still running when the server's grace period ends is
+    cancelled by uvicorn, which would answer a plain-text 500; this answers the envelope with
+    503 (`shutting_down`, retry elsewhere) instead, if no response had started."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not started:
+                resp = envelope(503, "shutting_down", "the server shut down before this request was answered; retry",
+                                {"Connection": "close", "Retry-After": "1"})
+                await send({"type": "http.response.start", "status": 503, "headers": resp.raw_headers})
+                await send({"type": "http.response.body", "body": resp.body})
+            raise

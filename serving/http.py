@@ -8,6 +8,7 @@ body in the OpenAPI schema; FastAPI's own handler answers the other methods.
 """
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any, Callable, Optional
 
@@ -19,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from serving import inputs as read
-from serving.errors import InvalidInput, NotReady, OrjsonResponse, Unauthorized
+from serving.errors import DeadlineExceeded, InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.inputs import UnsupportedMediaType
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
                              GalleryInfo, GalleryItem, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
@@ -34,7 +35,13 @@ class FastJSONRoute(APIRoute):
         fn = _BODY_HANDLERS.get(self.endpoint)  # per request: handlers register after their route
         if fn is None or scope["method"] != "POST":
             return await super().handle(scope, receive, send)
-        status, payload = await fn(scope, receive)
+        body = await _read_body(receive)  # size and read-time limits: BodyLimitMiddleware
+        timeout = _state(scope).settings.request_timeout_s
+        try:  # the deadline: from here, queue and compute included
+            async with asyncio.timeout(timeout):
+                status, payload = await fn(scope, body)
+        except TimeoutError:
+            raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
         body = b"" if payload is None else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
         headers = [(b"content-length", str(len(body)).encode())]
         if payload is not None:
@@ -47,7 +54,7 @@ _BODY_HANDLERS: dict[Callable, Callable] = {}
 
 
 def _body_route(endpoint: Callable):
-    """Register `fn(scope, receive) -> (status, payload)` as the POST handler of `endpoint`'s route."""
+    """Register `fn(scope, body) -> (status, payload)` as the POST handler of `endpoint`'s route."""
     def register(fn: Callable) -> Callable:
         _BODY_HANDLERS[endpoint] = fn
         return fn
@@ -79,14 +86,13 @@ def _state(scope):
     return scope["app"].state.slc
 
 
-async def _read_object(scope, receive, optional: bool = False) -> tuple[dict, bytes]:
-    """(the JSON object, the raw bytes) of the body; with `optional`, an empty body is {} whatever its type."""
-    body = await _read_body(receive)
+def _read_object(scope, body: bytes, optional: bool = False) -> dict:
+    """The body as a JSON object; with `optional`, an empty body is {} whatever its type."""
     if optional and not body.strip():
-        return {}, body
+        return {}
     if not _is_json(scope):
         raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
-    return read.parse_object(body), body
+    return read.parse_object(body)
 
 
 def error_responses(*codes: int) -> dict:
@@ -180,32 +186,32 @@ async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(se
 # ----------------------------------------------------------------------------- POST bodies
 # The same engine calls as the routes above, from the raw body: the routes' own signatures only
 # describe the bodies in OpenAPI (FastAPI's handler never reads a POST body here).
-async def _query(scope, receive, allowed: tuple[str, ...]) -> tuple[Any, dict, np.ndarray]:
+def _query(scope, body: bytes, allowed: tuple[str, ...]) -> tuple[Any, dict, np.ndarray]:
     """(engine, body object, examples [N, *shape]) of a query route, every check before any compute."""
     engine = _state(scope).ready_engine()
-    obj, body = await _read_object(scope, receive)
+    obj = _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
     return engine, obj, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
 
 
 @_body_route(detect)
-async def _detect_body(scope, receive):
-    engine, obj, x = await _query(scope, receive, ("inputs", "threshold"))
+async def _detect_body(scope, body: bytes):
+    engine, obj, x = _query(scope, body, ("inputs", "threshold"))
     threshold = read.number(obj, "threshold")
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.detect(cls, x, threshold)
 
 
 @_body_route(softmax)
-async def _softmax_body(scope, receive):
-    engine, _, x = await _query(scope, receive, ("inputs",))
+async def _softmax_body(scope, body: bytes):
+    engine, _, x = _query(scope, body, ("inputs",))
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.softmax(cls, x)
 
 
 @_body_route(topk)
-async def _topk_body(scope, receive):
-    engine, obj, x = await _query(scope, receive, ("inputs", "k", "mode"))
+async def _topk_body(scope, body: bytes):
+    engine, obj, x = _query(scope, body, ("inputs", "k", "mode"))
     k = read.integer(obj, "k", 5, 1, _state(scope).settings.max_topk, code="k_too_large")
     mode = read.choice(obj, "mode", "exact", ("exact", "index"))
     return 200, await engine.topk(x, k, mode)
@@ -244,10 +250,10 @@ async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine
 
 
 @_body_route(gallery_upsert)
-async def _gallery_upsert_body(scope, receive):
-    _require_key(scope)  # 401 before the body is read
+async def _gallery_upsert_body(scope, body: bytes):
+    _require_key(scope)  # 401 before the body is parsed
     engine = _state(scope).ready_engine()
-    obj, body = await _read_object(scope, receive)
+    obj = _read_object(scope, body)
     items = _gallery_items(obj, _state(scope).settings.max_inputs)
     if big := read.long_int_literal(body):
         raise InvalidInput(f"integer {big} is beyond ±2^53, which JSON numbers do not keep exactly; "
@@ -276,9 +282,9 @@ async def class_search(body: Optional[ClassSearchRequest] = None, class_ref: str
 
 
 @_body_route(class_search)
-async def _class_search_body(scope, receive):
+async def _class_search_body(scope, body: bytes):
     engine = _state(scope).ready_engine()
-    obj, _ = await _read_object(scope, receive, optional=True)
+    obj = _read_object(scope, body, optional=True)
     read.check_keys(obj, ("limit", "threshold"))
     limit = read.integer(obj, "limit", 100, 1, 100_000)
     threshold = read.number(obj, "threshold")

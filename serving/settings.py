@@ -37,7 +37,16 @@ class Settings(BaseSettings):
     adaptive_delay: bool = Field(True, description="skip the max_delay wait when no other request is on its way "
                                  "(every request inside the server already waits in the batcher): no added latency at low load")
     queue_size: int = Field(1024, ge=1, description="queued INPUTS (not requests) before new requests get 429; an empty queue always admits one request")
-    request_timeout_s: float = Field(10.0, gt=0, description="per-request deadline; past it the request gets 504 instead of being computed late")
+    request_timeout_s: float = Field(10.0, gt=0, description="per-request deadline from the moment its body is read, "
+                                     "queue and compute included; past it the request gets 504, not a late answer")
+
+    # --- transport limits (serving/protocol.py, serving/errors.py)
+    header_timeout_s: float = Field(10.0, gt=0, description="a request whose headers have not arrived by then gets 408 and "
+                                    "the connection is closed (also a connection that never sends a request)")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body that has not fully arrived by then gets 408")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request headers larger than this get 431")
+    drain_delay_s: float = Field(0.0, ge=0, description="on SIGTERM: readiness turns 503 at once, requests are still "
+                                 "accepted for this long (load balancers see it), then the server stops accepting")
 
     # --- request limits (serving/errors.py)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="413 beyond this, counted while the body is read")

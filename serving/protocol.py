@@ -1,0 +1,99 @@
+"""HTTP/1.1 transport limits uvicorn does not have: a header read timeout (a client that opens a
+connection, or starts a request, and never finishes its headers is cut off), a header size limit,
+and JSON answers for the protocol's own refusals (malformed HTTP), each counted in /metrics.
+
+A subclass of uvicorn's httptools protocol, passed as `http=` to uvicorn.Config by
+`guarded_protocol(...)`. The body has its own read timeout (serving/errors.py BodyLimitMiddleware),
+which runs inside the app where the error envelope is at hand.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Optional
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def raw_envelope(status: int, code: str, message: str) -> bytes:
+    """A complete HTTP/1.1 response carrying the error envelope; the connection is closed after it."""
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, _REASONS.get(status, b"Error"), len(body)))
+    return head + body
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above (set on the subclass by guarded_protocol)."""
+
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+    on_refused: Optional[Callable[[int, str], None]] = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_bytes = 0
+        self._tail = b""
+        self._in_headers = True
+        self._header_timer: Optional[asyncio.TimerHandle] = None
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        if self._in_headers and not self.transport.is_closing():
+            self._refuse(408, "request_timeout",
+                         f"the request headers did not arrive within {self.header_timeout_s:g} s")
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(status, code)
+        self.transport.write(raw_envelope(status, code, message))
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:  # the header block ends at the first blank line, maybe inside this chunk
+            end = (self._tail + data).find(b"\r\n\r\n")
+            size = self._header_bytes + (len(data) if end < 0 else end + 4 - len(self._tail))
+            if size > self.max_header_bytes:
+                self._refuse(431, "headers_too_large", f"request headers are larger than {self.max_header_bytes} bytes")
+                return
+            self._header_bytes += len(data)
+            self._tail = data[-3:]
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_timer()  # from the request's first byte to the end of its headers
+
+    def on_response_complete(self) -> None:
+        self._in_headers, self._header_bytes, self._tail = True, 0, b""  # the next request's headers are counted
+        super().on_response_complete()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """Malformed HTTP: the envelope instead of uvicorn's plain text."""
+        self._refuse(400, "malformed_http", f"the request is not valid HTTP/1.1 ({msg.rstrip('.')})")
+
+
+def guarded_protocol(header_timeout_s: float, max_header_bytes: int,
+                     on_refused: Optional[Callable[[int, str], None]] = None) -> type[GuardedProtocol]:
+    """A protocol class with these limits, for uvicorn.Config(http=...)."""
+    return type("SlcHttpProtocol", (GuardedProtocol,), {
+        "header_timeout_s": float(header_timeout_s), "max_header_bytes": int(max_header_bytes),
+        "on_refused": staticmethod(on_refused) if on_refused else None})

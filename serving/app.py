@@ -18,9 +18,11 @@ from typing import Callable, Optional
 
 import numpy as np
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, ShutdownEnvelopeMiddleware, install_error_handlers
 from serving.metrics import Metrics, MetricsMiddleware
+from serving.schemas import describe_model_inputs
 from serving.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -207,8 +209,22 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
                   description="Single-logit classification: one logit per query (docs/api.md).")
     app.state.slc = state
 
+    def openapi() -> dict:
+        """The schema, with the loaded model's input shape and the limits once the bundle is loaded."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(kserve_components())
+        if state.bundle is None:
+            return schema  # not cached: it is completed once the model is loaded
+        app.openapi_schema = describe_model_inputs(schema, state.bundle.input_shape, settings.max_inputs,
+                                                   settings.max_topk, [state.bundle.name, state.bundle.name + "-full"])
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     from serving.http import metrics_router, router as v1
-    from serving.kserve import router as v2
+    from serving.kserve import openapi_components as kserve_components, router as v2
 
     app.include_router(v1)
     app.include_router(v2)

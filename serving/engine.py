@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from serving.batcher import Batcher, Job
-from serving.errors import InsufficientStorage, NotFound
+from serving.errors import InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import StorageFull
 from serving.inputs import examples as read_examples
 
@@ -35,6 +35,15 @@ ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
 def sigmoid(t: np.ndarray) -> np.ndarray:
     """σ(t) without overflow for any finite t."""
     return np.exp(-np.logaddexp(0.0, -t))
+
+
+def finite_output(values: np.ndarray) -> np.ndarray:
+    """The model's outputs, or 422 when they overflowed: finite float32 inputs far from the data the
+    network saw can give inf / NaN embeddings or logits, which have no JSON number to answer with."""
+    if not np.isfinite(values).all():
+        raise InvalidInput("the model's output for these inputs is not finite (inputs too large for the network)",
+                           code="non_finite_output")
+    return values
 
 
 @dataclass
@@ -161,9 +170,14 @@ class Engine:
         if not index_jobs:
             return {}
         rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in index_jobs])
-        hq = h if len(rows) == len(h) else h[rows]  # [M', d]
+        hq = np.array(h if len(rows) == len(h) else h[rows], dtype=np.float32)  # [M', d], our copy
+        bad = ~np.isfinite(hq).all(axis=1)  # an overflowed embedding must not take its batch down with it
+        hq[bad] = 0.0
         k = max(int(getattr(jobs[i].reduce, "k", 1)) for i in index_jobs)
-        logits, ids = self.index.search(np.ascontiguousarray(hq, dtype=np.float32), k)  # [M', K] each
+        logits, ids = self.index.search(hq, k)  # [M', K] each
+        if bad.any():
+            logits = np.array(logits, dtype=np.float32)
+            logits[bad] = np.nan  # its job's reduce answers 422 non_finite_output
         found, start = {}, 0
         for i in index_jobs:
             found[i] = (logits[start:start + jobs[i].n], ids[start:start + jobs[i].n])
@@ -203,7 +217,7 @@ class Engine:
         pa, pb = float(self.bundle.platt_a[j]), float(self.bundle.platt_b[j])
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
-            z = h.astype(np.float64) @ w + b  # [n]
+            z = finite_output(h.astype(np.float64) @ w + b)  # [n]
             p = sigmoid(pa * z + pb)
             return [{"logit": zi, "match": zi >= thr, "probability": pi} for zi, pi in zip(z.tolist(), p.tolist())]
 
@@ -214,6 +228,7 @@ class Engine:
         j = cls.id
 
         def reduce(z: np.ndarray) -> list[dict]:  # z [n, D] all logits
+            finite_output(z)
             m = z.max(axis=1)  # [n]
             lse = m + np.log(np.exp(z - m[:, None]).sum(axis=1, dtype=np.float64))  # [n]
             zj = z[:, j].astype(np.float64)
@@ -235,6 +250,7 @@ class Engine:
 
         if mode == "exact":
             def reduce(z: np.ndarray):  # z [n, D]
+                finite_output(z)
                 if k < z.shape[1]:
                     part = np.argpartition(-z, k - 1, axis=1)[:, :k]  # [n, k] unordered
                 else:
@@ -248,7 +264,7 @@ class Engine:
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
-                return entries(ids[:, :k], logits[:, :k])
+                return entries(ids[:, :k], finite_output(logits[:, :k]))
 
             reduce.k = k  # _index_search searches the whole batch with the largest k
             results = await self.batcher.submit(x, "index", reduce, self._timeout())
@@ -261,14 +277,14 @@ class Engine:
         thr = np.array([self.threshold_of(int(j)) for j in ids])
 
         def reduce(h: np.ndarray):  # h [N, d]
-            z = np.einsum("nd,nd->n", h.astype(np.float64), rows) + b
+            z = finite_output(np.einsum("nd,nd->n", h.astype(np.float64), rows) + b)
             return z.astype(np.float32), z >= thr
 
         return await self.batcher.submit(x, "embed", reduce, self._timeout())
 
     async def all_logits(self, x: np.ndarray) -> np.ndarray:
         """KServe `<name>-full`: logits [N, D] float32."""
-        return await self.batcher.submit(x, "logits", lambda z: np.array(z, np.float32), self._timeout())
+        return await self.batcher.submit(x, "logits", lambda z: finite_output(np.array(z, np.float32)), self._timeout())
 
     # ------------------------------------------------------------------ gallery
     async def gallery_upsert(self, items: list[dict], bools_possible: bool = True) -> list[str]:
@@ -276,7 +292,7 @@ class Engine:
         from serving.gallery import GalleryRecord
 
         x = self.to_batch([it["input"] for it in items], what="item inputs", bools_possible=bools_possible)
-        h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, np.float32), self._timeout())
+        h = await self.batcher.submit(x, "embed", lambda rows: finite_output(np.array(rows, np.float32)), self._timeout())
         records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"])
                    for i, it in enumerate(items)]
         try:

@@ -14,7 +14,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+from starlette.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,9 @@ class DeadlineExceeded(ApiError):
     status, code = 504, "deadline_exceeded"
 
 
-class OrjsonResponse(Response):
-    """JSON via orjson (numpy arrays serialised natively); FastAPI's ORJSONResponse is deprecated."""
-
-    media_type = "application/json"
+class OrjsonResponse(JSONResponse):
+    """JSON via orjson (numpy arrays serialised natively); FastAPI's ORJSONResponse is deprecated.
+    A JSONResponse, so FastAPI documents each route's response model in the OpenAPI schema."""
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -138,16 +137,31 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
+        if exc.status_code == 405:  # every method of every route on this path, not only the first match's
+            allowed = _allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
         count(code)
-        return envelope(exc.status_code, code, message, getattr(exc, "headers", None))
+        return envelope(exc.status_code, code, message, headers)
 
     @app.exception_handler(Exception)
     async def _uncaught(request: Request, exc: Exception):
         log.exception("uncaught error on %s %s", request.method, request.url.path)
         count("internal_error")
         return envelope(500, "internal_error", "internal server error (this is a bug; it was logged)")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches({**request.scope, "method": "GET"})[0] != Match.NONE:
+            methods |= set(route.methods)
+    return sorted(methods)
 
 
 class _BodyTooLarge(StarletteHTTPException):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Body, Depends, Path, Request
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -97,13 +97,17 @@ def _read_object(scope, body: bytes, optional: bool = False) -> dict:
 
 def error_responses(*codes: int) -> dict:
     text = {400: "malformed JSON", 401: "missing or wrong API key", 404: "unknown class, item or route",
-            413: "body over the limit", 422: "schema or shape violation, NaN/inf, too many inputs",
-            429: "queue full (Retry-After)", 503: "not ready", 504: "deadline passed in the queue"}
+            408: "the body did not arrive in time", 413: "body over the limit",
+            415: "the body is not declared as application/json",
+            422: "schema or shape violation, NaN/inf, too many inputs", 429: "queue full (Retry-After)",
+            503: "not ready, or shutting down", 504: "deadline passed (queue and compute)",
+            507: "the gallery could not commit: disk or quota full"}
     return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
 
 
-_QUERY_ERRORS = error_responses(400, 404, 413, 422, 429, 503, 504)
-_WRITE_ERRORS = error_responses(400, 401, 404, 413, 422, 429, 503, 504)
+_QUERY_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
+_WRITE_ERRORS = error_responses(400, 401, 408, 413, 415, 422, 429, 503, 504, 507)
+_SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 503, 504)
 
 
 # Dependencies are `async def`: a sync one runs in the AnyIO thread pool on every request.
@@ -267,15 +271,15 @@ async def gallery_get(item_id: str, engine=Depends(ready_engine)):
     return OrjsonResponse(await engine.gallery_get(item_id))
 
 
-@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=error_responses(401, 404, 503),
+@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=error_responses(401, 404, 503, 507),
                dependencies=[Depends(require_api_key)], tags=["gallery"])
 async def gallery_delete(item_id: str, engine=Depends(ready_engine)):
     await engine.gallery_delete(item_id)
     return Response(status_code=204)
 
 
-@router.post("/classes/{class}/search", response_model=ClassSearchResponse, responses=_QUERY_ERRORS, tags=["gallery"])
-async def class_search(body: Optional[ClassSearchRequest] = None, class_ref: str = ClassPath,
+@router.post("/classes/{class}/search", response_model=ClassSearchResponse, responses=_SEARCH_ERRORS, tags=["gallery"])
+async def class_search(body: ClassSearchRequest = Body(None), class_ref: str = ClassPath,
                        engine=Depends(ready_engine)):
     """Gallery items whose logit for the class is >= the threshold, best first."""
     raise AssertionError("answered by _class_search_body")  # pragma: no cover - POST bodies never reach here

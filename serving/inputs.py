@@ -88,10 +88,12 @@ def number(obj: dict, key: str, default: Optional[float] = None) -> Optional[flo
 
 
 def integer(obj: dict, key: str, default: int, lo: int, hi: Optional[int] = None, code: str = "validation_error") -> int:
-    """A JSON integer in [lo, hi]: 5.0, "5" and true are refused."""
+    """A JSON integer in [lo, hi]. As in JSON Schema, 5.0 is the integer 5; 7.9, "5" and true are refused."""
     if key not in obj:
         return default
     v = obj[key]
+    if type(v) is float and v.is_integer():
+        v = int(v)
     if type(v) is not int:
         raise InvalidInput(f"{key} must be an integer, got {_json_type(v)}" + (f" ({v})" if type(v) is float else ""),
                            code="validation_error")
@@ -161,10 +163,12 @@ def _shaped(arr: np.ndarray, shape: tuple[int, ...], size: int, what: str) -> np
         else:
             raise InvalidInput(f"{what}: each example must have shape {list(shape)} or {size} flat values; "
                                f"got {list(arr.shape[1:])}", code="shape_mismatch")
+    if arr.dtype.kind == "f" and arr.size and not np.abs(arr).max() <= FLOAT32_MAX:  # rounding must not save it
+        raise InvalidInput(f"{what} must be finite float32 values (|x| > {FLOAT32_MAX:.6g} found)", code="non_finite_value")
     with np.errstate(over="ignore"):
         out = arr.astype(np.float32)
     if not np.isfinite(out).all():
-        raise InvalidInput(f"{what} must be finite float32 values (|x| > 3.4e38 found)", code="non_finite_value")
+        raise InvalidInput(f"{what} must be finite float32 values (|x| > {FLOAT32_MAX:.6g} found)", code="non_finite_value")
     return out
 
 
@@ -208,8 +212,9 @@ def tensor_values(data: Any, name: str, kind: str, bools_possible: bool) -> np.n
         arr = None
     wanted = {"float": "iuf", "int": "iu", "bool": "b"}[kind]
     if arr is not None and arr.dtype.kind in wanted and not (bools_possible and kind != "bool"):
-        return arr
-    ok = {"float": lambda v: type(v) in (int, float), "int": lambda v: type(v) is int,
+        return arr  # (an int tensor of floats goes on to the walk: 7.9 is refused there)
+    ok = {"float": lambda v: type(v) in (int, float),
+          "int": lambda v: type(v) is int or (type(v) is float and v.is_integer()),  # 7.0 is 7, as in JSON Schema
           "bool": lambda v: type(v) is bool}[kind]
     bad = []
     for parent, i, v in _leaves(data, f"input {name!r} data"):
@@ -219,6 +224,8 @@ def tensor_values(data: Any, name: str, kind: str, bools_possible: bool) -> np.n
                 break
     if bad:
         raise InvalidInput(f"values must be {kind}s: {'; '.join(bad)}", code="validation_error")
+    if kind == "int" and arr is not None and arr.dtype.kind == "f":  # integral floats only, checked above
+        return arr.astype(np.int64)
     if arr is None or arr.dtype.kind not in wanted:
         raise InvalidInput(f"input {name!r}: data must be a rectangular (nested) list", code="shape_mismatch")
     return arr

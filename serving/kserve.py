@@ -36,7 +36,8 @@ class InferTensor(BaseModel):
 
     name: str
     shape: list[int] = Field(description="[N, ...]")
-    datatype: str
+    datatype: Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
+                      "FP32", "FP64"]
     parameters: Optional[dict[str, Any]] = None
     data: Optional[Any] = Field(None, description="flat (row-major) or nested like shape")
 
@@ -171,6 +172,11 @@ async def model_ready(model: str, request: Request, engine=Depends(ready_engine)
     if not state.is_ready:
         raise NotReady(state.not_ready_reason())
     return {"ready": True}
+
+
+def openapi_components() -> dict:
+    """The schemas the infer body refers to (#/components/schemas/...), for the app's OpenAPI."""
+    return InferRequest.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
 
 
 _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json": {

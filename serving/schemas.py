@@ -181,3 +181,43 @@ class ModelInfo(BaseModel):
     softmax_impl: str
     index: Optional[dict[str, Any]] = None
     batching: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- OpenAPI of the loaded model
+FLOAT32_MAX = 3.4028234663852886e38
+def example_schema(input_shape: tuple[int, ...]) -> dict:
+    """JSON schema of one example of this model: flat (size numbers) or nested exactly like the shape."""
+    number = {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}  # float32 values
+    nested: dict = number
+    for n in reversed(input_shape):
+        nested = {"type": "array", "items": nested, "minItems": n, "maxItems": n}
+    size = 1
+    for n in input_shape:
+        size *= n
+    flat = {"type": "array", "items": number, "minItems": size, "maxItems": size}
+    return flat if len(input_shape) == 1 else {"anyOf": [flat, nested]}
+
+
+def describe_model_inputs(openapi: dict, input_shape: tuple[int, ...], max_inputs: int, max_topk: int,
+                          model_names: list[str]) -> dict:
+    """The OpenAPI schema with the loaded model's real input shape, the server's limits and the KServe
+    model names, so that a client (or a fuzzer) sees exactly what a valid request is."""
+    schemas = openapi.get("components", {}).get("schemas", {})
+    for path, ops in openapi.get("paths", {}).items():
+        for op in ops.values():
+            for param in op.get("parameters", []) if "{model}" in path else []:
+                if param.get("name") == "model":
+                    param["schema"] = {"type": "string", "enum": list(model_names)}
+    one = example_schema(tuple(input_shape))
+    inputs = {"type": "array", "items": one, "minItems": 1, "maxItems": max_inputs,
+              "description": f"1..{max_inputs} examples, each {list(input_shape)} or flat"}
+    for name in ("DetectRequest", "SoftmaxRequest", "TopkRequest"):
+        if name in schemas:
+            schemas[name]["properties"]["inputs"] = inputs
+    if "TopkRequest" in schemas:
+        schemas["TopkRequest"]["properties"]["k"]["maximum"] = max_topk
+    if "GalleryItemIn" in schemas:
+        schemas["GalleryItemIn"]["properties"]["input"] = one
+    if "GalleryUpsertRequest" in schemas:
+        schemas["GalleryUpsertRequest"]["properties"]["items"]["maxItems"] = max_inputs
+    return openapi

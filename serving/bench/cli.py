@@ -65,3 +65,65 @@ def index(classes: int, dim: int, rows: str, kind: Optional[str], params: dict, 
     click.echo(f"{report['info'].get('kind')} index over {classes:,} rows: open {report['open_seconds']} s, "
                f"recall@10 {report['near_row']['recall_at_10']} (near-row queries), "
                f"{report['near_row']['speedup_batch']}x exact per batch")
+
+
+@click.command()
+@click.option("--duration", type=POSITIVE, default=60.0, show_default=True, help="seconds of load in all")
+@click.option("--kills", type=click.IntRange(min=1), default=3, show_default=True, help="kill -9 rounds in the first half")
+@click.option("--classes", type=click.IntRange(min=2), default=1000, show_default=True, help="D of the synthetic bundle")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="load client workers")
+@click.option("--out", default="docs/results", show_default=True, help="where soak.{json,md} go", **OUT)
+def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path) -> None:
+    """Mixed load with kill -9 of the server during gallery writes: acknowledged writes lost (must be 0),
+    memory growth, open descriptors, errors. Exit 1 if an acknowledged write was lost."""
+    import sys
+    import tempfile
+
+    from serving.bench.run import INPUT_DIM, cached_bundle
+    from serving.bench.soak import run_soak, soak_markdown
+
+    bundle = cached_bundle(classes, 64)
+    with tempfile.TemporaryDirectory(prefix="slc-soak-") as tmp:
+        res = run_soak(bundle, INPUT_DIM, Path(tmp), duration, kills, concurrency, [sys.executable, "-m", "slc"])
+    command = f"slc bench soak --duration {duration:g} --kills {kills} --classes {classes} --concurrency {concurrency}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "soak.md").write_text(soak_markdown(res, command))
+    w = res["writes"]
+    click.echo(f"soak: {w['acknowledged']} acknowledged writes, {w['lost_at_end']} lost; memory "
+               f"{res['memory']['growth_bytes'] / 2**20:+.1f} MiB after warm-up; fds {res['fds']['after_warmup']} -> "
+               f"{res['fds']['end']} -> {out / 'soak.md'}")
+    if w["lost_at_end"]:
+        raise click.ClickException(f"{w['lost_at_end']} acknowledged writes were lost")
+
+
+@click.command()
+@click.option("--max-examples", type=click.IntRange(min=1), default=100, show_default=True,
+              help="examples per operation and phase")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--classes", type=click.IntRange(min=2), default=50, show_default=True, help="D of the synthetic bundle")
+@click.option("--out", default="docs/results", show_default=True, help="where fuzz.{json,md} go", **OUT)
+def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
+    """schemathesis against a real server from its own OpenAPI: 0 server errors, 0 responses off
+    their schema, 0 undocumented statuses. Exit 1 otherwise."""
+    import tempfile
+
+    from serving.bench.fuzz import fuzz_markdown, run_fuzz
+    from serving.bench.run import cached_bundle
+    from serving.bench.server import slc_server
+
+    require("schemathesis", "bench")
+    bundle = cached_bundle(classes, 16)
+    with tempfile.TemporaryDirectory(prefix="slc-fuzz-") as tmp:
+        with slc_server(bundle, Path(tmp), "fuzz", Path(tmp) / "data") as srv:
+            srv.wait_ready(300)
+            res = run_fuzz(srv.url, max_examples, seed, Path(tmp))
+    command = f"slc bench fuzz --max-examples {max_examples} --seed {seed} --classes {classes}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fuzz.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "fuzz.md").write_text(fuzz_markdown(res, command))
+    v = res["verdict"]
+    click.echo(f"fuzz: {res['test_cases']['generated']} requests over {res['operations']['tested']} operations; "
+               + ", ".join(f"{n} {name}" for name, n in v.items()) + f" -> {out / 'fuzz.md'}")
+    if not res["passed"]:
+        raise click.ClickException("the server failed the fuzz verdict; see " + str(out / "fuzz.md"))

@@ -1,6 +1,7 @@
 """Every bad input of DESIGN.md §7 gets its status and the one error envelope."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.serving.helpers import assert_envelope
@@ -211,7 +212,7 @@ def test_gallery_items_are_checked_strictly(client, item, needle):
     assert needle in assert_envelope(_upsert(client, item), 422)["error"]["message"]
 
 
-@pytest.mark.parametrize("body", ['{"limit": null}', '{"limit": "5"}', '{"limit": 5.0}', '{"limit": 0}',
+@pytest.mark.parametrize("body", ['{"limit": null}', '{"limit": "5"}', '{"limit": 5.5}', '{"limit": 0}',
                                   '{"limit": 100001}', '{"threshold": true}', '{"threshold": "1"}', '{"top": 1}'])
 def test_search_parameters_are_strict(client, body):
     assert_envelope(_raw(client, "/v1/classes/3/search", body), 422, "validation_error")
@@ -228,3 +229,28 @@ def test_search_with_no_body_uses_the_defaults(client):
 def test_threshold_nan_and_booleans_get_their_own_message(client, threshold, code):
     body = assert_envelope(_raw(client, DETECT, '{"inputs": %s, "threshold": %s}' % (GOOD, threshold)), 422, code)
     assert ("finite" in body["error"]["message"]) == (code == "non_finite_value")
+
+
+# --- finite float32 inputs whose outputs overflow the network (found by `slc bench fuzz`: topk index was a 500)
+HUGE = [[3.0e38, -3.0e38] * 6]
+
+
+@pytest.mark.parametrize("path,body", [
+    (DETECT, {"inputs": HUGE}), ("/v1/classes/3/softmax", {"inputs": HUGE}),
+    ("/v1/topk", {"inputs": HUGE, "mode": "exact"}), ("/v1/topk", {"inputs": HUGE, "mode": "index"}),
+    ("/v1/gallery/items", {"items": [{"id": "huge", "input": HUGE[0]}]})])
+def test_outputs_that_overflow_are_422_not_500(client, path, body):
+    assert_envelope(client.post(path, json=body), 422, "non_finite_output")
+    assert client.get("/v1/gallery/items/huge").status_code == 404
+
+
+def test_an_overflowing_input_does_not_spoil_the_others_in_its_request(client, offline):
+    """One request with a normal input first: the answer is refused as a whole (422), and the
+    next ordinary request is answered as before."""
+    normal = [[0.5] * 12]
+    assert_envelope(client.post("/v1/topk", json={"inputs": normal + HUGE, "mode": "index", "k": 3}), 422,
+                    "non_finite_output")
+    r = client.post("/v1/topk", json={"inputs": normal, "mode": "index", "k": 3})
+    assert r.status_code == 200
+    want = np.argsort(-offline.logits(np.asarray(normal, np.float32))[0])[:3]
+    assert [e["class_id"] for e in r.json()["results"][0]] == want.tolist()

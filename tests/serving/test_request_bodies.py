@@ -54,6 +54,7 @@ BODIES = {
     "k_zero": {"inputs": _row(), "k": 0},
     "k_string": {"inputs": _row(), "k": "5"},
     "k_float": {"inputs": _row(), "k": 5.0},
+    "k_fraction": {"inputs": _row(), "k": 4.5},
     "mode_unknown": {"inputs": _row(), "mode": "approx"},
     "mode_index": {"inputs": _row(3, 2), "mode": "index", "k": 3},
 }
@@ -69,8 +70,8 @@ INPUTS_FAULT = {"overflow_float32": (422, NF), "bool_value": (422, V), "string_v
                 "null_value": (422, V), "object_value": (422, V), "empty_inputs": (422, S),
                 "inputs_not_list": (422, V), "wrong_width": (422, S), "ragged": (422, S),
                 "too_many_inputs": (422, "too_many_inputs")}
-TOPK_FAULT = {"k_too_large": (422, "k_too_large"), "k_zero": (422, V), "k_string": (422, V), "k_float": (422, V),
-              "mode_unknown": (422, V)}
+TOPK_FAULT = {"k_too_large": (422, "k_too_large"), "k_zero": (422, V), "k_string": (422, V), "k_fraction": (422, V),
+              "mode_unknown": (422, V)}  # k 5.0 is the integer 5 (JSON Schema's rule): valid
 
 
 def expected(route: str, case: str) -> tuple[int, str | None]:

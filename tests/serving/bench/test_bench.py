@@ -104,3 +104,16 @@ def test_head_kernels_compute_the_right_logits(tmp_path):
     np.save(tmp_path / "head_bias.npy", b)
     out = head_alone(tmp_path, batch=4)
     assert set(out) >= {"one_logit_per_input_single_us", "all_logits_per_input_batch64_us", "all_over_one_batch64"}
+
+
+@pytest.mark.slow
+def test_fuzz_verdict_on_a_real_server(bundle_path, tmp_path):
+    """`slc bench fuzz`'s run on a real server: no 5xx, every response on its schema, no undocumented status."""
+    from serving.bench.fuzz import run_fuzz
+    from serving.bench.server import slc_server
+
+    with slc_server(bundle_path, tmp_path, "fuzz", tmp_path / "data") as srv:
+        srv.wait_ready(120)
+        res = run_fuzz(srv.url, 20, 1, tmp_path)
+    assert res["operations"]["tested"] >= 15 and res["test_cases"]["generated"] > 100
+    assert res["passed"], (res["verdict"], res["output_tail"][-2000:])

@@ -12,7 +12,7 @@ comma := ,
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
 
-.PHONY: setup serve test test-unit test-all lint docs bench table1 server-venv clean
+.PHONY: setup serve test test-unit test-all lint docs bench robustness table1 server-venv clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,12 @@ BENCH_CLASSES ?= 10,1000,100000,1000000
 bench: setup
 	$(BIN)/slc bench losses --out docs/results
 	$(BIN)/slc bench scale --classes $(BENCH_CLASSES) --duration 8 --out docs/results
+
+# Hostile bodies, schemathesis and a kill -9 soak against real servers: docs/results/{hostile,fuzz,soak}.md
+robustness: setup
+	$(BIN)/slc bench hostile --out docs/results
+	$(BIN)/slc bench fuzz --max-examples 200 --out docs/results
+	$(BIN)/slc bench soak --duration 120 --kills 4 --out docs/results
 
 table1: setup
 	$(BIN)/slc experiment table1 --dataset mnist5k --seeds 3 --out docs/results/table1-mnist5k

@@ -9,6 +9,7 @@ body in the OpenAPI schema; FastAPI's own handler answers the other methods.
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 from typing import Any, Callable, Optional
 
@@ -193,6 +194,10 @@ async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(se
 def _query(scope, body: bytes, allowed: tuple[str, ...]) -> tuple[Any, dict, np.ndarray]:
     """(engine, body object, examples [N, *shape]) of a query route, every check before any compute."""
     engine = _state(scope).ready_engine()
+    n, shape = engine.settings.max_inputs, engine.input_shape
+    lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
+    read.check_structure(body, max_values=n * math.prod(shape) + 8, max_lists=1 + n * lists_per_example,
+                         max_objects=1)
     obj = _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
     return engine, obj, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
@@ -219,6 +224,9 @@ async def _topk_body(scope, body: bytes):
     k = read.integer(obj, "k", 5, 1, _state(scope).settings.max_topk, code="k_too_large")
     mode = read.choice(obj, "mode", "exact", ("exact", "index"))
     return 200, await engine.topk(x, k, mode)
+
+
+METADATA_VALUES = 65536  # room for metadata in the gallery body's structure bound
 
 
 def _require_key(scope) -> None:
@@ -257,11 +265,15 @@ async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine
 async def _gallery_upsert_body(scope, body: bytes):
     _require_key(scope)  # 401 before the body is parsed
     engine = _state(scope).ready_engine()
+    n, shape = engine.settings.max_inputs, engine.input_shape
+    lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))
+    read.check_structure(body, max_values=n * math.prod(shape) + METADATA_VALUES, what="items",
+                         max_lists=1 + n * lists_per_example + METADATA_VALUES, max_objects=1 + n + METADATA_VALUES)
     obj = _read_object(scope, body)
-    items = _gallery_items(obj, _state(scope).settings.max_inputs)
-    if big := read.long_int_literal(body):
-        raise InvalidInput(f"integer {big} is beyond ±2^53, which JSON numbers do not keep exactly; "
-                           "send it as a string", code="validation_error")
+    items = _gallery_items(obj, n)
+    for k, it in enumerate(items):
+        if it["metadata"]:
+            read.check_metadata(it["metadata"], body, f"items[{k}].metadata")
     ids = await engine.gallery_upsert(items, bools_possible=read.has_bool_token(body))
     return 201, {"upserted": len(ids), "ids": ids}
 

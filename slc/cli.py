@@ -32,6 +32,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "scale": ("serving.bench.cli:scale", "Single-logit vs full softmax serving as the number of classes grows."),
     "index": ("serving.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
     "soak": ("serving.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
+    "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
     "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
 }

@@ -127,3 +127,30 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
                + ", ".join(f"{n} {name}" for name, n in v.items()) + f" -> {out / 'fuzz.md'}")
     if not res["passed"]:
         raise click.ClickException("the server failed the fuzz verdict; see " + str(out / "fuzz.md"))
+
+
+@click.command()
+@click.option("--size-mb", type=click.FloatRange(min=0.01, max=8.0), default=7.5, show_default=True,
+              help="body size (the server's limit is 8 MiB)")
+@click.option("--out", default="docs/results", show_default=True, help="where hostile.{json,md} go", **OUT)
+def hostile(size_mb: float, out: Path) -> None:
+    """Hostile bodies (strings, objects, nesting, counts, huge examples) against a real server: time
+    to answer, peak-memory growth, and a concurrent health probe's worst latency."""
+    import tempfile
+
+    from serving.bench.hostile import KINDS, hostile_markdown, measure
+    from serving.bench.run import INPUT_DIM, cached_bundle
+    from serving.bench.server import slc_server
+
+    bundle = cached_bundle(1000, 64)
+    with tempfile.TemporaryDirectory(prefix="slc-hostile-") as tmp:
+        with slc_server(bundle, Path(tmp), "hostile", Path(tmp) / "data") as srv:
+            srv.wait_ready(300)
+            rows = [measure(srv, kind, int(size_mb * (1 << 20)), INPUT_DIM) for kind in KINDS]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hostile.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "hostile.md").write_text(hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}"))
+    click.echo(hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}"))
+    worst = max(rows, key=lambda r: r["seconds"])
+    click.echo(f"{len(rows)} hostile bodies: slowest answer {worst['seconds']:.3f} s ({worst['kind']}), worst probe "
+               f"{max(r['worst_probe_ms'] for r in rows):.1f} ms -> {out / 'hostile.md'}")

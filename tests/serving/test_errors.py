@@ -254,3 +254,18 @@ def test_an_overflowing_input_does_not_spoil_the_others_in_its_request(client, o
     assert r.status_code == 200
     want = np.argsort(-offline.logits(np.asarray(normal, np.float32))[0])[:3]
     assert [e["class_id"] for e in r.json()["results"][0]] == want.tolist()
+
+
+def test_the_deadline_covers_work_outside_the_batch_queue_too(client_factory, monkeypatch):
+    """A gallery search (no batch queue) that takes longer than the deadline is answered 504,
+    not late; the server answers the next request."""
+    import time as _time
+
+    c = client_factory(request_timeout_s=0.3)
+    gallery = c.app.state.slc.gallery
+    real = gallery.search
+    monkeypatch.setattr(gallery, "search", lambda *a, **k: (_time.sleep(1.0), real(*a, **k))[1])
+    body = assert_envelope(c.post("/v1/classes/3/search", json={}), 504, "deadline_exceeded")
+    assert "0.3 s" in body["error"]["message"]
+    monkeypatch.setattr(gallery, "search", real)
+    assert c.post("/v1/classes/3/search", json={}).status_code == 200

@@ -13,6 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+EXPLAINED = {
+    "ST202": "schemathesis expects every schema-valid request to succeed. Two kinds are refused by design: "
+             "finite float32 inputs so large that the network's embedding or logits overflow (422 "
+             "`non_finite_output`: there is no JSON number to answer with), and KServe tensors the permissive "
+             "infer schema allows but the model cannot take (a wrong datatype, name or shape: 422).",
+    "ST201": "a request outside the schema was accepted.",
+}
 VERDICT_CODES = {"ST101": "server errors", "ST108": "responses violating their schema",
                  "ST103": "undocumented status codes"}
 
@@ -52,6 +59,8 @@ def fuzz_markdown(res: dict, command: str) -> str:
         lines += ["Other findings (not server faults; each explained below the table):", "",
                   "| check | title | count | operations |", "|---|---|---:|---|"]
         lines += [f"| {c} | {f['title']} | {f['count']} | {', '.join(f['operations'])} |" for c, f in others.items()]
+        lines.append("")
+        lines += [f"- {c}: {EXPLAINED.get(c, 'not explained yet: read the run output in fuzz.json')}" for c in others]
         lines.append("")
     if res["warnings"]:
         lines += ["Warnings of the run: " + "; ".join(f"{k}: {', '.join(map(str, v))}" for k, v in res["warnings"].items()), ""]

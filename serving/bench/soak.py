@@ -158,7 +158,8 @@ def soak_markdown(res: dict, command: str) -> str:
              f"Command: `{command}`", "",
              f"- acknowledged gallery writes lost: **{w['lost_at_end']}** of {w['acknowledged']} "
              f"(after each restart: {w['lost_after_each_restart']}); {w['attempted']} writes attempted, "
-             f"statuses {w['statuses']} (`transport`: the server was down)",
+             f"statuses {w['statuses']} (`transport`: the server was down; `503`: it was restarting and not "
+             "ready yet; neither is an acknowledgement)",
              f"- kill -9 rounds: {res['kills']}; ready again after {res['ready_after_kill_s']} s",
              f"- memory of the last life, after warm-up → end: {m['rss_after_warmup'] / 2**20:.1f} → "
              f"{m['rss_end'] / 2**20:.1f} MiB ({m['growth_bytes'] / 2**20:+.1f} MiB)",

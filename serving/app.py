@@ -20,7 +20,7 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, ShutdownEnvelopeMiddleware, install_error_handlers
+from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, install_error_handlers
 from serving.metrics import Metrics, MetricsMiddleware
 from serving.schemas import describe_model_inputs
 from serving.settings import Settings
@@ -234,5 +234,4 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject,
                        timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(ShutdownEnvelopeMiddleware)
     return app

@@ -177,7 +177,8 @@ class _BodyTooSlow(StarletteHTTPException):
 class BodyLimitMiddleware:
     """Pure ASGI: refuse a body over `max_bytes`, by Content-Length up front and by counting
     the bytes while they are read (chunked bodies declare no length), and one that takes longer
-    than `timeout_s` to arrive (a client that stops sending mid-body): 408."""
+    than `timeout_s` to arrive (a client that stops sending mid-body): 408. A request cut off by
+    the end of the shutdown grace period gets 503 `shutting_down` instead of a plain-text 500."""
 
     def __init__(self, app, max_bytes: int, on_reject=None, timeout_s: float = 30.0):
         self.app = app
@@ -232,6 +233,15 @@ class BodyLimitMiddleware:
             if started:
                 raise
             await self._reject(send, limit)
+        except asyncio.CancelledError:
+            # the server's grace period ended with this request still running: uvicorn would
+            # answer a plain-text 500; the envelope says what happened (retry elsewhere)
+            if not started:
+                resp = envelope(503, "shutting_down", "the server shut down before this request was answered; retry",
+                                {"Connection": "close", "Retry-After": "1"})
+                await send({"type": "http.response.start", "status": 503, "headers": resp.raw_headers})
+                await send({"type": "http.response.body", "body": resp.body})
+            raise
         except _BodyTooSlow as exc:
             if started:
                 raise
@@ -248,33 +258,3 @@ class BodyLimitMiddleware:
                         {"Connection": "close"})
         await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
-
-
-class ShutdownEnvelopeMiddleware:
-    """Pure ASGI, outermost: a request still running when the server's grace period ends is
-    cancelled by uvicorn, which would answer a plain-text 500; this answers the envelope with
-    503 (`shutting_down`, retry elsewhere) instead, if no response had started."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except asyncio.CancelledError:
-            if not started:
-                resp = envelope(503, "shutting_down", "the server shut down before this request was answered; retry",
-                                {"Connection": "close", "Retry-After": "1"})
-                await send({"type": "http.response.start", "status": 503, "headers": resp.raw_headers})
-                await send({"type": "http.response.body", "body": resp.body})
-            raise

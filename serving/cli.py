@@ -19,6 +19,8 @@ from serving.bundle.cliopts import bundle_dir
 @click.option("--max-batch", type=click.IntRange(min=1), help="inputs per backbone call [default: 64]")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0.0), help="batching wait in ms [default: 2.0]")
 @click.option("--queue-size", type=click.IntRange(min=1), help="queued inputs before 429 [default: 1024]")
+@click.option("--drain-delay", "drain_delay_s", type=click.FloatRange(min=0.0),
+              help="on SIGTERM, seconds of readiness 503 while still accepting [default: 0, or SLC_DRAIN_DELAY_S]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
               help="[default: auto: CUDA when onnxruntime can use a GPU, else CPU]")
 def serve(bundle: Optional[Path], **flags) -> None:

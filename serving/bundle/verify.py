@@ -128,6 +128,7 @@ def check_samples(path: Path, manifest: dict, weight: np.ndarray | None, bias: n
     name = "samples.npz"
     problems = []
     try:
+        _check_unpacked_size(path / name)
         with np.load(path / name, allow_pickle=False) as f:
             s = {k: f[k] for k in f.files}
     except Exception as e:  # noqa: BLE001
@@ -174,6 +175,20 @@ def check_samples(path: Path, manifest: dict, weight: np.ndarray | None, bias: n
         if not _close(z, s["logit"].astype(np.float64)):
             problems.append(f"head_weight.npy: rows (with head_bias.npy) do not reproduce the single logits in {name}")
     return problems
+
+
+MAX_SAMPLES_BYTES = 256 << 20  # a few inputs and their outputs; far more is a decompression bomb
+
+
+def _check_unpacked_size(p: Path) -> None:
+    """Refuse an .npz whose members unpack to more than MAX_SAMPLES_BYTES (read from the zip
+    directory, before anything is decompressed)."""
+    import zipfile
+
+    with zipfile.ZipFile(p) as z:
+        total = sum(i.file_size for i in z.infolist())
+    if total > MAX_SAMPLES_BYTES:
+        raise ValueError(f"it unpacks to {total} bytes, over the limit of {MAX_SAMPLES_BYTES}")
 
 
 def inspect_bundle(path: Path, deep: bool) -> tuple[list[str], dict]:

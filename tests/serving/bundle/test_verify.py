@@ -203,3 +203,20 @@ def test_load_refuses_a_symlinked_file_too(bundle, tmp_path):
     _replace_with(bundle, "head_bias.npy", "symlink_same_content", tmp_path)
     with pytest.raises(BundleError, match="head_bias.npy: is a symlink"):
         load_bundle(bundle, verify=False)
+
+
+def test_a_samples_file_that_unpacks_huge_is_refused_unread(bundle):
+    """A real decompression bomb (a 300 MB member of zeros, about 300 KB packed) is named from the
+    zip directory, before anything is decompressed."""
+    import zipfile
+
+    bomb = bundle / "samples.npz"
+    bomb.unlink()
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        with z.open("input.npy", "w", force_zip64=True) as member:
+            zeros = bytes(1 << 20)
+            for _ in range(300):
+                member.write(zeros)
+    assert bomb.stat().st_size < 2 << 20
+    problems = verify_bundle(bundle)
+    assert any(p.startswith("samples.npz: cannot be read (it unpacks to 314572800 bytes") for p in problems), problems

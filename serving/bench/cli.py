@@ -2,12 +2,25 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import click
 
 from serving.bundle.cliopts import OUT, POSITIVE, key_values, require
+
+
+@contextmanager
+def _served(bundle: Path, tag: str) -> Iterator[tuple]:
+    """(`slc serve BUNDLE` ready on a free port, its scratch directory), stopped after."""
+    from serving.bench.server import slc_server
+
+    with tempfile.TemporaryDirectory(prefix=f"slc-{tag}-") as tmp:
+        with slc_server(bundle, Path(tmp), tag, Path(tmp) / "data") as srv:
+            srv.wait_ready(300)
+            yield srv, Path(tmp)
 
 
 def _classes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -77,7 +90,6 @@ def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path)
     """Mixed load with kill -9 of the server during gallery writes: acknowledged writes lost (must be 0),
     memory growth, open descriptors, errors. Exit 1 if an acknowledged write was lost."""
     import sys
-    import tempfile
 
     from serving.bench.run import INPUT_DIM, cached_bundle
     from serving.bench.soak import run_soak, soak_markdown
@@ -106,18 +118,12 @@ def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path)
 def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
     """schemathesis against a real server from its own OpenAPI: 0 server errors, 0 responses off
     their schema, 0 undocumented statuses. Exit 1 otherwise."""
-    import tempfile
-
     from serving.bench.fuzz import fuzz_markdown, run_fuzz
     from serving.bench.run import cached_bundle
-    from serving.bench.server import slc_server
 
     require("schemathesis", "bench")
-    bundle = cached_bundle(classes, 16)
-    with tempfile.TemporaryDirectory(prefix="slc-fuzz-") as tmp:
-        with slc_server(bundle, Path(tmp), "fuzz", Path(tmp) / "data") as srv:
-            srv.wait_ready(300)
-            res = run_fuzz(srv.url, max_examples, seed, Path(tmp))
+    with _served(cached_bundle(classes, 16), "fuzz") as (srv, tmp):
+        res = run_fuzz(srv.url, max_examples, seed, tmp)
     command = f"slc bench fuzz --max-examples {max_examples} --seed {seed} --classes {classes}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "fuzz.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -136,17 +142,11 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
 def hostile(size_mb: float, out: Path) -> None:
     """Hostile bodies (strings, objects, nesting, counts, huge examples) against a real server: time
     to answer, peak-memory growth, and a concurrent health probe's worst latency."""
-    import tempfile
-
     from serving.bench.hostile import KINDS, hostile_markdown, measure
     from serving.bench.run import INPUT_DIM, cached_bundle
-    from serving.bench.server import slc_server
 
-    bundle = cached_bundle(1000, 64)
-    with tempfile.TemporaryDirectory(prefix="slc-hostile-") as tmp:
-        with slc_server(bundle, Path(tmp), "hostile", Path(tmp) / "data") as srv:
-            srv.wait_ready(300)
-            rows = [measure(srv, kind, int(size_mb * (1 << 20)), INPUT_DIM) for kind in KINDS]
+    with _served(cached_bundle(1000, 64), "hostile") as (srv, _):
+        rows = [measure(srv, kind, int(size_mb * (1 << 20)), INPUT_DIM) for kind in KINDS]
     out.mkdir(parents=True, exist_ok=True)
     (out / "hostile.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "hostile.md").write_text(hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}"))

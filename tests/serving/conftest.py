@@ -3,13 +3,13 @@ in-process with their lifespan, a real uvicorn on a free port, and the offline r
 (an independent onnxruntime session + the head rows in float64) the answers are checked against."""
 from __future__ import annotations
 
-import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.serving.helpers import D, DIM, INPUT_DIM, Offline, free_port, make_settings, wait_http_ready, wait_ready
+from tests.serving.helpers import D, DIM, INPUT_DIM, Offline, make_settings, uvicorn_in_thread, wait_ready
 
 
 @pytest.fixture(scope="session")
@@ -75,26 +75,9 @@ def client(client_factory):
 
 @pytest.fixture
 def live_server(app_factory):
-    """A real uvicorn (asyncio loop, h11/httptools) in a thread; yields its base URL."""
-    import uvicorn
-
-    servers = []
-
-    def start(**overrides) -> str:
-        port = free_port()
-        app = app_factory(**overrides)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ready(url, timeout=30)
-        return url
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=15)
+    """A real uvicorn (asyncio loop, h11/httptools) in a thread; `start(**overrides)` gives its base URL."""
+    with ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(uvicorn_in_thread(app_factory(**overrides)))
 
 
 def pytest_collection_modifyitems(items):

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -107,3 +108,23 @@ def serve_process(bundle: Path, tmp_path: Path, port: int, *flags: str, **env_ex
     cmd = [sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port),
            "--data-dir", str(tmp_path / "data"), *flags]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextmanager
+def uvicorn_in_thread(app) -> Iterator[str]:
+    """A real uvicorn serving `app` in a thread of this process; yields its base URL once ready."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(url, timeout=30)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

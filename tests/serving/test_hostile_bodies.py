@@ -23,23 +23,11 @@ EXPECTED = {"strings": (422, "validation_error"), "objects": (422, "validation_e
 
 @pytest.fixture(scope="module")
 def server(bundle_path, tmp_path_factory):
-    import threading
-
-    import uvicorn
-
     from serving.app import create_app
-    from tests.serving.helpers import free_port, make_settings, wait_http_ready
+    from tests.serving.helpers import make_settings, uvicorn_in_thread
 
-    app = create_app(make_settings(bundle_path, tmp_path_factory.mktemp("hostile"), intra_op_threads=1))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ready(url, timeout=30)
-    yield url
-    srv.should_exit = True
-    thread.join(15)
+    with uvicorn_in_thread(create_app(make_settings(bundle_path, tmp_path_factory.mktemp("hostile")))) as url:
+        yield url
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -2,7 +2,6 @@
 non-2xx JSON answer is the error envelope."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -11,7 +10,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from serving.app import create_app  # noqa: E402
 from serving.settings import Settings  # noqa: E402
-from tests.serving.helpers import free_port, make_settings, wait_http_ready  # noqa: E402
+from tests.serving.helpers import make_settings, uvicorn_in_thread  # noqa: E402
 
 pytestmark = pytest.mark.integration  # real processes, sockets or files
 
@@ -21,18 +20,8 @@ schema = schemathesis.openapi.from_dict(create_app(Settings(bundle="/nonexistent
 
 @pytest.fixture(scope="module")
 def base_url(bundle_path, tmp_path_factory):
-    import uvicorn
-
-    app = create_app(make_settings(bundle_path, tmp_path_factory.mktemp("schemathesis")))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ready(url, timeout=15)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=15)
+    with uvicorn_in_thread(create_app(make_settings(bundle_path, tmp_path_factory.mktemp("schemathesis")))) as url:
+        yield url
 
 
 @pytest.mark.slow

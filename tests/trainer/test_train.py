@@ -130,7 +130,7 @@ def test_two_rank_data_parallel_equals_single_process(tmp_path):
     subprocess.run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")],
                    check=True, cwd=ROOT, env=env, capture_output=True)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                    "trainer.cli", "train", *args, "--out", str(tmp_path / "two")],
+                    "slc", "train", *args, "--out", str(tmp_path / "two")],
                    check=True, cwd=ROOT, env=env, capture_output=True)
     one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)

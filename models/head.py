@@ -16,8 +16,11 @@ class ClassHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(D))  # [D]
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, d] -> [B, D]
-        return h @ self.weight.T + self.bias
+    def forward(self, h: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, d] -> logits [B, D], or [B, K] of the classes `cols` [K] only (a sampled head)."""
+        if cols is None:
+            return h @ self.weight.T + self.bias
+        return h @ torch.index_select(self.weight, 0, cols).T + torch.index_select(self.bias, 0, cols)
 
     def single(self, h: torch.Tensor, class_id: torch.Tensor) -> torch.Tensor:
         """One logit per row: z_{class_id[i]}(x_i). [B, d], [B] -> [B].
@@ -42,8 +45,9 @@ class SLCNet(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:  # [B, *shape] raw -> [B, d]
         return self.backbone((x - self.mean) / self.std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, *shape] raw -> [B, D]
-        return self.head(self.embed(x))
+    def forward(self, x: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, *shape] raw -> [B, D] (or [B, K] for the classes `cols`; through forward, so DDP syncs it)."""
+        return self.head(self.embed(x), cols)
 
     def single(self, x: torch.Tensor, class_id: torch.Tensor) -> torch.Tensor:  # -> [B]
         return self.head.single(self.embed(x), class_id)

@@ -9,6 +9,8 @@ are left out of the class averages.
 """
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import numpy as np
 
 
@@ -116,3 +118,75 @@ def pooled_separation(scores: np.ndarray, labels: np.ndarray) -> float:
     below_own = ((scores < true[:, None]) & is_false).sum(axis=1)  # [N] the ones of the same example
     pairs = n * (n - 1) * (c - 1)
     return float((below_all - below_own).sum() / pairs)
+
+
+# ----------------------------------------------------------------------------- streaming over class chunks
+def _merge_top(vals: np.ndarray, ids: np.ndarray, z: np.ndarray, first_id: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best (value, class id) per row of the running top-k and a chunk z [N, c] of classes
+    first_id.. ; ties go to the lowest class id, as a stable argsort over all D columns does."""
+    cand_v = np.concatenate([vals, z], axis=1)  # [N, k + c]
+    cand_i = np.concatenate([ids, np.broadcast_to(np.arange(first_id, first_id + z.shape[1]), z.shape)], axis=1)
+    order = np.lexsort((cand_i, -cand_v), axis=1)[:, :k]  # by value desc, then id asc
+    return np.take_along_axis(cand_v, order, axis=1), np.take_along_axis(cand_i, order, axis=1)
+
+
+def streaming_slc_metrics(chunks: Callable[[], Iterable[tuple[int, np.ndarray]]], labels: np.ndarray,
+                          num_classes: int, separation: bool = True) -> dict[str, float]:
+    """slc_metrics (+ the pooled separation) from scores in class chunks, never [N, D] at once.
+
+    `chunks()` yields (first class id, scores [N, c] of classes first..first+c-1) in order, and is
+    called twice when `separation` (which needs every true logit first). Equal to the dense
+    computation (tests/trainer/test_metrics.py): each class's curve needs only its own column;
+    accuracy and top-5 keep a running top-5 per example.
+    """
+    labels = np.asarray(labels).astype(np.int64)
+    n = len(labels)
+    ap, p90, p99, present = [], [], [], []
+    top_v, top_i = np.full((n, 0), -np.inf), np.zeros((n, 0), dtype=np.int64)
+    true = np.full(n, np.nan)  # [N] each example's own logit
+    for first, z in chunks():
+        z = np.asarray(z, dtype=np.float64)  # [N, c]
+        if not np.isfinite(z).all():
+            raise ValueError("scores contain NaN or inf")
+        local = labels - first  # positives of this chunk are 0..c-1; others never match
+        positive, tp, predicted, group_end, n_pos = _per_class_curves(z, local)
+        ap.append(_average_precision(positive, tp, predicted, group_end, n_pos))
+        p90.append(_precision_at_recall(tp, predicted, group_end, n_pos, 0.90))
+        p99.append(_precision_at_recall(tp, predicted, group_end, n_pos, 0.99))
+        present.append(n_pos > 0)
+        top_v, top_i = _merge_top(top_v, top_i, z, first, min(5, num_classes))
+        mine = (local >= 0) & (local < z.shape[1])
+        true[mine] = z[mine, local[mine]]
+    if not ap:
+        raise ValueError("no score chunks")
+    ap, p90, p99, present = (np.concatenate(a) for a in (ap, p90, p99, present))
+    out = {"auprc": float(ap[present].mean()), "p_at_r90": float(p90[present].mean()),
+           "p_at_r99": float(p99[present].mean()), "accuracy": float((top_i[:, 0] == labels).mean()),
+           "top5_accuracy": float((top_i == labels[:, None]).any(axis=1).mean())}
+    if separation:
+        out["separation"] = _streaming_separation(chunks(), labels, true, num_classes)
+    return out
+
+
+def _streaming_separation(chunks: Iterable[tuple[int, np.ndarray]], labels: np.ndarray, true: np.ndarray,
+                          num_classes: int) -> float:
+    """pooled_separation, chunk by chunk: false logits of other examples below each true logit."""
+    n = len(labels)
+    below = 0
+    for first, z in chunks:
+        z = np.asarray(z, dtype=np.float64)  # [N, c]
+        is_false = (labels[:, None] - first) != np.arange(z.shape[1])[None, :]  # [N, c]
+        below_all = np.searchsorted(np.sort(z[is_false]), true, side="left")  # [N] this chunk's false < true
+        below_own = ((z < true[:, None]) & is_false).sum(axis=1)  # [N] of the same example
+        below += int((below_all - below_own).sum())
+    return float(below / (n * (n - 1) * (num_classes - 1)))
+
+
+def head_chunks(h: np.ndarray, weight: np.ndarray, bias: np.ndarray, chunk: int = 1024):
+    """`chunks` for streaming_slc_metrics from embeddings h [N, d] and a head W [D, d], b [D]:
+    logits of `chunk` classes at a time."""
+    def gen():
+        for first in range(0, weight.shape[0], chunk):
+            w = np.asarray(weight[first:first + chunk], dtype=np.float64)  # [c, d]
+            yield first, h @ w.T + np.asarray(bias[first:first + chunk], dtype=np.float64)  # [N, c]
+    return gen

@@ -32,6 +32,7 @@ from models import ClassHead, SLCNet, build_backbone
 from trainer.data import Splits, load_dataset
 from trainer.losses import build_loss
 from trainer.metrics import pooled_separation, slc_metrics
+from trainer.sampled_head import ClassSampler
 
 
 OPTIMIZERS = ("adam", "sgd")
@@ -52,6 +53,7 @@ class TrainConfig:
     schedule: str = "cosine"  # cosine (per step, to 0) | constant
     weight_decay: float = 0.0
     seed: int = 0
+    head_sample: float = 1.0  # R: logits for the batch's classes + a uniform sample, R·D columns (trainer/sampled_head.py)
 
 
 def seed_everything(seed: int) -> None:
@@ -149,7 +151,9 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     n_train, num_classes = len(y_train), splits.num_classes
 
     model = build_model(cfg.backbone, cfg.backbone_params, splits.input_shape, num_classes, splits.mean, splits.std)
-    loss_fn = build_loss(cfg.loss, num_classes, **cfg.loss_params)
+    sampler = ClassSampler(num_classes, cfg.head_sample, min(cfg.batch_size, n_train), cfg.seed) \
+        if cfg.head_sample < 1.0 else None
+    loss_fn = build_loss(cfg.loss, sampler.size if sampler else num_classes, **cfg.loss_params)
     net: nn.Module = model
     if world > 1:
         net = nn.parallel.DistributedDataParallel(model)
@@ -169,11 +173,16 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     for epoch in range(cfg.epochs):
         permutation = torch.randperm(n_train, generator=permutation_rng)
         for b in range(steps_per_epoch):
-            idx = permutation[b * batch : (b + 1) * batch][rank::world]  # this rank's shard
+            global_idx = permutation[b * batch : (b + 1) * batch]
+            idx = global_idx[rank::world]  # this rank's shard
             if hasattr(loss_fn, "set_progress"):
                 loss_fn.set_progress(step / total_steps)
-            logits = net(x_train[idx])  # [B_rank, D]
-            loss = loss_fn(logits, y_train[idx])
+            if sampler is None:
+                logits, targets = net(x_train[idx]), y_train[idx]  # [B_rank, D], [B_rank]
+            else:  # the same K columns on every rank
+                cols = sampler(y_train[global_idx])  # [K]
+                logits, targets = net(x_train[idx], cols), ClassSampler.positions(cols, y_train[idx])  # [B_rank, K]
+            loss = loss_fn(logits, targets)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss {cfg.loss} is {loss.item()} at epoch {epoch} step {step} (lr={cfg.lr})")
             optimizer.zero_grad(set_to_none=True)

@@ -110,3 +110,26 @@ def test_separation_ignores_within_example_pairs():
     assert slc_metrics(scores, labels)["accuracy"] == 1.0
     assert pooled_separation(scores, labels) == pytest.approx(_separation_brute_force(scores, labels))
     assert pooled_separation(scores, labels) == 0.5
+
+
+# --- streaming over class chunks equals the dense computation
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 50])
+@pytest.mark.parametrize("ties", [False, True])
+def test_streaming_metrics_equal_dense(chunk, ties):
+    from trainer.metrics import head_chunks, pooled_separation, streaming_slc_metrics
+
+    rng = np.random.default_rng(chunk)
+    n, d, num_classes = 120, 6, 23
+    h = rng.standard_normal((n, d))
+    w, b = rng.standard_normal((num_classes, d)), rng.standard_normal(num_classes)
+    if ties:  # rounding makes many equal scores: tie handling must match the dense path exactly
+        h, w, b = np.round(h, 0), np.round(w, 0), np.round(b, 0)
+    labels = rng.integers(0, num_classes - 2, n)  # the last two classes have no positive
+    dense = h @ w.T + b
+    want = {**slc_metrics(dense, labels), "separation": pooled_separation(dense, labels)}
+    got = streaming_slc_metrics(head_chunks(h, w, b, chunk), labels, num_classes)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-12), key

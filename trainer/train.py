@@ -31,7 +31,7 @@ from torch import nn
 from models import ClassHead, SLCNet, build_backbone
 from trainer.data import Splits, load_dataset
 from trainer.losses import build_loss
-from trainer.metrics import pooled_separation, slc_metrics
+from trainer.metrics import head_chunks, pooled_separation, slc_metrics, streaming_slc_metrics
 from trainer.sampled_head import ClassSampler
 
 
@@ -112,6 +112,26 @@ def split_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     return {**slc_metrics(scores, labels), "separation": pooled_separation(scores, labels)}
 
 
+DENSE_METRICS_MAX = 20_000_000  # N·D above this: metrics stream over class chunks instead of an [N, D] matrix
+
+
+@torch.no_grad()
+def model_metrics(model: SLCNet, x, labels: np.ndarray) -> dict[str, float]:
+    """split_metrics of the model's logits on x; without an [N, D] matrix when N·D is large
+    (embeddings [N, d], then logits 1,024 classes at a time: trainer.metrics.streaming_slc_metrics)."""
+    num_classes = model.head.weight.shape[0]
+    if len(x) * num_classes <= DENSE_METRICS_MAX:
+        return split_metrics(run_logits(model, x), labels)
+    was_training = model.training
+    model.eval()
+    xt = torch.tensor(np.asarray(x, dtype=np.float32))
+    h = torch.cat([model.embed(xt[i:i + 2048]) for i in range(0, len(xt), 2048)]).double().numpy()  # [N, d]
+    model.train(was_training)
+    w = model.head.weight.detach().double().numpy()  # [D, d]
+    b = model.head.bias.detach().double().numpy()  # [D]
+    return streaming_slc_metrics(head_chunks(h, w, b), labels, num_classes)
+
+
 def _versions() -> dict[str, str]:
     import sklearn
 
@@ -153,6 +173,8 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     model = build_model(cfg.backbone, cfg.backbone_params, splits.input_shape, num_classes, splits.mean, splits.std)
     sampler = ClassSampler(num_classes, cfg.head_sample, min(cfg.batch_size, n_train), cfg.seed) \
         if cfg.head_sample < 1.0 else None
+    if sampler is not None and cfg.loss == "nce" and cfg.loss_params.get("q") is not None:
+        raise ValueError("nce with a class prior q cannot be trained with --head-sample (docs/losses.md)")
     loss_fn = build_loss(cfg.loss, sampler.size if sampler else num_classes, **cfg.loss_params)
     net: nn.Module = model
     if world > 1:
@@ -197,8 +219,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
 
     if rank == 0:
         model.eval()
-        metrics = {name: split_metrics(run_logits(model, splits.split(name)[0]), splits.split(name)[1])
-                   for name in ("calibration", "test")}
+        metrics = {name: model_metrics(model, *splits.split(name)) for name in ("calibration", "test")}
         out.mkdir(parents=True, exist_ok=True)
         resolved = {
             **asdict(cfg),
@@ -237,7 +258,7 @@ def evaluate_run(run: Path, split: str = "test", print_table: bool = False) -> d
     """Recompute the single-logit metrics (+ separation) of a run on a split of its dataset."""
     model, config, data_info = load_run(run)
     x, y = load_dataset(data_info["dataset"]).split(split)
-    metrics = split_metrics(run_logits(model, x), y)
+    metrics = model_metrics(model, x, y)
     if print_table:
         from rich.console import Console
         from rich.table import Table

@@ -199,3 +199,19 @@ def test_two_rank_sampled_head_equals_single_process(tmp_path):
     two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+def test_streaming_model_metrics_equal_the_dense_ones(tmp_path, monkeypatch):
+    """Past DENSE_METRICS_MAX the metrics stream over class chunks: the same numbers."""
+    import trainer.train as train_mod
+    from trainer.data import load_dataset
+
+    cfg = TrainConfig(dataset="digits", backbone="mlp", backbone_params={"hidden": 16}, loss="ce", epochs=1, seed=0)
+    run = train(cfg, tmp_path / "run", progress=False)
+    model, _, data_info = load_run(run)
+    x, y = load_dataset("digits").test
+    dense = train_mod.model_metrics(model, x, y)
+    monkeypatch.setattr(train_mod, "DENSE_METRICS_MAX", 0)
+    streamed = train_mod.model_metrics(model, x, y)
+    for key, value in dense.items():
+        assert streamed[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key

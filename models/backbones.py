@@ -102,6 +102,46 @@ class CNN6(nn.Module):
         return self.dense(self.features(x))
 
 
+class _Residual(nn.Module):
+    """Two 3x3 conv + BN; the input added back (a 1x1 conv when the width or stride changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+                                  nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.skip = nn.Identity() if c_in == c_out and stride == 1 else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, c_in, H, W] -> [B, c_out, H/stride, W/stride]
+        return self.act(self.body(x) + self.skip(x))
+
+
+class ResNetGlyph(nn.Module):
+    """A small residual CNN for 32x32 (or 48x48) glyphs: a 3x3 stem, three stages of residual
+    blocks (widths w, 2w, 4w; stride 2 between stages), global average pooling, and an embedding
+    layer (linear + BN) of size `embed`: the h(x) whose rows the class head scores."""
+
+    def __init__(self, input_shape: tuple[int, ...], width: int = 32, blocks: int = 1, embed: int = 256):
+        super().__init__()
+        if len(input_shape) != 3:
+            raise ValueError(f"resnet_glyph needs input_shape (C, H, W), got {input_shape}")
+        widths = (width, 2 * width, 4 * width)
+        layers: list[nn.Module] = [nn.Conv2d(input_shape[0], width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        c_in = width
+        for stage, c_out in enumerate(widths):
+            for i in range(blocks):
+                layers.append(_Residual(c_in, c_out, 2 if stage > 0 and i == 0 else 1))
+                c_in = c_out
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), _Flatten())  # [B, 4w]
+        self.embedding = nn.Sequential(nn.Linear(c_in, embed), nn.BatchNorm1d(embed))
+        self.embed_dim = embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, H, W] -> [B, embed]
+        return self.embedding(self.features(x))
+
+
 register_backbone("linear")(Linear)
+register_backbone("resnet_glyph")(ResNetGlyph)
 register_backbone("mlp")(MLP)
 register_backbone("cnn6")(CNN6)

@@ -132,6 +132,30 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
 
 
 @click.group(no_args_is_help=True)
+def data() -> None:
+    """Datasets that are built, not downloaded."""
+
+
+@data.command("glyphs")
+@click.argument("name", type=click.Choice(["glyphs-latin"]))
+@click.option("--force", is_flag=True, help="render again even when cached")
+def data_glyphs(name: str, force: bool) -> None:
+    """Render glyph dataset NAME (characters from real fonts, split by typeface) into $SLC_HOME/data/glyphs."""
+    from trainer.data import glyphs
+
+    path = glyphs.cache_dir(name)
+    t0 = time.perf_counter()
+    if force or not (path / "manifest.json").is_file():
+        glyphs.build(name, path)
+    manifest, _ = glyphs.load(name, progress=False)
+    faces = {split: ", ".join(f"{f['family']} {f['style']}" for f in info["faces"])
+             for split, info in manifest["splits"].items()}
+    click.echo(f"{name}: {len(manifest['classes'])} classes; " + "; ".join(
+        f"{split} {info['examples']} images ({faces[split]})" for split, info in manifest["splits"].items())
+        + f" -> {path} ({time.perf_counter() - t0:.1f} s)")
+
+
+@click.group(no_args_is_help=True)
 def experiment() -> None:
     """Paper experiments."""
 

@@ -52,7 +52,7 @@ PAPER_MNIST = {
 PAPER_NAMES = {"ce": "CE", "max_margin": "max-margin", "self_norm": "self-norm", "nce": "NCE", "bce": "binary CE",
                "batch_ce": "batch CE", "batch_max_margin": "batch max-margin", "normalized_ce": "normalized CE"}
 
-_COMMON_CODE = ("trainer/train.py", "trainer/data.py", "trainer/distributed.py", "trainer/losses/__init__.py", "models/*.py")
+_COMMON_CODE = ("trainer/train.py", "trainer/data/__init__.py", "trainer/distributed.py", "trainer/losses/__init__.py", "models/*.py")
 
 
 def _code_fingerprint(loss: str) -> str:

@@ -17,6 +17,7 @@ is only measured.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -83,8 +84,8 @@ def _export_graph(module, kind: str, example: tuple, path: Path, external: bool)
     batch = torch.export.Dim("N")
     dynamic = tuple({0: batch} for _ in example)
     ins, outs = GRAPH_IO[kind]
-    with warnings.catch_warnings(), _quiet_logger("torch.onnx"):
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(), _quiet_logger("torch.onnx"), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # and the exporter's optimizer passes print their progress
         program = torch.onnx.export(module, example, None, input_names=ins, output_names=outs, dynamo=True,
                                     dynamic_shapes=dynamic, verbose=False, optimize=True)
     program.save(str(path), external_data=external)

@@ -9,6 +9,7 @@ CASES = {
     "linear": ((64,), {}),
     "mlp": ((784,), {"hidden": 32}),
     "cnn6": ((3, 32, 32), {"width": 0.05, "dense": 16}),
+    "resnet_glyph": ((1, 32, 32), {"width": 4, "embed": 16}),
 }
 
 

@@ -92,7 +92,7 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, S
     return tuple((x[np.sort(i)], y[np.sort(i)]) for i in (train_idx, cal_idx, test_idx))  # type: ignore[return-value]
 
 
-DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH")
+DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH", "glyphs-latin")
 
 
 def dataset_choices() -> str:
@@ -101,7 +101,7 @@ def dataset_choices() -> str:
 
 def check_dataset_name(name: str) -> None:
     """ValueError naming the valid choices unless `name` names a dataset (nothing is loaded)."""
-    if name in ("digits", "mnist5k"):
+    if name in ("digits", "mnist5k", "glyphs-latin"):
         return
     if name == "synthetic" or name.startswith("synthetic:"):
         _parse_synthetic(name)
@@ -119,7 +119,23 @@ def load_dataset(name: str, seed: int = 0) -> Splits:
 
 
 @functools.lru_cache(maxsize=8)
+def _glyph_splits(name: str) -> Splits:
+    """Fixed splits by typeface (trainer/data/glyphs.py); the seed plays no part: the faces decide."""
+    from trainer.data import glyphs
+
+    manifest, arrays = glyphs.load(name)
+    splits = {s: (np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int64)) for s, (x, y) in arrays.items()}
+    x_train = splits["train"][0]
+    for x, y in splits.values():
+        x.flags.writeable = y.flags.writeable = False
+    return Splits(train=splits["train"], calibration=splits["calibration"], test=splits["test"],
+                  input_shape=tuple(int(v) for v in x_train.shape[1:]), classes=list(manifest["classes"]),
+                  mean=np.asarray(x_train.mean(), dtype=np.float32), std=np.asarray(x_train.std() or 1.0, dtype=np.float32))
+
+
 def _load_cached(name: str, seed: int) -> Splits:
+    if name.startswith("glyphs"):
+        return _glyph_splits(name)
     classes: list[str] | None = None
     per_feature = True
     if name == "digits":

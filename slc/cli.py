@@ -36,6 +36,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
     "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
+    "head": ("trainer.cli:bench_head", "Head time per training step: full vs sampled head, as D grows."),
 }
 # the extra a command's module needs beyond the base (server) install
 EXTRAS = {"trainer": "train", "serving.loadtest.cli": "bench", "serving.bench.cli": "bench"}

@@ -206,3 +206,30 @@ def bench_losses(out: Path) -> None:
     click.echo((out / "losses-bench.md").read_text())
     st = res["methods"]["smooth_topk"]
     click.echo(f"smooth_topk: {st['median_ms']:.2f} ms per batch, {st['ratio_to_ce']:.1f}x ce -> {out / 'losses-bench.md'}")
+
+
+@click.command("head")
+@click.option("--classes", default="3755,100000,1000000", show_default=True, help="comma list of D")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batch", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--rate", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.1, show_default=True,
+              help="R of the sampled head")
+@click.option("--loss", "loss_name", type=click.Choice(list_losses()), default="ce", show_default=True)
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def bench_head(classes: str, dim: int, batch: int, rate: float, loss_name: str, out: Path) -> None:
+    """Head time per training step on fixed features: full head vs sampled head, as D grows."""
+    from trainer.head_bench import head_bench_markdown, head_step_times
+
+    try:
+        sizes = [int(c) for c in classes.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {classes!r}", param_hint="--classes") from None
+    rows = []
+    for D in sizes:
+        rows.append(head_step_times(D, dim, batch, rate, loss_name))
+        click.echo(f"D={D:,}: full {rows[-1]['full_ms']:.1f} ms, sampled {rows[-1]['sampled_ms']:.1f} ms per step", err=True)
+    command = f"slc bench head --classes {classes} --dim {dim} --batch {batch} --rate {rate:g} --loss {loss_name}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "head-bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "head-bench.md").write_text(head_bench_markdown(rows, command))
+    click.echo(head_bench_markdown(rows, command))

@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class JobFailed:
+    """compute's result for one job that failed on its own (its error is that request's answer)."""
+
+    error: Exception
+
+
+@dataclass
 class Job:
     """One request's share of a batch: inputs x [n, ...] and what to do with their rows."""
 
@@ -171,7 +178,10 @@ class Batcher:
                 self.metrics.batch_seconds.observe(elapsed)
             for job, result in zip(batch, results):
                 if not job.future.done():
-                    job.future.set_result(result)
+                    if isinstance(result, JobFailed):
+                        job.future.set_exception(result.error)
+                    else:
+                        job.future.set_result(result)
 
     def _take(self) -> tuple[list[Job], int]:
         """Pop jobs up to max_batch inputs (a larger single job goes alone); drop the expired."""

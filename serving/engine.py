@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from serving.batcher import Batcher, Job
-from serving.errors import InsufficientStorage, InvalidInput, NotFound
+from serving.batcher import Batcher, Job, JobFailed
+from serving.errors import ApiError, InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import StorageFull
 from serving.inputs import examples as read_examples
 
@@ -155,7 +155,10 @@ class Engine:
                 rows = found[i]
             else:
                 rows = h[offsets[i]:offsets[i + 1]]
-            results.append(job.reduce(rows) if job.reduce is not None else rows)
+            try:  # one job's refusal (e.g. non_finite_output) is its own: its batch-mates are answered
+                results.append(job.reduce(rows) if job.reduce is not None else rows)
+            except ApiError as exc:
+                results.append(JobFailed(exc))
         return results
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:

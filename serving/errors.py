@@ -14,7 +14,8 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,12 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         count(code)
         return envelope(exc.status_code, code, message, headers)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        """The client closed the connection before its body arrived: nobody to answer, not a bug."""
+        count("client_disconnected")
+        return Response(status_code=499)  # nginx's "client closed request", for the metrics only
+
     @app.exception_handler(Exception)
     async def _uncaught(request: Request, exc: Exception):
         log.exception("uncaught error on %s %s", request.method, request.url.path)
@@ -165,8 +172,8 @@ def _allowed_methods(request: Request) -> list[str]:
 
 
 class _BodyTooLarge(StarletteHTTPException):
-    def __init__(self, limit: int):
-        super().__init__(413, f"request body is larger than the limit of {limit} bytes")
+    def __init__(self, limit: int):  # the rest of the body is never read: the connection cannot be reused
+        super().__init__(413, f"request body is larger than the limit of {limit} bytes", headers={"Connection": "close"})
 
 
 class _BodyTooSlow(StarletteHTTPException):

@@ -64,11 +64,10 @@ def _body_route(endpoint: Callable):
 
 
 def _is_json(scope) -> bool:
-    """Content-Type application/json (a charset allowed)."""
+    """Content-Type application/json (parameters such as a charset allowed, spaces around `;` too)."""
     for name, value in scope["headers"]:
         if name == b"content-type":
-            ct = value.lower()
-            return ct == b"application/json" or ct.startswith(b"application/json;")
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
     return False
 
 
@@ -191,8 +190,9 @@ async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(se
 # ----------------------------------------------------------------------------- POST bodies
 # The same engine calls as the routes above, from the raw body: the routes' own signatures only
 # describe the bodies in OpenAPI (FastAPI's handler never reads a POST body here).
-def _query(scope, body: bytes, allowed: tuple[str, ...]) -> tuple[Any, dict, np.ndarray]:
-    """(engine, body object, examples [N, *shape]) of a query route, every check before any compute."""
+def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict]) -> tuple[Any, dict, np.ndarray]:
+    """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
+    the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion."""
     engine = _state(scope).ready_engine()
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
@@ -200,30 +200,31 @@ def _query(scope, body: bytes, allowed: tuple[str, ...]) -> tuple[Any, dict, np.
                          max_objects=1)
     obj = _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
-    return engine, obj, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
+    p = params(obj)
+    return engine, p, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
 
 
 @_body_route(detect)
 async def _detect_body(scope, body: bytes):
-    engine, obj, x = _query(scope, body, ("inputs", "threshold"))
-    threshold = read.number(obj, "threshold")
+    engine, p, x = _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
     cls = engine.resolve_class(scope["path_params"]["class"])
-    return 200, await engine.detect(cls, x, threshold)
+    return 200, await engine.detect(cls, x, p["threshold"])
 
 
 @_body_route(softmax)
 async def _softmax_body(scope, body: bytes):
-    engine, _, x = _query(scope, body, ("inputs",))
+    engine, _, x = _query(scope, body, ("inputs",), lambda o: {})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.softmax(cls, x)
 
 
 @_body_route(topk)
 async def _topk_body(scope, body: bytes):
-    engine, obj, x = _query(scope, body, ("inputs", "k", "mode"))
-    k = read.integer(obj, "k", 5, 1, _state(scope).settings.max_topk, code="k_too_large")
-    mode = read.choice(obj, "mode", "exact", ("exact", "index"))
-    return 200, await engine.topk(x, k, mode)
+    max_topk = _state(scope).settings.max_topk
+    engine, p, x = _query(scope, body, ("inputs", "k", "mode"), lambda o: {
+        "k": read.integer(o, "k", 5, 1, max_topk, code="k_too_large"),
+        "mode": read.choice(o, "mode", "exact", ("exact", "index"))})
+    return 200, await engine.topk(x, p["k"], p["mode"])
 
 
 METADATA_VALUES = 65536  # room for metadata in the gallery body's structure bound
@@ -267,8 +268,9 @@ async def _gallery_upsert_body(scope, body: bytes):
     engine = _state(scope).ready_engine()
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))
-    read.check_structure(body, max_values=n * math.prod(shape) + METADATA_VALUES, what="items",
-                         max_lists=1 + n * lists_per_example + METADATA_VALUES, max_objects=1 + n + METADATA_VALUES)
+    # metadata strings may hold any character: no bound on commas here, a generous one on brackets
+    read.check_structure(body, max_values=None, what="items", max_lists=1 + n * lists_per_example + METADATA_VALUES,
+                         max_objects=1 + n + METADATA_VALUES)
     obj = _read_object(scope, body)
     items = _gallery_items(obj, n)
     for k, it in enumerate(items):

@@ -52,23 +52,36 @@ def has_bool_token(body: bytes) -> bool:
     return (b"true" in body or b"false" in body) and _BOOL_TOKEN.search(body) is not None
 
 
+MAX_METADATA_DEPTH = 64
+
+
 def check_metadata(metadata: Any, body: bytes, where: str) -> None:
-    """Metadata is answered back as it came: integers beyond ±2^53 (which JSON readers do not keep
-    exactly) are refused. orjson keeps 64-bit integers as int; longer literals become floats, so
-    an integral float that large sends us to the raw body to tell 1e20 from 100000000000000000000."""
-    for _, _, v in _leaves([metadata], where):
-        if isinstance(v, dict):
-            check_metadata(list(v.values()), body, where)
+    """Metadata is answered back as it came: nesting deeper than MAX_METADATA_DEPTH and integers
+    beyond ±2^53 (which JSON readers do not keep exactly) are refused. orjson keeps 64-bit integers
+    as int; longer literals become floats, so an integral float that large sends us to the raw
+    body for an integer literal of exactly that value (1e20 written as such is a float, and kept)."""
+    stack = [(metadata, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise InvalidInput(f"{where} is nested deeper than {MAX_METADATA_DEPTH} levels", code="validation_error")
+        if type(v) is dict:
+            stack.extend((x, depth + 1) for x in v.values())
+        elif type(v) is list:
+            stack.extend((x, depth + 1) for x in v)
         elif (type(v) is int and abs(v) > MAX_EXACT_INT) or (
-                type(v) is float and v.is_integer() and abs(v) > MAX_EXACT_INT and long_int_literal(body)):
-            raise InvalidInput(f"{where}: integer {long_int_literal(body) or v} is beyond ±2^53, which JSON numbers "
-                               "do not keep exactly; send it as a string", code="validation_error")
+                type(v) is float and v.is_integer() and abs(v) > MAX_EXACT_INT and long_int_literal(body, v)):
+            shown = v if type(v) is int else long_int_literal(body, v)
+            raise InvalidInput(f"{where}: integer {shown} is beyond ±2^53, which JSON numbers do not keep exactly; "
+                               "send it as a string", code="validation_error")
 
 
-def long_int_literal(body: bytes) -> Optional[str]:
-    """The first integer literal beyond ±2^53 in the body (JSON parsers turn it into a float)."""
+def long_int_literal(body: bytes, value: Optional[float] = None) -> Optional[str]:
+    """The first integer literal beyond ±2^53 in the body (JSON parsers turn it into a float);
+    with `value`, the first one that parses to that float."""
     for m in _LONG_INT.finditer(body):
-        if abs(int(m.group())) > MAX_EXACT_INT:
+        n = int(m.group())
+        if abs(n) > MAX_EXACT_INT and (value is None or float(n) == value):
             return m.group().decode()
     return None
 
@@ -157,8 +170,8 @@ def examples(inputs: Any, shape: tuple[int, ...], max_inputs: int, bools_possibl
         arr = None
     if arr is not None and arr.dtype.kind in "iuf":
         out = _shaped(arr, shape, size, what)
-        if bools_possible:  # a boolean among numbers becomes 1.0 in numpy: look for it (the shape is right)
-            _refuse_bad_values(inputs, what)
+        if bools_possible:  # a boolean among numbers becomes 1.0 in numpy: look for one, in C
+            _refuse_booleans(inputs, what)
         return out
     _refuse_bad_values(inputs, what)  # strings, null, objects: named
     try:  # only numbers left (integers too large for int64 made an object array)
@@ -183,6 +196,18 @@ def _shaped(arr: np.ndarray, shape: tuple[int, ...], size: int, what: str) -> np
     if not np.isfinite(out).all():
         raise InvalidInput(f"{what} must be finite float32 values (|x| > {FLOAT32_MAX:.6g} found)", code="non_finite_value")
     return out
+
+
+def _refuse_booleans(values: list, what: str) -> None:
+    """Among values numpy read as numbers, find JSON booleans without a Python loop over the values:
+    orjson writes the (already parsed, number-or-boolean) lists back, and `true`/`false` can then only
+    be booleans. Only the first example holding one is walked, to name the positions."""
+    if b"true" not in (text := orjson.dumps(values)) and b"false" not in text:
+        return
+    for i, ex in enumerate(values):
+        text = orjson.dumps(ex)
+        if b"true" in text or b"false" in text:
+            _refuse_bad_values(ex if type(ex) is list else [ex], f"{what}[{i}]")
 
 
 def _refuse_bad_values(inputs: list, what: str) -> None:
@@ -224,7 +249,9 @@ def tensor_values(data: Any, name: str, kind: str, bools_possible: bool) -> np.n
     except (ValueError, OverflowError):
         arr = None
     wanted = {"float": "iuf", "int": "iu", "bool": "b"}[kind]
-    if arr is not None and arr.dtype.kind in wanted and not (bools_possible and kind != "bool"):
+    if arr is not None and arr.dtype.kind in wanted:
+        if bools_possible and kind != "bool":
+            _refuse_booleans([data], f"input {name!r} data")
         return arr  # (an int tensor of floats goes on to the walk: 7.9 is refused there)
     ok = {"float": lambda v: type(v) in (int, float),
           "int": lambda v: type(v) is int or (type(v) is float and v.is_integer()),  # 7.0 is 7, as in JSON Schema
@@ -238,6 +265,8 @@ def tensor_values(data: Any, name: str, kind: str, bools_possible: bool) -> np.n
     if bad:
         raise InvalidInput(f"values must be {kind}s: {'; '.join(bad)}", code="validation_error")
     if kind == "int" and arr is not None and arr.dtype.kind == "f":  # integral floats only, checked above
+        if arr.size and not np.abs(arr).max() < 2.0**63:
+            raise InvalidInput(f"input {name!r}: values outside the range of a 64-bit integer", code="validation_error")
         return arr.astype(np.int64)
     if arr is None or arr.dtype.kind not in wanted:
         raise InvalidInput(f"input {name!r}: data must be a rectangular (nested) list", code="shape_mismatch")
@@ -247,7 +276,8 @@ def tensor_values(data: Any, name: str, kind: str, bools_possible: bool) -> np.n
 STRUCTURE_CHECK_BYTES = 64 * 1024  # smaller bodies parse in well under a millisecond: named errors instead
 
 
-def check_structure(body: bytes, max_values: int, max_lists: int, max_objects: int, what: str = "inputs") -> None:
+def check_structure(body: bytes, max_values: Optional[int], max_lists: int, max_objects: int,
+                    what: str = "inputs") -> None:
     """Refuse, before parsing, a large body that holds more objects, lists or values than any valid
     one can: counting bytes is C-speed and allocates nothing, while parsing a million nested lists
     takes the event loop for the better part of a second. (Strings can only inflate the counts of
@@ -259,7 +289,7 @@ def check_structure(body: bytes, max_values: int, max_lists: int, max_objects: i
     if body.count(b"[") > max_lists:
         raise InvalidInput(f"{what}: more lists than the examples allowed in one request can hold (too many examples, "
                            "or nesting deeper than the input shape)", code="shape_mismatch")
-    values = body.count(b",") + 1
-    if values > max_values:
+    values = body.count(b",") + 1 if max_values is not None else 0
+    if max_values is not None and values > max_values:
         raise InvalidInput(f"the body holds about {values} values; at most {max_values} fit ({what} limit × input size)",
                            code="too_many_inputs")

@@ -12,6 +12,7 @@ input order (each input's `parameters.binary_data_size`); outputs asked with
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -36,8 +37,7 @@ class InferTensor(BaseModel):
 
     name: str
     shape: list[int] = Field(description="[N, ...]")
-    datatype: Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
-                      "FP32", "FP64"]
+    datatype: str = Field(description="BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32 or FP64 (any case)")
     parameters: Optional[dict[str, Any]] = None
     data: Optional[Any] = Field(None, description="flat (row-major) or nested like shape")
 
@@ -200,6 +200,7 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
         if not 0 <= n <= len(body):
             raise BadRequest("Inference-Header-Content-Length is larger than the body", code="malformed_request")
         body, binary = body[:n], body[n:]
+    _check_structure(engine, body)
     payload = read.parse_object(body)
     try:
         req = InferRequest.model_validate(payload)
@@ -217,10 +218,11 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
         cid_arr, cid_type = cid
         if cid_type not in _INTS or cid_arr.size != x.shape[0]:
             raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
-        ids = cid_arr.reshape(-1).astype(np.int64)
-        bad = ids[(ids < 0) | (ids >= engine.num_classes)]
+        flat = cid_arr.reshape(-1)
+        bad = flat[(flat < 0) | (flat >= engine.num_classes)]  # in the tensor's own dtype: no wrap-around
         if bad.size:
             raise NotFound(f"unknown class id {int(bad[0])} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
+        ids = flat.astype(np.int64)
         logit, match = await engine.single_logits(x, ids)
         outputs = {"logit": ("FP32", logit), "match": ("BOOL", match)}
     else:
@@ -252,9 +254,25 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
                     headers={"Inference-Header-Content-Length": str(len(head))})
 
 
+def _check_structure(engine, body: bytes) -> None:
+    """Bounds on the JSON header's raw bytes before it is parsed: the values of `input` and `class_id`
+    for max_inputs examples, with room for the rest of the request."""
+    n, shape = engine.settings.max_inputs, engine.input_shape
+    per_example = math.prod(shape)
+    read.check_structure(body, max_values=n * (per_example + 1) + 4096,
+                         max_lists=4096 + n * (1 + sum(math.prod(shape[:i]) for i in range(len(shape)))),
+                         max_objects=4096, what="inputs")
+
+
 def _decode_inputs(req: InferRequest, binary: bytes, bools_possible: bool) -> dict[str, tuple[np.ndarray, str]]:
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     offset = 0
+    names = [t.name for t in req.inputs]
+    if unknown := [n for n in names if n not in ("input", "class_id")]:
+        raise InvalidInput(f"unknown input tensor {unknown[0]!r}; the models take 'input' (and 'class_id')",
+                           code="unknown_input")
+    if len(set(names)) != len(names):
+        raise InvalidInput("an input tensor is given twice", code="validation_error")
     for t in req.inputs:
         dt = t.datatype.upper()
         if dt not in _DTYPES:

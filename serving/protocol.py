@@ -77,9 +77,10 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._in_headers and self._header_timer is None and not self.transport.is_closing():
             self._arm_header_timer()  # headers still incomplete after this chunk: they have header_timeout_s
 
-    def on_response_complete(self) -> None:
-        self._in_headers, self._header_bytes, self._tail = True, 0, b""  # the next request's headers are counted
-        super().on_response_complete()
+    def on_message_complete(self) -> None:
+        # the request is fully received (body included): what arrives next is the next request's headers
+        self._in_headers, self._header_bytes, self._tail = True, 0, b""
+        super().on_message_complete()
 
     def on_headers_complete(self) -> None:
         self._in_headers = False

@@ -64,7 +64,7 @@ class LazyGroup(click.Group):
         try:
             return getattr(importlib.import_module(module), attr)
         except ImportError as exc:  # a command whose extra is not installed
-            extra = EXTRAS.get(module.split(".")[0] if module.startswith("trainer") else module, "train")
+            extra = "train" if module.startswith("trainer") else EXTRAS.get(module, "bench")
             raise click.ClickException(f"`{ctx.command_path} {name}` needs {exc.name or exc}, which this install "
                                        f"lacks: pip install 'slc[{extra}]'") from None
 

@@ -1,6 +1,8 @@
 """Every bad input of DESIGN.md §7 gets its status and the one error envelope."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -269,3 +271,72 @@ def test_the_deadline_covers_work_outside_the_batch_queue_too(client_factory, mo
     assert "0.3 s" in body["error"]["message"]
     monkeypatch.setattr(gallery, "search", real)
     assert c.post("/v1/classes/3/search", json={}).status_code == 200
+
+
+# --- found by review: each once wrong
+
+
+def test_deeply_nested_metadata_is_422_not_500(client):
+    deep = "[" * 300 + "1" + "]" * 300
+    r = _upsert(client, '{"id": "deep", "input": %s, "metadata": {"a": %s}}' % (GOOD[0], deep))
+    assert "nested deeper than 64" in assert_envelope(r, 422, "validation_error")["error"]["message"]
+    chain = '{"a": ' * 1000 + "1" + "}" * 1000
+    assert_envelope(_upsert(client, '{"id": "deep2", "input": %s, "metadata": %s}' % (GOOD[0], chain)), 422)
+
+
+@pytest.mark.parametrize("metadata", ['{"csv": "%s"}' % ("a," * 70000), '{"vec": [%s]}' % ", ".join(["0.1"] * 70000),
+                                      '{"ok": true, "n": [true, false]}',
+                                      '{"size": 1e20, "note": "call 12345678901234567890"}'])
+def test_legitimate_metadata_is_kept(client, metadata):
+    r = _upsert(client, '{"id": "legit", "input": %s, "metadata": %s}' % (GOOD[0], metadata))
+    assert r.status_code == 201, r.text
+    assert client.get("/v1/gallery/items/legit").json()["metadata"] == json.loads(metadata)
+
+
+def test_parameters_are_checked_before_the_examples_are_converted(client):
+    """A bad threshold is reported even when the inputs would fail too: the cheap checks come first."""
+    body = '{"inputs": [[true%s]], "threshold": "x"}' % (", 0" * 11)
+    assert "threshold must be a number" in assert_envelope(_raw(client, DETECT, body), 422)["error"]["message"]
+
+
+@pytest.mark.parametrize("ct", ["application/json ; charset=utf-8", "Application/JSON", "application/json;charset=UTF-8"])
+def test_json_content_type_variants_are_json(client, ct):
+    r = client.post(DETECT, content=json.dumps({"inputs": GOOD}).encode(), headers={"Content-Type": ct})
+    assert r.status_code == 200, r.text
+
+
+def test_an_overflowing_request_does_not_fail_its_batch_mates(live_server, offline):
+    """Requests computed in one batch: the overflowing one gets 422, the others their answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    url = live_server(max_delay_ms=300, adaptive_delay=False)  # every request waits for the others
+    normal = [[0.1] * 12]
+    bodies = [{"inputs": HUGE if i % 2 else normal, "mode": "index", "k": 3} for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: httpx.post(url + "/v1/topk", json=b, timeout=30), bodies))
+    want = np.argsort(-offline.logits(np.asarray(normal, np.float32))[0])[:3].tolist()
+    for body, r in zip(bodies, answers):
+        if body["inputs"] is HUGE:
+            assert_envelope(r, 422, "non_finite_output")
+        else:
+            assert r.status_code == 200, r.text
+            assert [e["class_id"] for e in r.json()["results"][0]] == want
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(live_server):
+    import socket
+    import time
+
+    import httpx
+
+    url = live_server()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/classes/3/detect HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"inputs\":")
+    time.sleep(0.5)
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert 'status="500"' not in text and 'reason="internal_error"' not in text
+    assert 'slc_rejections_total{reason="client_disconnected"}' in text

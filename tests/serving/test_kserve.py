@@ -131,3 +131,32 @@ def test_only_version_1_exists(server, bundle):
     assert _infer(server, bundle.name + "-full", good, version="1").status_code == 200
     assert_envelope(_infer(server, bundle.name + "-full", good, version="7"), 404, "unknown_version")
     assert_envelope(httpx.get(f"{server}/v2/models/{bundle.name}/versions/2", timeout=10), 404, "unknown_version")
+
+
+def test_datatypes_are_case_insensitive_and_unknown_ones_named(server, bundle):
+    good = {"name": "input", "shape": [1, 12], "data": [0.5] * 12}
+    assert _infer(server, bundle.name + "-full", [{**good, "datatype": "fp32"}]).status_code == 200
+    assert_envelope(_infer(server, bundle.name + "-full", [{**good, "datatype": "BYTES"}]), 422, "unsupported_datatype")
+
+
+def test_unknown_input_tensors_are_refused(server, bundle):
+    r = _infer(server, bundle.name + "-full", [
+        {"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [0.5] * 12},
+        {"name": "extra", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]}])
+    assert "'extra'" in assert_envelope(r, 422, "unknown_input")["error"]["message"]
+
+
+@pytest.mark.parametrize("datatype,data,status,needle", [
+    ("INT64", [1e20], 422, "range of a 64-bit integer"),
+    ("UINT64", [18446744073709551615], 404, "unknown class id 18446744073709551615")])
+def test_class_ids_never_wrap_around(server, bundle, datatype, data, status, needle):
+    r = _infer(server, bundle.name, [
+        {"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [0.5] * 12},
+        {"name": "class_id", "datatype": datatype, "shape": [1], "data": data}])
+    assert needle in assert_envelope(r, status)["error"]["message"]
+
+
+def test_a_json_header_too_large_for_any_valid_request_is_refused_unparsed(server, bundle):
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [[]] * 300_000}]}
+    assert_envelope(httpx.post(f"{server}/v2/models/{bundle.name}-full/infer", json=body, timeout=30), 422,
+                    "shape_mismatch")

@@ -142,3 +142,59 @@ def test_a_request_cut_off_by_shutdown_gets_a_json_503(bundle_path, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _request(method: str, path: str, body: bytes = b"", extra: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + extra + b"\r\n" + body
+
+
+def _read_one(sock: socket.socket, timeout: float = 20.0) -> tuple[int, bytes]:
+    """One response (Content-Length framed) from a kept-alive connection: (status, body)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return int(head.split()[1]), rest[:length]
+
+
+def test_a_body_still_arriving_after_an_early_answer_is_not_counted_as_headers(server):
+    """A 1 MB body to an unknown route gets its 404 before the body is read; the next request on
+    the same connection is answered (once 431, its bytes taken for headers)."""
+    _, port = server
+    with _connect(port) as s:
+        s.sendall(_request("POST", "/v1/nope", b"x" * (1 << 20)))
+        assert _read_one(s)[0] == 404
+        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_one(s) == (200, b'{"status":"live"}')
+
+
+def test_pipelined_requests_with_a_large_body_are_both_answered(server):
+    _, port = server
+    small = json.dumps({"inputs": [[0.5] * 12]}).encode()
+    large = json.dumps({"inputs": [[0.5] * 12], "threshold": 0.0}).encode() + b" " * 200_000  # JSON allows trailing space
+    with _connect(port) as s:
+        s.sendall(_request("POST", "/v1/classes/1/detect", small) + _request("POST", "/v1/classes/1/detect", large))
+        assert _read_one(s)[0] == 200
+        status, body = _read_one(s)
+        assert status == 200, body
+
+
+def test_a_chunked_body_over_the_limit_gets_413_and_connection_close(server):
+    _, port = server
+    with _connect(port) as s:
+        s.sendall(b"POST /v1/classes/1/detect HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"[" * 65536
+        try:
+            for _ in range(200):  # 13 MB offered; the server answers once it has seen 8 MiB
+                s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        except OSError:
+            pass  # the server closed its side
+        status, headers, body = _response(s)
+    assert status == 413 and headers.get("connection") == "close"
+    assert json.loads(body)["error"]["code"] == "payload_too_large"

@@ -268,9 +268,10 @@ async def _gallery_upsert_body(scope, body: bytes):
     engine = _state(scope).ready_engine()
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))
-    # metadata strings may hold any character: no bound on commas here, a generous one on brackets
+    # metadata strings may hold any character: no bound on commas here; generous ones on brackets and
+    # on the number of strings (4 per item: "id", its value, "input", "metadata"; the rest is metadata)
     read.check_structure(body, max_values=None, what="items", max_lists=1 + n * lists_per_example + METADATA_VALUES,
-                         max_objects=1 + n + METADATA_VALUES)
+                         max_objects=1 + n + METADATA_VALUES, max_strings=1 + 4 * n + METADATA_VALUES)
     obj = _read_object(scope, body)
     items = _gallery_items(obj, n)
     for k, it in enumerate(items):

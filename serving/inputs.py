@@ -277,7 +277,7 @@ STRUCTURE_CHECK_BYTES = 64 * 1024  # smaller bodies parse in well under a millis
 
 
 def check_structure(body: bytes, max_values: Optional[int], max_lists: int, max_objects: int,
-                    what: str = "inputs") -> None:
+                    what: str = "inputs", max_strings: Optional[int] = None) -> None:
     """Refuse, before parsing, a large body that holds more objects, lists or values than any valid
     one can: counting bytes is C-speed and allocates nothing, while parsing a million nested lists
     takes the event loop for the better part of a second. (Strings can only inflate the counts of
@@ -286,6 +286,9 @@ def check_structure(body: bytes, max_values: Optional[int], max_lists: int, max_
         return
     if body.count(b"{") > max_objects:
         raise InvalidInput("the body holds objects where only numbers belong", code="validation_error")
+    if max_strings is not None and body.count(b'"') // 2 > max_strings:  # escaped quotes only inflate it
+        raise InvalidInput(f"the body holds more strings than {what} can (where only numbers belong)",
+                           code="validation_error")
     if body.count(b"[") > max_lists:
         raise InvalidInput(f"{what}: more lists than the examples allowed in one request can hold (too many examples, "
                            "or nesting deeper than the input shape)", code="shape_mismatch")

@@ -18,7 +18,7 @@ MB = 1 << 20
 EXPECTED = {"strings": (422, "validation_error"), "objects": (422, "validation_error"),
             "flat_strings": (422, "too_many_inputs"), "nested": (422, "shape_mismatch"),
             "many_examples": (422, "shape_mismatch"), "one_huge_example": (422, "too_many_inputs"),
-            "bools_in_numbers": (422, "validation_error"), "gallery_strings": (422, "shape_mismatch")}
+            "bools_in_numbers": (422, "validation_error"), "gallery_strings": (422, "validation_error")}
 
 
 @pytest.fixture(scope="module")

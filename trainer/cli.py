@@ -137,13 +137,17 @@ def data() -> None:
 
 
 @data.command("glyphs")
-@click.argument("name", type=click.Choice(["glyphs-latin"]))
+@click.argument("name", type=click.Choice(["glyphs-latin", "glyphs3755", "glyphs6763"]))
 @click.option("--force", is_flag=True, help="render again even when cached")
 def data_glyphs(name: str, force: bool) -> None:
     """Render glyph dataset NAME (characters from real fonts, split by typeface) into $SLC_HOME/data/glyphs."""
     from trainer.data import glyphs
 
     path = glyphs.cache_dir(name)
+    try:
+        glyphs.require_fonts(glyphs.glyph_set(name))  # before anything is rendered
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
     t0 = time.perf_counter()
     if force or not (path / "manifest.json").is_file():
         glyphs.build(name, path)

@@ -2,6 +2,8 @@
 typeface, classes are the characters, no two classes render alike, and rendering is seeded."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -45,21 +47,16 @@ def test_homoglyphs_are_left_out(built):
 
 
 def test_no_two_classes_render_alike_in_any_training_face():
-    from PIL import ImageFont
-
     gs = glyphs.glyph_set("glyphs-latin")
     chars = glyphs.distinct_chars(gs)
     for face in gs.faces["train"]:
-        font = ImageFont.truetype(str(gs.font_dir() / face), glyphs.FONT_SIZE)
+        font = face.load()
         images = [glyphs.render(font, c).tobytes() for c in chars]
         assert len(set(images)) == len(images), face
 
 
 def test_rendering_is_seeded(tmp_path):
-    from PIL import ImageFont
-
-    gs = glyphs.glyph_set("glyphs-latin")
-    font = ImageFont.truetype(str(gs.font_dir() / gs.faces["train"][0]), glyphs.FONT_SIZE)
+    font = glyphs.glyph_set("glyphs-latin").faces["train"][0].load()
     a = [glyphs.render(font, "g", np.random.default_rng(5)) for _ in range(3)]
     b = [glyphs.render(font, "g", np.random.default_rng(5)) for _ in range(3)]
     c = glyphs.render(font, "g", np.random.default_rng(6))
@@ -76,3 +73,38 @@ def test_load_dataset_gives_face_splits(built, monkeypatch):
     assert s.classes == manifest["classes"] and s.input_shape == (1, 32, 32)
     np.testing.assert_array_equal(s.test[1], arrays["test"][1])
     assert s.train[0].dtype == np.float32 and 0 < float(s.mean) < 255
+
+
+# --- the GB2312 sets, from Debian's CJK fonts (skipped with the reason where they are not installed)
+
+
+def test_gb2312_lists_are_the_standard_ones():
+    level1, full = glyphs.gb2312(True), glyphs.gb2312(False)
+    assert (len(level1), len(full)) == (3755, 6763)
+    assert full.startswith(level1) and level1[:3] == "啊阿埃" and "永" in level1
+    assert len(set(full)) == len(full)
+
+
+def test_missing_cjk_fonts_name_the_debian_packages(monkeypatch):
+    gs = glyphs.glyph_set("glyphs3755")
+    monkeypatch.setattr(glyphs.Face, "path", lambda self: Path("/nonexistent") / Path(self.file).name)
+    with pytest.raises(FileNotFoundError, match="apt-get install .*fonts-arphic-ukai.*fonts-noto-cjk"):
+        glyphs.require_fonts(gs)
+
+
+_CJK = glyphs.glyph_set("glyphs3755")
+
+
+@pytest.mark.skipif(bool(_CJK.missing()), reason="the CJK font packages are not installed: apt-get install "
+                    "fonts-noto-cjk fonts-droid-fallback fonts-wqy-zenhei fonts-hanazono fonts-arphic-uming "
+                    "fonts-unifont fonts-arphic-ukai")
+def test_every_cjk_face_covers_level_1_and_the_sc_face_is_picked():
+    level1 = {ord(c) for c in glyphs.gb2312(True)}
+    for face in _CJK.all_faces():
+        assert level1 <= face.cmap(), face.file
+        family = face.load().getname()[0]
+        assert not face.family or family == face.family, (face.file, family)
+    test_faces = {f.family for f in _CJK.faces["test"]}
+    train_faces = {(f.file, f.family) for f in _CJK.faces["train"]}
+    assert "AR PL UKai CN" in test_faces and not train_faces & {(f.file, f.family) for f in _CJK.all_faces()
+                                                               if f not in _CJK.faces["train"]}

@@ -92,7 +92,8 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, S
     return tuple((x[np.sort(i)], y[np.sort(i)]) for i in (train_idx, cal_idx, test_idx))  # type: ignore[return-value]
 
 
-DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH", "glyphs-latin")
+DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH", "glyphs-latin", "glyphs3755",
+            "glyphs6763")
 
 
 def dataset_choices() -> str:
@@ -102,6 +103,14 @@ def dataset_choices() -> str:
 def check_dataset_name(name: str) -> None:
     """ValueError naming the valid choices unless `name` names a dataset (nothing is loaded)."""
     if name in ("digits", "mnist5k", "glyphs-latin"):
+        return
+    if name in ("glyphs3755", "glyphs6763"):
+        from trainer.data import glyphs
+
+        try:
+            glyphs.require_fonts(glyphs.glyph_set(name))
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
         return
     if name == "synthetic" or name.startswith("synthetic:"):
         _parse_synthetic(name)

@@ -2,7 +2,10 @@
 never seen in training (a split by augmentation alone is not a test).
 
 `glyphs-latin`: Latin, Greek and Cyrillic letters and digits from the fonts matplotlib ships
-(DejaVu, STIX): every machine has them, so tests and CI use it. Classes are the characters
+(DejaVu, STIX): every machine has them, so tests and CI use it. `glyphs3755` / `glyphs6763`: the
+level-1 / all Chinese characters of GB2312, from Debian's CJK font packages (Noto Sans/Serif SC,
+Droid Sans Fallback, WQY Zen Hei and HanaMinA to train; AR PL UMing and Unifont to calibrate; the
+brush-style AR PL UKai to test). Classes are the characters
 themselves; a character that renders pixel-identical to an earlier class in some training face
 (Latin A, Greek Α, Cyrillic А) is left out, since no model could tell them apart.
 
@@ -26,7 +29,45 @@ log = logging.getLogger(__name__)
 
 SIZE = 32
 FONT_SIZE = 26
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bumped whenever rendering changes: cached arrays are rebuilt
+
+
+@dataclass(frozen=True)
+class Face:
+    """One typeface: a font file (relative to `root`, or absolute), the family to pick inside a
+    .ttc collection, and the Debian package that ships it (None: it comes with a pip package)."""
+
+    file: str
+    family: str = ""
+    package: str | None = None
+
+    def path(self) -> Path:
+        if self.package is None:
+            import matplotlib
+
+            return Path(matplotlib.get_data_path()) / "fonts" / "ttf" / self.file
+        return Path(self.file)
+
+    def index(self) -> int:
+        """The face's index inside a collection (0 for a plain font file)."""
+        if not self.family or self.path().suffix.lower() != ".ttc":
+            return 0
+        from fontTools.ttLib import TTCollection
+
+        for i, font in enumerate(TTCollection(str(self.path()), lazy=True).fonts):
+            if font["name"].getBestFamilyName() == self.family:
+                return i
+        raise LookupError(f"{self.path()} holds no face {self.family!r}")
+
+    def load(self, size: int = 0):
+        from PIL import ImageFont
+
+        return ImageFont.truetype(str(self.path()), size or FONT_SIZE, index=self.index())
+
+    def cmap(self) -> set[int]:
+        from fontTools.ttLib import TTFont
+
+        return set(TTFont(str(self.path()), fontNumber=self.index(), lazy=True).getBestCmap())
 
 
 @dataclass(frozen=True)
@@ -35,30 +76,64 @@ class GlyphSet:
 
     name: str
     chars: str
-    faces: dict[str, tuple[str, ...]]  # split -> font files
+    faces: dict[str, tuple[Face, ...]]  # split -> faces
     augment: dict[str, int]  # split -> renderings per (character, face)
 
-    def font_dir(self) -> Path:
-        import matplotlib
+    def all_faces(self) -> list[Face]:
+        return [f for faces in self.faces.values() for f in faces]
 
-        return Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    def missing(self) -> list[Face]:
+        return [f for f in self.all_faces() if not f.path().is_file()]
 
 
 def _latin() -> GlyphSet:
     latin = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
     greek = "".join(chr(c) for c in range(0x391, 0x3AA) if c != 0x3A2) + "".join(chr(c) for c in range(0x3B1, 0x3CA))
     cyrillic = "".join(chr(c) for c in range(0x410, 0x450))
-    return GlyphSet(
-        name="glyphs-latin", chars=latin + greek + cyrillic,
-        faces={"train": ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSans-BoldOblique.ttf",
-                         "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf",
-                         "DejaVuSansMono-BoldOblique.ttf", "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf"),
-               "calibration": ("DejaVuSerif-Italic.ttf", "DejaVuSerif-BoldItalic.ttf", "STIXGeneralBol.ttf"),
-               "test": ("STIXGeneral.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf")},
-        augment={"train": 6, "calibration": 3, "test": 3})
+    files = {"train": ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSans-BoldOblique.ttf",
+                       "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf",
+                       "DejaVuSansMono-BoldOblique.ttf", "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf"),
+             "calibration": ("DejaVuSerif-Italic.ttf", "DejaVuSerif-BoldItalic.ttf", "STIXGeneralBol.ttf"),
+             "test": ("STIXGeneral.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf")}
+    return GlyphSet(name="glyphs-latin", chars=latin + greek + cyrillic,
+                    faces={split: tuple(Face(f) for f in fs) for split, fs in files.items()},
+                    augment={"train": 6, "calibration": 3, "test": 3})
 
 
-GLYPH_SETS = {"glyphs-latin": _latin}
+def gb2312(level1_only: bool) -> str:
+    """GB2312's Chinese characters in code order: level 1 (rows 16-55, 3,755) or all (rows 16-87, 6,763)."""
+    out = []
+    for b1 in range(0xB0, 0xD8 if level1_only else 0xF8):
+        for b2 in range(0xA1, 0xFF):
+            try:
+                out.append(bytes([b1, b2]).decode("gb2312"))
+            except UnicodeDecodeError:  # the few unassigned positions at the end of rows 55 and 87
+                pass
+    return "".join(out)
+
+
+_NOTO = "/usr/share/fonts/opentype/noto/"
+CJK_FACES = {
+    "train": (Face(_NOTO + "NotoSansCJK-Regular.ttc", "Noto Sans CJK SC", "fonts-noto-cjk"),
+              Face(_NOTO + "NotoSansCJK-Bold.ttc", "Noto Sans CJK SC", "fonts-noto-cjk"),
+              Face(_NOTO + "NotoSerifCJK-Regular.ttc", "Noto Serif CJK SC", "fonts-noto-cjk"),
+              Face(_NOTO + "NotoSerifCJK-Bold.ttc", "Noto Serif CJK SC", "fonts-noto-cjk"),
+              Face("/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf", "", "fonts-droid-fallback"),
+              Face("/usr/share/fonts/truetype/wqy/wqy-zenhei.ttc", "WenQuanYi Zen Hei", "fonts-wqy-zenhei"),
+              Face("/usr/share/fonts/truetype/hanazono/HanaMinA.ttf", "", "fonts-hanazono")),
+    "calibration": (Face("/usr/share/fonts/truetype/arphic/uming.ttc", "AR PL UMing CN", "fonts-arphic-uming"),
+                    Face("/usr/share/fonts/opentype/unifont/unifont.otf", "", "fonts-unifont")),
+    "test": (Face("/usr/share/fonts/truetype/arphic/ukai.ttc", "AR PL UKai CN", "fonts-arphic-ukai"),),
+}
+
+
+def _gb2312(name: str, level1_only: bool) -> GlyphSet:
+    return GlyphSet(name=name, chars=gb2312(level1_only), faces=CJK_FACES,
+                    augment={"train": 8, "calibration": 2, "test": 2})
+
+
+GLYPH_SETS = {"glyphs-latin": _latin, "glyphs3755": lambda: _gb2312("glyphs3755", True),
+              "glyphs6763": lambda: _gb2312("glyphs6763", False)}
 
 
 def glyph_set(name: str) -> GlyphSet:
@@ -67,10 +142,13 @@ def glyph_set(name: str) -> GlyphSet:
     return GLYPH_SETS[name]()
 
 
-def has_glyph(font_path: Path, char: str) -> bool:
-    from matplotlib.ft2font import FT2Font
-
-    return FT2Font(str(font_path)).get_char_index(ord(char)) != 0
+def require_fonts(gs: GlyphSet) -> None:
+    """FileNotFoundError naming the Debian packages to install when a face is missing."""
+    if missing := gs.missing():
+        packages = sorted({f.package for f in missing if f.package})
+        hint = f"; install them with: apt-get install {' '.join(packages)}" if packages else ""
+        raise FileNotFoundError(f"{gs.name} needs fonts that are not installed ({', '.join(f.path().name for f in missing)})"
+                                + hint)
 
 
 def render(font, char: str, rng: np.random.Generator | None = None) -> np.ndarray:
@@ -88,23 +166,21 @@ def render(font, char: str, rng: np.random.Generator | None = None) -> np.ndarra
         canvas = canvas.resize((round(2 * SIZE * scale),) * 2, Image.BILINEAR)
         off = (canvas.width - 2 * SIZE) // 2
         canvas = canvas.crop((off, off, off + 2 * SIZE, off + 2 * SIZE))
-        stroke = rng.integers(0, 3)  # 0: as drawn, 1: thicker, 2: thinner
+        stroke = (0, 0, 1, 2)[rng.integers(0, 4)]  # as drawn (half the time), thicker, thinner
         if stroke:
             canvas = canvas.filter(ImageFilter.MaxFilter(3) if stroke == 1 else ImageFilter.MinFilter(3))
     img = np.asarray(canvas.resize((SIZE, SIZE), Image.LANCZOS), dtype=np.float32)  # [SIZE, SIZE]
     if rng is not None:
-        img = img * rng.uniform(0.6, 1.0) + rng.uniform(0, 40)  # contrast, background
-        img = img + rng.normal(0, rng.uniform(0, 12), img.shape)  # noise
+        img = img * rng.uniform(0.75, 1.0) + rng.uniform(0, 30)  # contrast, background
+        img = img + rng.normal(0, rng.uniform(0, 8), img.shape)  # noise
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
 
 
 def distinct_chars(gs: GlyphSet) -> str:
     """The characters every face has, minus those rendering identically to an earlier one in a training face."""
-    from PIL import ImageFont
-
-    fonts = [gs.font_dir() / f for faces in gs.faces.values() for f in faces]
-    chars = [c for c in gs.chars if all(has_glyph(f, c) for f in fonts)]
-    train_fonts = [ImageFont.truetype(str(gs.font_dir() / f), FONT_SIZE) for f in gs.faces["train"]]
+    cmaps = [f.cmap() for f in gs.all_faces()]
+    chars = [c for c in gs.chars if all(ord(c) in cmap for cmap in cmaps)]
+    train_fonts = [f.load() for f in gs.faces["train"]]
     seen_per_face: list[dict] = [dict() for _ in train_fonts]
     keep = []
     for c in chars:
@@ -117,22 +193,18 @@ def distinct_chars(gs: GlyphSet) -> str:
     return "".join(keep)
 
 
-def _face_info(path: Path) -> dict:
-    from PIL import ImageFont
-
-    family, style = ImageFont.truetype(str(path), FONT_SIZE).getname()
-    return {"file": path.name, "family": family, "style": style}
+def _face_info(face: Face) -> dict:
+    family, style = face.load().getname()
+    return {"file": face.path().name, "family": family, "style": style, "index": face.index(),
+            "package": face.package or "matplotlib"}
 
 
 def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> Path:
     """Render every split of glyph set `name` into `out` (written aside, then moved into place)."""
-    from PIL import ImageFont
     from tqdm.auto import tqdm
 
     gs = glyph_set(name)
-    missing = [f for faces in gs.faces.values() for f in faces if not (gs.font_dir() / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"fonts missing for {name}: {', '.join(missing)}")
+    require_fonts(gs)
     chars = distinct_chars(gs)
     stage = out.with_name(out.name + ".building")
     stage.mkdir(parents=True, exist_ok=True)
@@ -147,7 +219,7 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> Path:
         y, face = np.empty(n, np.int64), np.empty(n, np.int16)
         i = 0
         for fi, f in enumerate(faces):
-            font = ImageFont.truetype(str(gs.font_dir() / f), FONT_SIZE)
+            font = f.load()
             for ci, c in enumerate(chars):
                 for _ in range(gs.augment[split]):
                     x[i, 0] = render(font, c, rng)
@@ -158,7 +230,7 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> Path:
         del x
         np.save(stage / f"y_{split}.npy", y)
         np.save(stage / f"face_{split}.npy", face)
-        manifest["splits"][split] = {"examples": n, "faces": [_face_info(gs.font_dir() / f) for f in faces],
+        manifest["splits"][split] = {"examples": n, "faces": [_face_info(f) for f in faces],
                                      "renderings_per_face": gs.augment[split]}
     bar.close()
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")

@@ -112,7 +112,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = [a for a in args if a != "--debug"]
     if debug:
         os.environ[DEBUG_ENV] = "1"  # subprocesses (the default model's build) show theirs too
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(message)s")
+    for ours in ("slc", "trainer", "serving", "models"):  # our progress at INFO; other libraries' chatter stays quiet
+        logging.getLogger(ours).setLevel(logging.DEBUG if debug else logging.INFO)
     try:
         code = root.main(args=args, prog_name="slc", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:  # `slc`, `slc bench`: the help, as asked

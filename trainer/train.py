@@ -101,8 +101,8 @@ def run_logits(model: nn.Module, x, batch_size: int = 2048) -> np.ndarray:
     """Logits float32 [N, D] of raw inputs x [N, *shape], in eval mode, batch by batch."""
     was_training = model.training
     model.eval()
-    x = torch.tensor(np.asarray(x, dtype=np.float32))  # a copy: cached dataset arrays are read-only
-    out = [model(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+    # batch by batch from the (possibly memory-mapped, uint8) array: never a float copy of all of x
+    out = [model(torch.tensor(np.asarray(x[i : i + batch_size], dtype=np.float32))) for i in range(0, len(x), batch_size)]
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros((0, 0), dtype=np.float32)
 
@@ -124,8 +124,8 @@ def model_metrics(model: SLCNet, x, labels: np.ndarray) -> dict[str, float]:
         return split_metrics(run_logits(model, x), labels)
     was_training = model.training
     model.eval()
-    xt = torch.tensor(np.asarray(x, dtype=np.float32))
-    h = torch.cat([model.embed(xt[i:i + 2048]) for i in range(0, len(xt), 2048)]).double().numpy()  # [N, d]
+    h = torch.cat([model.embed(torch.tensor(np.asarray(x[i:i + 2048], dtype=np.float32)))
+                   for i in range(0, len(x), 2048)]).double().numpy()  # [N, d]
     model.train(was_training)
     w = model.head.weight.detach().double().numpy()  # [D, d]
     b = model.head.bias.detach().double().numpy()  # [D]

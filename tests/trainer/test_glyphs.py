@@ -72,7 +72,9 @@ def test_load_dataset_gives_face_splits(built, monkeypatch):
     s = _glyph_splits("glyphs-latin")
     assert s.classes == manifest["classes"] and s.input_shape == (1, 32, 32)
     np.testing.assert_array_equal(s.test[1], arrays["test"][1])
-    assert s.train[0].dtype == np.float32 and 0 < float(s.mean) < 255
+    assert s.train[0].dtype == np.uint8 and 0 < float(s.mean) < 255  # pixels stay uint8 (memory-mapped)
+    x = np.asarray(arrays["train"][0], dtype=np.float64)
+    assert float(s.mean) == pytest.approx(x.mean(), rel=1e-6) and float(s.std) == pytest.approx(x.std(), rel=1e-6)
 
 
 # --- the GB2312 sets, from Debian's CJK fonts (skipped with the reason where they are not installed)

@@ -133,13 +133,25 @@ def _glyph_splits(name: str) -> Splits:
     from trainer.data import glyphs
 
     manifest, arrays = glyphs.load(name)
-    splits = {s: (np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int64)) for s, (x, y) in arrays.items()}
+    # uint8 pixels, memory-mapped: converted to float batch by batch by whoever reads them
+    splits = {s: (x, np.asarray(y, dtype=np.int64)) for s, (x, y) in arrays.items()}
     x_train = splits["train"][0]
-    for x, y in splits.values():
-        x.flags.writeable = y.flags.writeable = False
+    for _, y in splits.values():
+        y.flags.writeable = False
+    mean, std = _pixel_stats(x_train)
     return Splits(train=splits["train"], calibration=splits["calibration"], test=splits["test"],
                   input_shape=tuple(int(v) for v in x_train.shape[1:]), classes=list(manifest["classes"]),
-                  mean=np.asarray(x_train.mean(), dtype=np.float32), std=np.asarray(x_train.std() or 1.0, dtype=np.float32))
+                  mean=np.asarray(mean, dtype=np.float32), std=np.asarray(std or 1.0, dtype=np.float32))
+
+
+def _pixel_stats(x: np.ndarray, chunk: int = 65536) -> tuple[float, float]:
+    """Mean and standard deviation of all pixels, a chunk of images at a time (no float copy of x)."""
+    total, total_sq, count = 0.0, 0.0, 0
+    for i in range(0, len(x), chunk):
+        block = np.asarray(x[i:i + chunk], dtype=np.float64)
+        total, total_sq, count = total + block.sum(), total_sq + (block ** 2).sum(), count + block.size
+    mean = total / count
+    return mean, float(np.sqrt(max(total_sq / count - mean ** 2, 0.0)))
 
 
 def _load_cached(name: str, seed: int) -> Splits:

@@ -110,3 +110,12 @@ def test_every_cjk_face_covers_level_1_and_the_sc_face_is_picked():
     train_faces = {(f.file, f.family) for f in _CJK.faces["train"]}
     assert "AR PL UKai CN" in test_faces and not train_faces & {(f.file, f.family) for f in _CJK.all_faces()
                                                                if f not in _CJK.faces["train"]}
+
+
+def test_the_arrays_do_not_depend_on_the_number_of_workers(tmp_path):
+    """Each (split, face) block has its own seed: one worker or two render the same bytes."""
+    one = glyphs.build("glyphs-latin", tmp_path / "one", progress=False, workers=1)
+    two = glyphs.build("glyphs-latin", tmp_path / "two", progress=False, workers=2)
+    for split in ("train", "calibration", "test"):
+        for kind in ("x", "y", "face"):
+            np.testing.assert_array_equal(np.load(one / f"{kind}_{split}.npy"), np.load(two / f"{kind}_{split}.npy"))

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SIZE = 32
 FONT_SIZE = 26
-FORMAT_VERSION = 2  # bumped whenever rendering changes: cached arrays are rebuilt
+FORMAT_VERSION = 3  # bumped whenever rendering changes: cached arrays are rebuilt
 
 
 @dataclass(frozen=True)
@@ -199,8 +199,28 @@ def _face_info(face: Face) -> dict:
             "package": face.package or "matplotlib"}
 
 
-def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> Path:
-    """Render every split of glyph set `name` into `out` (written aside, then moved into place)."""
+def _render_face(face: Face, chars: str, augment: int, seed: np.random.SeedSequence, path: Path, start: int) -> int:
+    """Worker: render one face's block (every character, `augment` times) into rows start.. of x at `path`."""
+    rng = np.random.default_rng(seed)
+    font = face.load()
+    x = np.load(path, mmap_mode="r+", allow_pickle=False)
+    i = start
+    for c in chars:
+        for _ in range(augment):
+            x[i, 0] = render(font, c, rng)
+            i += 1
+    x.flush()
+    return i - start
+
+
+def build(name: str, out: Path, seed: int = 0, progress: bool = True, workers: int | None = None) -> Path:
+    """Render every split of glyph set `name` into `out` (written aside, then moved into place).
+
+    One block of rows per (split, face), rendered in parallel processes, each with its own seed
+    spawned from `seed`: the arrays are the same whatever the number of workers."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
     from tqdm.auto import tqdm
 
     gs = glyph_set(name)
@@ -208,31 +228,25 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> Path:
     chars = distinct_chars(gs)
     stage = out.with_name(out.name + ".building")
     stage.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
     manifest = {"format_version": FORMAT_VERSION, "name": name, "seed": seed, "size": SIZE, "classes": list(chars),
                 "splits": {}}
-    total = sum(len(chars) * len(faces) * gs.augment[split] for split, faces in gs.faces.items())
-    bar = tqdm(total=total, desc=f"rendering {name}", unit="img", disable=not progress)
+    jobs = []  # (face, augment, seed, x path, first row)
+    seeds = iter(np.random.SeedSequence(seed).spawn(len(gs.all_faces())))
     for split, faces in gs.faces.items():
-        n = len(chars) * len(faces) * gs.augment[split]
-        x = np.lib.format.open_memmap(stage / f"x_{split}.npy", mode="w+", dtype=np.uint8, shape=(n, 1, SIZE, SIZE))
-        y, face = np.empty(n, np.int64), np.empty(n, np.int16)
-        i = 0
-        for fi, f in enumerate(faces):
-            font = f.load()
-            for ci, c in enumerate(chars):
-                for _ in range(gs.augment[split]):
-                    x[i, 0] = render(font, c, rng)
-                    y[i], face[i] = ci, fi
-                    i += 1
-                bar.update(gs.augment[split])
-        x.flush()
-        del x
-        np.save(stage / f"y_{split}.npy", y)
-        np.save(stage / f"face_{split}.npy", face)
-        manifest["splits"][split] = {"examples": n, "faces": [_face_info(f) for f in faces],
+        per_face = len(chars) * gs.augment[split]
+        path = stage / f"x_{split}.npy"
+        np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(per_face * len(faces), 1, SIZE, SIZE)).flush()
+        np.save(stage / f"y_{split}.npy", np.tile(np.repeat(np.arange(len(chars)), gs.augment[split]), len(faces)))
+        np.save(stage / f"face_{split}.npy", np.repeat(np.arange(len(faces), dtype=np.int16), per_face))
+        jobs += [(f, gs.augment[split], next(seeds), path, fi * per_face) for fi, f in enumerate(faces)]
+        manifest["splits"][split] = {"examples": per_face * len(faces), "faces": [_face_info(f) for f in faces],
                                      "renderings_per_face": gs.augment[split]}
-    bar.close()
+    total = sum(info["examples"] for info in manifest["splits"].values())
+    with tqdm(total=total, desc=f"rendering {name}", unit="img", disable=not progress) as bar, \
+            ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        futures = [pool.submit(_render_face, f, chars, aug, sd, path, start) for f, aug, sd, path, start in jobs]
+        for done in as_completed(futures):
+            bar.update(done.result())
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return replace_dir(stage, out)
 

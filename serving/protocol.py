@@ -1,6 +1,10 @@
 """HTTP/1.1 transport limits uvicorn does not have: a header read timeout (a client that opens a
 connection, or starts a request, and never finishes its headers is cut off), a header size limit,
-and JSON answers for the protocol's own refusals (malformed HTTP), each counted in /metrics.
+JSON answers for the protocol's own refusals (malformed HTTP), each counted in /metrics, and a
+lingering close: a connection closed while its request is still arriving (413 on a body over the
+limit, 431 on headers) is half-closed and drained for a moment first, so the client reads the
+answer instead of a TCP reset (closing a socket with unread input sends RST, which discards the
+answer from the client's receive buffer; nginx and Apache linger for the same reason).
 
 Cheap on the ordinary request: a timer is armed when a connection opens (until its first request's
 headers) and when a request's headers do not arrive in one read; headers that come whole in one
@@ -29,6 +33,52 @@ def raw_envelope(status: int, code: str, message: str) -> bytes:
     return head + body
 
 
+class _LingeringTransport:
+    """The connection's transport, whose close() lingers while the request is still arriving:
+    send what is buffered, half-close (FIN), then read and discard until the client closes, goes
+    quiet for `quiet_s`, or `max_s` have passed. Everything else is the real transport."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 mid_request: Callable[[], bool], max_s: float = 5.0, quiet_s: float = 1.0):
+        self._real, self._loop, self._mid_request = transport, loop, mid_request
+        self._max_s, self._quiet_s = max_s, quiet_s
+        self.lingering = False
+        self._quiet: Optional[asyncio.TimerHandle] = None
+        self._limit: Optional[asyncio.TimerHandle] = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._real.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or self._real.is_closing():
+            return
+        if not self._mid_request() or not self._real.can_write_eof():
+            self._real.close()
+            return
+        self.lingering = True
+        self._real.write_eof()       # the answer goes out, then FIN
+        self._real.resume_reading()  # uvicorn's flow control may have paused it
+        self._limit = self._loop.call_later(self._max_s, self.finish)
+        self.discard()
+
+    def discard(self, data: bytes = b"") -> None:
+        """Input that arrives while lingering: thrown away; it only re-arms the quiet timer."""
+        if self._quiet is not None:
+            self._quiet.cancel()
+        self._quiet = self._loop.call_later(self._quiet_s, self.finish)
+
+    def finish(self) -> None:
+        for timer in (self._quiet, self._limit):
+            if timer is not None:
+                timer.cancel()
+        self._quiet = self._limit = None
+        self.lingering = False
+        self._real.close()
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above (set on the subclass by guarded_protocol)."""
 
@@ -38,6 +88,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._linger = _LingeringTransport(transport, self.loop, self._mid_request)
+        self.transport = self._linger  # type: ignore[assignment]  # what uvicorn closes, and request cycles get
         self._header_bytes = 0
         self._tail = b""
         self._in_headers = True
@@ -64,14 +116,21 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.write(raw_envelope(status, code, message))
         self.transport.close()
 
+    def _mid_request(self) -> bool:
+        """True while a request's headers or body are still arriving."""
+        return not self._in_headers or self._header_bytes > 0
+
     def data_received(self, data: bytes) -> None:
+        if self._linger.lingering:
+            self._linger.discard(data)
+            return
         if self._in_headers:  # the header block ends at the first blank line, maybe inside this chunk
             end = (self._tail + data if self._tail else data).find(b"\r\n\r\n")
             size = self._header_bytes + (len(data) if end < 0 else end + 4 - len(self._tail))
+            self._header_bytes += len(data)
             if size > self.max_header_bytes:
                 self._refuse(431, "headers_too_large", f"request headers are larger than {self.max_header_bytes} bytes")
                 return
-            self._header_bytes += len(data)
             self._tail = data[-3:]
         super().data_received(data)
         if self._in_headers and self._header_timer is None and not self.transport.is_closing():
@@ -87,8 +146,14 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
 
+    def eof_received(self) -> bool | None:
+        if self._linger.lingering:  # the client has sent everything and read our answer's FIN
+            self._linger.finish()
+        return super().eof_received()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._linger.finish()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:

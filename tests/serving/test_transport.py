@@ -198,3 +198,22 @@ def test_a_chunked_body_over_the_limit_gets_413_and_connection_close(server):
         status, headers, body = _response(s)
     assert status == 413 and headers.get("connection") == "close"
     assert json.loads(body)["error"]["code"] == "payload_too_large"
+
+
+def test_a_client_that_keeps_sending_after_413_is_cut_off(server):
+    """The lingering close that lets the client read its 413 is bounded: a client that never
+    stops sending is disconnected (the server's limit is 5 s; the test allows 20)."""
+    _, port = server
+    with _connect(port) as s:
+        s.sendall(b"POST /v1/classes/1/detect HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (65536, b"[" * 65536)
+        cut_off = False
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            try:
+                s.sendall(chunk)
+            except OSError:
+                cut_off = True
+                break
+    assert cut_off

@@ -119,10 +119,13 @@ class _Residual(nn.Module):
 
 class ResNetGlyph(nn.Module):
     """A small residual CNN for 32x32 (or 48x48) glyphs: a 3x3 stem, three stages of residual
-    blocks (widths w, 2w, 4w; stride 2 between stages), global average pooling, and an embedding
-    layer (linear + BN) of size `embed`: the h(x) whose rows the class head scores."""
+    blocks (widths w, 2w, 4w; stride 2 between stages), average pooling to a `pool` x `pool` grid,
+    and an embedding layer (linear + BN) of size `embed`: the h(x) whose rows the class head scores.
+    The grid keeps where strokes are, which global pooling (pool=1) throws away (the pilot in
+    docs/results/glyphs3755.md measures the difference on unseen typefaces)."""
 
-    def __init__(self, input_shape: tuple[int, ...], width: int = 32, blocks: int = 1, embed: int = 256):
+    def __init__(self, input_shape: tuple[int, ...], width: int = 32, blocks: int = 1, embed: int = 256,
+                 pool: int = 4):
         super().__init__()
         if len(input_shape) != 3:
             raise ValueError(f"resnet_glyph needs input_shape (C, H, W), got {input_shape}")
@@ -133,8 +136,8 @@ class ResNetGlyph(nn.Module):
             for i in range(blocks):
                 layers.append(_Residual(c_in, c_out, 2 if stage > 0 and i == 0 else 1))
                 c_in = c_out
-        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), _Flatten())  # [B, 4w]
-        self.embedding = nn.Sequential(nn.Linear(c_in, embed), nn.BatchNorm1d(embed))
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(pool), _Flatten())  # [B, 4w·pool²]
+        self.embedding = nn.Sequential(nn.Linear(c_in * pool * pool, embed), nn.BatchNorm1d(embed))
         self.embed_dim = embed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, H, W] -> [B, embed]

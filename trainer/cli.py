@@ -178,6 +178,30 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
     return names
 
 
+@experiment.command("glyphs")
+@click.option("--dataset", default="glyphs3755", show_default=True, **DATASET)
+@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--lr", type=POSITIVE, default=3e-3, show_default=True, help="Adam learning rate, every row")
+@click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="resnet_glyph width")
+@click.option("--runs", "runs_dir", type=click.Path(path_type=Path), default=None,
+              help="run cache [default: $SLC_HOME/runs/glyphs]")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, runs_dir: Optional[Path], out: Path) -> None:
+    """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
+    import sys
+
+    from serving.bundle import slc_home
+    from trainer.glyph_experiment import GlyphPlan, glyph_experiment
+
+    plan = GlyphPlan(dataset=dataset, seeds=tuple(range(seeds)), epochs=epochs, lr=lr, width=width)
+    command = f"slc experiment glyphs --dataset {dataset} --seeds {seeds} --epochs {epochs} --lr {lr:g} --width {width}"
+    res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty())
+    t = res["timing"]
+    click.echo(f"glyphs: {len(res['rows']['test'])} rows, {t['runs_trained_now']} runs trained now "
+               f"({t['elapsed_seconds'] / 60:.1f} min) -> {out / (dataset + '.md')}")
+
+
 @experiment.command("table1")
 @click.option("--dataset", default="mnist5k", show_default=True, **DATASET)
 @click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True)

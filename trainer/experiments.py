@@ -134,7 +134,7 @@ def _normalized_metrics(run: Path, split: str) -> dict[str, float]:
     return split_metrics(_softmax64(run_logits(model, x)), y)
 
 
-def _summarise(name: str, pols: bool, lr: float | None, per_seed: list[dict], failed: int) -> dict:
+def summarise_seeds(name: str, pols: bool, lr: float | None, per_seed: list[dict], failed: int) -> dict:
     row: dict = {"loss": name, "pols": pols, "lr": lr, "seeds_ok": len(per_seed), "seeds_failed": failed}
     for key in METRIC_KEYS + EXTRA_KEYS:
         values = np.array([m[key] for m in per_seed], dtype=np.float64)
@@ -143,13 +143,13 @@ def _summarise(name: str, pols: bool, lr: float | None, per_seed: list[dict], fa
     return row
 
 
-def _fmt(row: dict, key: str) -> str:
+def format_error(row: dict, key: str) -> str:
     if not np.isfinite(row[key]):
         return "failed"
     return f"{1 - row[key]:.3f} ± {row[f'{key}_std']:.3f}"
 
 
-def _claim_check(rows: dict[str, dict]) -> list[str]:
+def claim_check(rows: dict[str, dict]) -> list[str]:
     """The paper's observation 1, checked on our means: every PoLS loss beats ce and max_margin
     on 1 − AUPRC and 1 − P@0.99 (a lower error), while its accuracy stays within one point of
     the better baseline. 'beyond noise' = the gap exceeds the larger of the two seed stds."""
@@ -204,7 +204,7 @@ def _write_markdown(out: Path, result: dict, command: str, elapsed: float) -> No
         lr = f"{row['lr']:g}" if row["lr"] is not None else "—"
         sep = f"{1 - row['separation']:.4f}" if np.isfinite(row["separation"]) else "failed"
         label = f"{name} ({PAPER_NAMES[name]})" if name in PAPER_NAMES else name
-        lines.append(f"| {label} | {'yes' if row['pols'] else 'no'} | {lr} | " + " | ".join(_fmt(row, k) for k in METRIC_KEYS)
+        lines.append(f"| {label} | {'yes' if row['pols'] else 'no'} | {lr} | " + " | ".join(format_error(row, k) for k in METRIC_KEYS)
                      + f" | {sep} | " + " | ".join(paper_cells) + " |")
     lines += [
         "",
@@ -216,7 +216,7 @@ def _write_markdown(out: Path, result: dict, command: str, elapsed: float) -> No
         "",
         "## The paper's claim, checked on these means",
         "",
-        *_claim_check(rows),
+        *claim_check(rows),
         "",
         f"Precision–recall curve of one class: `{p['pr_curve']}`.",
         "",
@@ -318,7 +318,7 @@ def _table1_row(plan: _Table1Plan, runs: _Runs, loss: str, normalized: bool, num
         if seed == plan.seeds[0] and not normalized:
             seed0_runs[loss] = run
     pols = bool(getattr(build_loss(loss, num_classes), "pols", False)) and not normalized
-    return _summarise(name, pols, lr, per_seed, failed if lr is not None else len(plan.seeds))
+    return summarise_seeds(name, pols, lr, per_seed, failed if lr is not None else len(plan.seeds))
 
 
 def _paper_order(row: dict) -> tuple:

@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -190,6 +191,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     permutation_rng = torch.Generator().manual_seed(cfg.seed)  # the same on every rank
 
     net.train()
+    started = time.perf_counter()
     bar = tqdm(total=total_steps, desc=f"{cfg.loss} lr={cfg.lr:g}", disable=not progress or rank != 0, leave=False)
     step = 0
     for epoch in range(cfg.epochs):
@@ -216,6 +218,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
             if step % 10 == 0:
                 bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
     bar.close()
+    train_seconds = time.perf_counter() - started
 
     if rank == 0:
         model.eval()
@@ -230,6 +233,9 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
             "steps": total_steps,
             "steps_per_epoch": steps_per_epoch,
             "world_size": world,
+            "train_seconds": round(train_seconds, 1),
+            "train_images_per_second": round(total_steps * batch / train_seconds, 1),
+            "eval_seconds": round(time.perf_counter() - started - train_seconds, 1),
             "versions": _versions(),
         }
         (out / "config.json").write_text(json.dumps(resolved, indent=2))

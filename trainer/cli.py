@@ -62,6 +62,9 @@ RUN = dict(type=click.Path(path_type=Path), callback=_run_dir)
 @click.option("--head-sample", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
               help="R: each step computes logits for the batch's classes plus a uniform sample of the others, "
                    "R·D columns (Partial FC); 1 = the full head")
+@click.option("--head-shard", is_flag=True,
+              help="under torchrun: each rank holds D/world class rows; features are all-gathered and the "
+                   "loss's reductions over classes are all-reduces (Partial FC)")
 @click.option("--out", required=True, help="run directory (config, checkpoint, metrics)", **OUT)
 def train(out: Path, **options) -> None:
     """Fit a backbone + class head with a loss; writes config, checkpoint and metrics to OUT."""
@@ -82,6 +85,12 @@ def _check_params(cfg) -> None:
     """Loss and backbone keywords checked by building them once, before training starts."""
     from models import build_backbone
     from trainer.losses import build_loss
+    from trainer.train import check_head_options
+
+    try:
+        check_head_options(cfg)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
     try:  # keyword names only: values that depend on the dataset (nce's q) are checked when training starts
         build_loss(cfg.loss, 2, **cfg.loss_params)

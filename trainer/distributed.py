@@ -84,3 +84,59 @@ def gather_batch(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tens
     if not is_distributed():
         return logits, target
     return all_gather_with_grad(logits), all_gather_no_grad(target)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: the sum over ranks. Backward: identity. Every rank computes the same scalar loss L
+    from the reduced value, and differentiating its own copy of L through its own addend gives
+    exactly ∂L/∂(its addend): no gradient crosses ranks here (the sharded head, docs/losses.md)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Σ over ranks of `t` (any shape), differentiable with the identity backward above."""
+    if not is_distributed():
+        return t
+    return _AllReduceSum.apply(t)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise max over ranks, without gradient (used for shifts and to find owners)."""
+    if not is_distributed():
+        return t.detach()
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def sum_gradients(params) -> None:
+    """All-reduce (SUM) the gradients of replicated parameters in one flat message: each rank's
+    backward gave the part of ∂L/∂θ that flows through its own head shard."""
+    if not is_distributed():
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank start from rank `src`'s parameters and buffers."""
+    if not is_distributed():
+        return
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.data, src)

@@ -33,7 +33,9 @@ from models import ClassHead, SLCNet, build_backbone
 from trainer.data import Splits, load_dataset
 from trainer.losses import build_loss
 from trainer.metrics import head_chunks, pooled_separation, slc_metrics, streaming_slc_metrics
+from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadcast_parameters, sum_gradients
 from trainer.sampled_head import ClassSampler
+from trainer.sharded_head import Shard, gather_head, keep_shard, sharded_losses
 
 
 OPTIMIZERS = ("adam", "sgd")
@@ -55,6 +57,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     head_sample: float = 1.0  # R: logits for the batch's classes + a uniform sample, R·D columns (trainer/sampled_head.py)
+    head_shard: bool = False  # each torchrun rank holds D/world class rows (trainer/sharded_head.py)
 
 
 def seed_everything(seed: int) -> None:
@@ -83,6 +86,30 @@ def _schedule(cfg: TrainConfig, optimizer, total_steps: int):
     if cfg.schedule == "constant":
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     raise ValueError(f"unknown schedule {cfg.schedule!r}; known: cosine, constant")
+
+
+def check_head_options(cfg: TrainConfig) -> None:
+    """Refuse head options that cannot work together, before any data is loaded."""
+    if cfg.head_shard and cfg.loss not in sharded_losses():
+        raise ValueError(f"--head-shard supports the losses {', '.join(sharded_losses())}, not {cfg.loss}")
+    if cfg.head_shard and cfg.head_sample < 1.0:
+        raise ValueError("--head-shard with --head-sample below 1 is not supported yet: choose one")
+    if cfg.head_sample < 1.0 and cfg.loss == "nce" and cfg.loss_params.get("q") is not None:
+        raise ValueError("nce with a class prior q cannot be trained with --head-sample (docs/losses.md)")
+
+
+def _batch_loss(cfg: TrainConfig, net: nn.Module, model: SLCNet, loss_fn: nn.Module, sampler, x, y,
+                global_idx: torch.Tensor, rank: int, world: int, num_classes: int) -> torch.Tensor:
+    """The loss of one global batch as this rank computes it: full head, sampled head, or sharded."""
+    idx = global_idx[rank::world]  # this rank's examples
+    if cfg.head_shard:
+        features = all_gather_with_grad(model.embed(x[idx]))  # [B, d]: the global batch, in rank order
+        targets = all_gather_no_grad(y[idx])  # [B]
+        return loss_fn.sharded(model.head(features), Shard.of_rank(num_classes, targets))  # [B, D_r]
+    if sampler is None:
+        return loss_fn(net(x[idx]), y[idx])  # [B_rank, D]
+    cols = sampler(y[global_idx])  # [K], the same on every rank
+    return loss_fn(net(x[idx], cols), ClassSampler.positions(cols, y[idx]))  # [B_rank, K]
 
 
 def _distributed() -> tuple[int, int]:
@@ -162,6 +189,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     from tqdm.auto import tqdm
 
     out = Path(out)
+    check_head_options(cfg)
     rank, world = _distributed()
     seed_everything(cfg.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -174,11 +202,12 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     model = build_model(cfg.backbone, cfg.backbone_params, splits.input_shape, num_classes, splits.mean, splits.std)
     sampler = ClassSampler(num_classes, cfg.head_sample, min(cfg.batch_size, n_train), cfg.seed) \
         if cfg.head_sample < 1.0 else None
-    if sampler is not None and cfg.loss == "nce" and cfg.loss_params.get("q") is not None:
-        raise ValueError("nce with a class prior q cannot be trained with --head-sample (docs/losses.md)")
     loss_fn = build_loss(cfg.loss, sampler.size if sampler else num_classes, **cfg.loss_params)
     net: nn.Module = model
-    if world > 1:
+    if cfg.head_shard:  # no DDP: the backbone's gradients are summed by hand (sum_gradients)
+        model.head = keep_shard(model.head, num_classes)
+        broadcast_parameters(model.backbone)
+    elif world > 1:
         net = nn.parallel.DistributedDataParallel(model)
 
     batch = min(cfg.batch_size, n_train)
@@ -198,19 +227,15 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
         permutation = torch.randperm(n_train, generator=permutation_rng)
         for b in range(steps_per_epoch):
             global_idx = permutation[b * batch : (b + 1) * batch]
-            idx = global_idx[rank::world]  # this rank's shard
             if hasattr(loss_fn, "set_progress"):
                 loss_fn.set_progress(step / total_steps)
-            if sampler is None:
-                logits, targets = net(x_train[idx]), y_train[idx]  # [B_rank, D], [B_rank]
-            else:  # the same K columns on every rank
-                cols = sampler(y_train[global_idx])  # [K]
-                logits, targets = net(x_train[idx], cols), ClassSampler.positions(cols, y_train[idx])  # [B_rank, K]
-            loss = loss_fn(logits, targets)
+            loss = _batch_loss(cfg, net, model, loss_fn, sampler, x_train, y_train, global_idx, rank, world, num_classes)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss {cfg.loss} is {loss.item()} at epoch {epoch} step {step} (lr={cfg.lr})")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.head_shard:
+                sum_gradients(model.backbone.parameters())
             optimizer.step()
             schedule.step()
             step += 1
@@ -219,6 +244,8 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
                 bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
     bar.close()
     train_seconds = time.perf_counter() - started
+    if cfg.head_shard:  # rank 0 gets the full head back: checkpoint and export see one head
+        model.head = gather_head(model.head, num_classes)
 
     if rank == 0:
         model.eval()

@@ -141,6 +141,27 @@ def test_two_rank_data_parallel_equals_single_process(tmp_path, head_sample):
     assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("loss", [pytest.param("ce", marks=pytest.mark.slow), "batch_ce"])
+def test_two_rank_sharded_head_trains_the_single_process_head(tmp_path, loss):
+    """torchrun, 2 ranks, --head-shard (each rank 5 of the 10 class rows): the checkpoint holds
+    the one full head, equal to the head a single process trains without sharding."""
+    args = ["--dataset", "digits", "--backbone", "linear", "--loss", loss, "--epochs", "2", "--lr", "0.05",
+            "--batch-size", "64", "--optimizer", "sgd", "--seed", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")],
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                    "slc", "train", *args, "--head-shard", "--out", str(tmp_path / "two")],
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
+    assert two["head.weight"].shape == (10, 64)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["head_shard"] is True
+
+
 def test_table1_rows_are_means_of_their_runs(tmp_path, monkeypatch):
     """table1.json rows = mean/std over seeds of independently recomputed run metrics;
     normalized_ce = metrics of the ce models' softmax; the markdown prints 1 − x."""

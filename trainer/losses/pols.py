@@ -41,6 +41,11 @@ class SelfNormalization(nn.Module):
         ce = log_norm - true_logits(logits, target)  # [B]
         return (ce + self.alpha * log_norm**2).mean()
 
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """The same loss from this rank's columns z [B, D_r] (trainer/sharded_head.py)."""
+        log_norm = shard.logsumexp(z)  # [B]
+        return (log_norm - shard.true_logits(z) + self.alpha * log_norm**2).mean()
+
 
 @register_loss("nce")
 class NoiseContrastive(nn.Module):
@@ -79,6 +84,22 @@ class NoiseContrastive(nn.Module):
             noise = -F.logsigmoid(-shifted.gather(1, draws)).sum(dim=1)  # [B]
         return (positive + noise).mean()
 
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """The same loss from this rank's columns z [B, D_r]. Sampled mode: every rank draws the
+        same noise classes (same seed, same random stream) and counts those in its shard."""
+        q = shard.columns(self.q).to(device=z.device, dtype=z.dtype)  # [D_r]
+        shifted = z - torch.log(self.t * q)  # [B, D_r]
+        positive = -shard.true_logits(F.logsigmoid(shifted))  # [B]
+        if self.mode == "exact":
+            noise = -self.t * shard.sum((F.logsigmoid(-shifted) * q).sum(dim=1))  # [B]
+        else:
+            draws = torch.multinomial(self.q.to(z.device), z.shape[0] * self.t, replacement=True).view(z.shape[0], self.t)
+            inside = (draws >= shard.start) & (draws < shard.stop)  # [B, t]
+            local = (draws - shard.start).clamp(0, shard.size - 1)
+            picked = F.logsigmoid(-shifted.gather(1, local))  # [B, t]
+            noise = -shard.sum(torch.where(inside, picked, torch.zeros_like(picked)).sum(dim=1))  # [B]
+        return (positive + noise).mean()
+
 
 @register_loss("bce")
 class BinaryCrossEntropy(nn.Module):
@@ -94,6 +115,10 @@ class BinaryCrossEntropy(nn.Module):
         onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)  # [B, C]
         per_logit = F.binary_cross_entropy_with_logits(logits, onehot, reduction="none")  # [B, C]
         return per_logit.sum(dim=1).mean()
+
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """Σ_j softplus(z_j) − z_y (the same sum) from this rank's columns z [B, D_r]."""
+        return (shard.sum(F.softplus(z).sum(dim=1)) - shard.true_logits(z)).mean()
 
 
 @register_loss("batch_ce")
@@ -114,6 +139,10 @@ class BatchCrossEntropy(nn.Module):
         m = logits.shape[0]
         return -true_logits(logits, target).mean() + torch.logsumexp(logits.flatten(), dim=0) - math.log(m)
 
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """The same loss from this rank's columns z [B, D_r] of the (already global) batch."""
+        return -shard.true_logits(z).mean() + shard.logsumexp_all(z) - math.log(z.shape[0])
+
 
 @register_loss("batch_max_margin")
 class BatchMaxMargin(nn.Module):
@@ -129,10 +158,14 @@ class BatchMaxMargin(nn.Module):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]
-        m = logits.shape[0]
-        z_true = true_logits(logits, target)  # [m]
-        z_false_max = max_false_logits(logits, target)  # [m]
-        batch_term = F.relu(self.gamma - z_true.min() + z_false_max.max()) / m
+        return self._from(true_logits(logits, target), max_false_logits(logits, target))
+
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """The same loss from this rank's columns z [B, D_r] of the (already global) batch."""
+        return self._from(shard.true_logits(z), shard.max_false(z))
+
+    def _from(self, z_true: torch.Tensor, z_false_max: torch.Tensor) -> torch.Tensor:  # [m], [m] -> scalar
+        batch_term = F.relu(self.gamma - z_true.min() + z_false_max.max()) / z_true.shape[0]
         return batch_term + F.relu(self.gamma - z_true + z_false_max).mean()
 
 
@@ -158,23 +191,31 @@ class LogisticInNegativeReweighted(nn.Module):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]
-        num_classes = logits.shape[1]
-        # Only the P <= m classes present in the batch have an S_k: work on [P, C], never [C, C].
+        return self._terms(logits, target, torch.arange(logits.shape[1], device=logits.device))
+
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """The same sum from this rank's columns z [m, D_r]: every term belongs to one column j."""
+        return shard.sum(self._terms(z, shard.targets, shard.class_ids(z.device)))
+
+    def _terms(self, logits: torch.Tensor, target: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+        """The loss's terms of the columns `classes` [C'] (global ids) of logits [m, C']."""
+        # Only the P <= m classes present in the batch have an S_k: work on [P, C'], never [C, C].
         present = torch.unique(target)  # [P], sorted class ids
         members = (target[:, None] == present[None, :]).to(logits.dtype)  # [m, P]
         class_mean = members.t() / members.sum(dim=0)[:, None]  # [P, m]: row k averages over S_k
 
-        pos_loss = -(class_mean * F.logsigmoid(logits[:, present]).t()).sum(dim=1)  # [P]: −mean_{S_k} log σ(z_ik)
-        neg_loss = class_mean @ (-F.logsigmoid(-logits))  # [P, C]: −mean_{S_k} log(1 − σ(z_ij))
-        hardness = self.beta * (class_mean @ torch.sigmoid(logits))  # [P, C]: β·mean_{S_k} σ(z_ij)
+        here = torch.isin(present, classes)  # [P]: present classes among these columns
+        cols = torch.searchsorted(classes, present[here])  # their positions (classes is sorted)
+        pos_loss = -(class_mean[here] * F.logsigmoid(logits[:, cols]).t()).sum(dim=1)  # −mean_{S_k} log σ(z_ik)
+        neg_loss = class_mean @ (-F.logsigmoid(-logits))  # [P, C']: −mean_{S_k} log(1 − σ(z_ij))
+        hardness = self.beta * (class_mean @ torch.sigmoid(logits))  # [P, C']: β·mean_{S_k} σ(z_ij)
 
         # λ[k, j]: softmax over present k ≠ j (column j); a column with no such k gets zeros.
-        classes = torch.arange(num_classes, device=logits.device)
-        eligible = present[:, None] != classes[None, :]  # [P, C]
-        shift = hardness.detach().masked_fill(~eligible, float("-inf")).amax(dim=0)  # [C]
+        eligible = present[:, None] != classes[None, :]  # [P, C']
+        shift = hardness.detach().masked_fill(~eligible, float("-inf")).amax(dim=0)  # [C']
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-        expo = torch.exp((hardness - shift).masked_fill(~eligible, float("-inf")))  # [P, C], 0 where not eligible
-        weights = expo / expo.sum(dim=0).clamp_min(torch.finfo(logits.dtype).tiny)  # [P, C]
+        expo = torch.exp((hardness - shift).masked_fill(~eligible, float("-inf")))  # [P, C'], 0 where not eligible
+        weights = expo / expo.sum(dim=0).clamp_min(torch.finfo(logits.dtype).tiny)  # [P, C']
         if self.detach_weights:
             weights = weights.detach()
 

@@ -48,6 +48,10 @@ class CrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target)
 
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        """The same loss from this rank's columns z [B, D_r] (trainer/sharded_head.py)."""
+        return (shard.logsumexp(z) - shard.true_logits(z)).mean()
+
 
 @register_loss("max_margin")
 class MaxMargin(nn.Module):
@@ -62,6 +66,9 @@ class MaxMargin(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         margin = self.gamma - true_logits(logits, target) + max_false_logits(logits, target)  # [B]
         return F.relu(margin).mean()
+
+    def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
+        return F.relu(self.gamma - shard.true_logits(z) + shard.max_false(z)).mean()
 
 
 @register_loss("taylor_softmax")

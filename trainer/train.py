@@ -106,6 +106,11 @@ def _batch_loss(cfg: TrainConfig, net: nn.Module, model: SLCNet, loss_fn: nn.Mod
         features = all_gather_with_grad(model.embed(x[idx]))  # [B, d]: the global batch, in rank order
         targets = all_gather_no_grad(y[idx])  # [B]
         return loss_fn.sharded(model.head(features), Shard.of_rank(num_classes, targets))  # [B, D_r]
+    if sampler is None and getattr(loss_fn, "mode", None) == "sampled":  # nce: only the targets' and noise logits
+        draws = loss_fn.draw_noise(len(idx))  # [B_rank, t]
+        cols = torch.unique(torch.cat([y[idx], draws.flatten()]))  # [K] sorted
+        pos = torch.searchsorted
+        return loss_fn.on_columns(net(x[idx], cols), cols, pos(cols, y[idx]), pos(cols, draws))  # [B_rank, K]
     if sampler is None:
         return loss_fn(net(x[idx]), y[idx])  # [B_rank, D]
     cols = sampler(y[global_idx])  # [K], the same on every rank

@@ -480,3 +480,27 @@ def test_ce_el_closed_form_by_hand(progress, focus):
     a, b = (0.0, 1.0) if focus == 0.5 else (1.0, 1.0 / (1.0 - 2.0 * focus))
     got = loss(torch.zeros(3, C, dtype=torch.float64), torch.tensor([0, 1, 3])).item()
     assert got == pytest.approx(a * math.log(C) + b * (1 - 1 / C), rel=1e-12)
+
+
+def test_nce_sampled_from_the_needed_columns_equals_the_full_logits():
+    """Sampled nce from the logits of the targets' and the drawn classes only (what training
+    computes) = sampled nce on all logits with the same draws: value and head gradient, float64."""
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    weight = torch.randn(40, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 5, 5, 39, 12, 7])
+    q = torch.rand(40, generator=gen, dtype=torch.float64) + 0.1
+    loss = build_loss("nce", 40, t=3, q=q.tolist(), mode="sampled")
+
+    torch.manual_seed(9)
+    full = loss(h @ weight.T, target)
+    (g_full,) = torch.autograd.grad(full, weight)
+
+    torch.manual_seed(9)
+    draws = loss.draw_noise(6)  # [6, 3]
+    cols = torch.unique(torch.cat([target, draws.flatten()]))
+    assert len(cols) < 40  # fewer logits than the full head
+    few = loss.on_columns(h @ weight[cols].T, cols, torch.searchsorted(cols, target), torch.searchsorted(cols, draws))
+    (g_few,) = torch.autograd.grad(few, weight)
+    torch.testing.assert_close(few, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g_few, g_full, rtol=0, atol=1e-12)

@@ -220,3 +220,25 @@ def test_streaming_model_metrics_equal_the_dense_ones(tmp_path, monkeypatch):
     streamed = train_mod.model_metrics(model, x, y)
     for key, value in dense.items():
         assert streamed[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+
+def test_sampled_nce_computes_only_the_targets_and_noise_columns(tmp_path, monkeypatch):
+    """Training nce in sampled mode asks the head for the batch's targets and its t draws per
+    example, never for all D columns; the run still learns (accuracy above chance)."""
+    from models import ClassHead
+
+    widths = []
+    forward = ClassHead.forward
+
+    def spy(self, h, cols=None):
+        widths.append(self.weight.shape[0] if cols is None else len(cols))
+        return forward(self, h, cols)
+
+    monkeypatch.setattr(ClassHead, "forward", spy)
+    cfg = TrainConfig(dataset="synthetic:C=300,d=16,n=12,sep=3.0", loss="nce", loss_params={"mode": "sampled", "t": 2},
+                      epochs=3, batch_size=32, lr=0.01)
+    train(cfg, tmp_path / "run", progress=False)
+    steps = 3 * (len(load_dataset(cfg.dataset).train[1]) // 32)
+    training = widths[:steps]
+    assert len(training) == steps and max(training) <= 32 * 3 < 300
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["test"]["accuracy"] > 10 / 300

@@ -79,9 +79,22 @@ class NoiseContrastive(nn.Module):
         if self.mode == "exact":
             noise = -self.t * (F.logsigmoid(-shifted) * q).sum(dim=1)  # [B]
         else:
-            draws = torch.multinomial(self.q.to(logits.device), logits.shape[0] * self.t, replacement=True)
-            draws = draws.view(logits.shape[0], self.t)  # [B, t]
+            draws = self.draw_noise(logits.shape[0], logits.device)  # [B, t]
             noise = -F.logsigmoid(-shifted.gather(1, draws)).sum(dim=1)  # [B]
+        return (positive + noise).mean()
+
+    def draw_noise(self, batch: int, device=None) -> torch.Tensor:
+        """Sampled mode's noise classes: t draws j ~ q per example, [B, t]."""
+        return torch.multinomial(self.q.to(device), batch * self.t, replacement=True).view(batch, self.t)
+
+    def on_columns(self, z: torch.Tensor, cols: torch.Tensor, target: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+        """Sampled mode from the logits of a few classes only: z [B, K] of the classes cols [K],
+        holding every target and every draw; target [B] and draws [B, t] are positions in cols.
+        Equal to forward() on the full logits with the same draws (trainer/train.py uses it)."""
+        q = self.q[cols].to(device=z.device, dtype=z.dtype)  # [K]
+        shifted = z - torch.log(self.t * q)  # [B, K]
+        positive = -true_logits(F.logsigmoid(shifted), target)  # [B]
+        noise = -F.logsigmoid(-shifted.gather(1, draws)).sum(dim=1)  # [B]
         return (positive + noise).mean()
 
     def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
@@ -93,7 +106,7 @@ class NoiseContrastive(nn.Module):
         if self.mode == "exact":
             noise = -self.t * shard.sum((F.logsigmoid(-shifted) * q).sum(dim=1))  # [B]
         else:
-            draws = torch.multinomial(self.q.to(z.device), z.shape[0] * self.t, replacement=True).view(z.shape[0], self.t)
+            draws = self.draw_noise(z.shape[0], z.device)  # [B, t]
             inside = (draws >= shard.start) & (draws < shard.stop)  # [B, t]
             local = (draws - shard.start).clamp(0, shard.size - 1)
             picked = F.logsigmoid(-shifted.gather(1, local))  # [B, t]

@@ -19,6 +19,7 @@ from models import list_backbones
 from serving.bundle.cliopts import OUT, POSITIVE, key_values
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
+from trainer.sharded_head import sharded_losses
 from trainer.train import OPTIMIZERS, SCHEDULES
 
 RUN_FILES = ("config.json", "data.json", "checkpoint.pt")
@@ -251,22 +252,36 @@ def bench_losses(out: Path) -> None:
 @click.option("--batch", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--rate", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.1, show_default=True,
               help="R of the sampled head")
-@click.option("--loss", "loss_name", type=click.Choice(list_losses()), default="ce", show_default=True)
+@click.option("--loss", "loss_name", type=click.Choice(sharded_losses()), default="ce", show_default=True)
+@click.option("--train-classes", default="3755,100000", show_default=True,
+              help="comma list of D for whole glyph-network training steps (empty: skip)")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
-def bench_head(classes: str, dim: int, batch: int, rate: float, loss_name: str, out: Path) -> None:
-    """Head time per training step on fixed features: full head vs sampled head, as D grows."""
-    from trainer.head_bench import head_bench_markdown, head_step_times
+def bench_head(classes: str, dim: int, batch: int, rate: float, loss_name: str, train_classes: str, out: Path) -> None:
+    """Training at many classes: head time per step (full, sampled, 2 shards) as D grows, and glyph-network images/s."""
+    from trainer.head_bench import head_bench_markdown, head_step_times, train_step_rates
 
-    try:
-        sizes = [int(c) for c in classes.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {classes!r}", param_hint="--classes") from None
-    rows = []
+    sizes, train_sizes = _ints(classes, "--classes"), _ints(train_classes, "--train-classes")
+    rows, train_rows = [], []
     for D in sizes:
         rows.append(head_step_times(D, dim, batch, rate, loss_name))
-        click.echo(f"D={D:,}: full {rows[-1]['full_ms']:.1f} ms, sampled {rows[-1]['sampled_ms']:.1f} ms per step", err=True)
-    command = f"slc bench head --classes {classes} --dim {dim} --batch {batch} --rate {rate:g} --loss {loss_name}"
+        r = rows[-1]
+        click.echo(f"head D={D:,}: full {r['full_ms']:.1f} ms, sampled {r['sampled_ms']:.1f} ms, "
+                   f"{r['shards']} shards {r['sharded_ms']:.1f} ms per step", err=True)
+    for D in train_sizes:
+        train_rows.append(train_step_rates(D, rate=rate, loss=loss_name))
+        r = train_rows[-1]
+        click.echo(f"train D={D:,}: full {r['full_images_s']:.0f}, sampled {r['sampled_images_s']:.0f}, "
+                   f"sharded {r['sharded_images_s']:.0f} images/s", err=True)
+    command = (f"slc bench head --classes {classes} --dim {dim} --batch {batch} --rate {rate:g} --loss {loss_name} "
+               f"--train-classes {train_classes}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "head-bench.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "head-bench.md").write_text(head_bench_markdown(rows, command))
-    click.echo(head_bench_markdown(rows, command))
+    (out / "head-bench.json").write_text(json.dumps({"head": rows, "train": train_rows}, indent=2) + "\n")
+    (out / "head-bench.md").write_text(head_bench_markdown(rows, train_rows, command))
+    click.echo(f"head bench: {len(rows)} head sizes, {len(train_rows)} training sizes -> {out / 'head-bench.md'}")
+
+
+def _ints(value: str, hint: str) -> list[int]:
+    try:
+        return [int(c) for c in value.split(",") if c]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=hint) from None

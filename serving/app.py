@@ -112,7 +112,7 @@ async def _load(state: ServerState) -> None:
     """Bundle -> sessions -> index -> gallery -> warm-up -> ready. Any failure: never ready."""
     from serving.bundle import load_bundle, release_memory
     from serving.engine import Engine
-    from serving.gallery import Gallery
+    from serving.gallery import open_gallery
     from serving.index import ClassIndex
     from serving.runtime import Runtime
 
@@ -130,8 +130,8 @@ async def _load(state: ServerState) -> None:
         device = "cuda" if state.runtime.uses_cuda else "cpu"
         s.data_dir.mkdir(parents=True, exist_ok=True)
         state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device)
-        state.gallery = await asyncio.to_thread(Gallery, s.data_dir, bundle.digest, bundle.embed_dim, device,
-                                                s.gallery_max_bytes)
+        state.gallery = await asyncio.to_thread(open_gallery, s.gallery_url, s.data_dir, bundle.digest,
+                                                bundle.embed_dim, device, s.gallery_max_bytes)
         engine = Engine(bundle, state.runtime, s, index=state.index, gallery=state.gallery, metrics=state.metrics)
         engine.start()
         state.engine = engine

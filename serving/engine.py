@@ -21,8 +21,8 @@ from typing import Any, Optional
 import numpy as np
 
 from serving.batcher import Batcher, Job, JobFailed
-from serving.errors import ApiError, InsufficientStorage, InvalidInput, NotFound
-from serving.gallery import StorageFull
+from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
+from serving.gallery import GalleryUnavailable, StorageFull
 from serving.inputs import examples as read_examples
 
 log = logging.getLogger(__name__)
@@ -290,40 +290,40 @@ class Engine:
         return await self.batcher.submit(x, "logits", lambda z: finite_output(np.array(z, np.float32)), self._timeout())
 
     # ------------------------------------------------------------------ gallery
+    async def _gallery(self, method: str, *args, nothing: str = "nothing was written"):
+        """gallery.<method>(*args) in a thread; storage errors become the envelope's 507 / 503."""
+        try:
+            return await asyncio.to_thread(getattr(self.gallery, method), *args)
+        except StorageFull as exc:
+            raise InsufficientStorage(f"{exc}; {nothing}, retry once space is freed") from None
+        except GalleryUnavailable as exc:
+            raise GalleryDown(f"{exc}; retry") from None
+
     async def gallery_upsert(self, items: list[dict], bools_possible: bool = True) -> list[str]:
-        gallery = self.gallery
         from serving.gallery import GalleryRecord
 
         x = self.to_batch([it["input"] for it in items], what="item inputs", bools_possible=bools_possible)
         h = await self.batcher.submit(x, "embed", lambda rows: finite_output(np.array(rows, np.float32)), self._timeout())
         records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"])
                    for i, it in enumerate(items)]
-        try:
-            await asyncio.to_thread(gallery.upsert, records)
-        except StorageFull as exc:
-            raise InsufficientStorage(f"{exc}; nothing was written, retry once space is freed") from None
+        await self._gallery("upsert", records)
         return [it["id"] for it in items]
 
     async def gallery_get(self, item_id: str) -> dict:
-        item = await asyncio.to_thread(self.gallery.get, item_id)
+        item = await self._gallery("get", item_id)
         if item is None:
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
         return item
 
     async def gallery_delete(self, item_id: str) -> None:
-        try:
-            existed = await asyncio.to_thread(self.gallery.delete, item_id)
-        except StorageFull as exc:  # a delete writes too (the WAL)
-            raise InsufficientStorage(f"{exc}; nothing was deleted") from None
-        if not existed:
+        if not await self._gallery("delete", item_id, nothing="nothing was deleted"):  # a delete writes too
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
 
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> dict:
-        gallery = self.gallery
         j = cls.id
         thr = self.threshold_of(j) if threshold is None else float(threshold)
         w = np.array(self.bundle.weight[j], dtype=np.float32)  # [d]
-        hits = await asyncio.to_thread(gallery.search, w, float(self.bundle.bias[j]), thr, limit)
+        hits = await self._gallery("search", w, float(self.bundle.bias[j]), thr, limit)
         return {"class_id": j, "class_name": cls.name, "threshold": thr,
                 "results": [{"id": i, "logit": float(z), "metadata": m} for i, z, m in hits]}
 

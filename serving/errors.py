@@ -77,6 +77,15 @@ class NotReady(ApiError):
     status, code = 503, "not_ready"
 
 
+class GalleryDown(ApiError):
+    """The shared gallery database cannot be reached: retry (other routes keep answering)."""
+
+    status, code = 503, "gallery_unavailable"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
 class DeadlineExceeded(ApiError):
     status, code = 504, "deadline_exceeded"
 

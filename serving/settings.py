@@ -53,9 +53,12 @@ class Settings(BaseSettings):
     max_inputs: int = Field(256, ge=1, description="examples per request (inputs, gallery items); 422 beyond")
     max_topk: int = Field(1000, ge=1)
 
-    # --- storage (serving/gallery.py)
-    gallery_max_bytes: Optional[int] = Field(None, ge=65536, description="quota of the gallery database; a write "
+    # --- storage (serving/gallery/)
+    gallery_max_bytes: Optional[int] = Field(None, ge=65536, description="quota of the SQLite gallery; a write "
                                              "past it (or on a full disk) is answered 507 and nothing is written")
+    gallery_url: Optional[str] = Field(None, pattern=r"^postgres(ql)?://", description=(
+        "postgresql://… : keep the gallery in a PostgreSQL shared by every replica (needs slc[postgres]); "
+        "default: SQLite under data_dir, for one process"))
 
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -128,3 +128,63 @@ def uvicorn_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+def _postgres_bin(name: str) -> Optional[str]:
+    import glob
+    import shutil
+
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return candidates[-1] if candidates else None
+
+
+def postgres_missing() -> Optional[str]:
+    """Why a throwaway PostgreSQL cannot be started here (None if it can)."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "psycopg is not installed (pip install '.[postgres]')"
+    if _postgres_bin("initdb") is None or _postgres_bin("pg_ctl") is None:
+        return "PostgreSQL is not installed (apt-get install postgresql)"
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root and there is no 'postgres' user to run PostgreSQL as"
+    return None
+
+
+@contextmanager
+def throwaway_postgres() -> Iterator[tuple[str, callable]]:
+    """A PostgreSQL cluster of its own in a fresh temporary directory, on a free loopback port;
+    yields (url, stop) and removes it at the end. As root it runs as the 'postgres' user."""
+    import shutil
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="slc-pg-"))
+    data, port = home / "data", free_port()
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        as_user = ["runuser", "-u", "postgres", "--"]
+        shutil.chown(home, "postgres")
+    run = dict(check=True, capture_output=True, text=True)
+    pg_ctl = _postgres_bin("pg_ctl")
+
+    def stop() -> None:
+        subprocess.run(as_user + [pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True)
+
+    try:
+        subprocess.run(as_user + [_postgres_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "slc", "--no-sync"],
+                       **run)
+        options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1"
+        subprocess.run(as_user + [pg_ctl, "-D", str(data), "-o", options, "-l", str(home / "pg.log"), "-w", "start"],
+                       **run)
+        yield f"postgresql://slc@127.0.0.1:{port}/postgres", stop
+    finally:
+        stop()
+        shutil.rmtree(home, ignore_errors=True)

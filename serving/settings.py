@@ -69,6 +69,12 @@ class Settings(BaseSettings):
 
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
+    @field_validator("gallery_url", mode="before")
+    @classmethod
+    def _empty_url_is_unset(cls, value):
+        """SLC_GALLERY_URL= (empty, as in deploy/k8s/base/slc.env) means SQLite."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_level(cls, value):

@@ -242,3 +242,22 @@ def test_sampled_nce_computes_only_the_targets_and_noise_columns(tmp_path, monke
     training = widths[:steps]
     assert len(training) == steps and max(training) <= 32 * 3 < 300
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["test"]["accuracy"] > 10 / 300
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_with_c10d_rendezvous_trains_the_sharded_head(tmp_path):
+    """The multi-node command of the README, its two 'nodes' as two torchrun processes here:
+    c10d rendezvous, one rank each, --head-shard; rank 0 writes a run with the full head."""
+    from tests.serving.helpers import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test", "-m", "slc", "train", "--dataset", "digits",
+           "--backbone", "linear", "--loss", "batch_ce", "--epochs", "1", "--batch-size", "64", "--head-shard",
+           "--out", str(tmp_path / "run")]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    assert [p.wait(300) for p in nodes] == [0, 0]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["world_size"] == 2 and config["head_shard"] is True
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["head.weight"].shape == (10, 64)

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from serving.bundle.cliopts import OUT
+from serving.bundle.cliopts import OUT, bundle_dir as existing_bundle
 from serving.bundle.synthetic import ROW_KINDS
 
 
 @click.group(no_args_is_help=True)
 def bundle() -> None:
-    """Bundles that need no training."""
+    """Bundles without training, and Triton model repositories."""
 
 
 @bundle.command()
@@ -33,3 +33,17 @@ def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, out:
     head_mb = classes * (dim + 1) * 4 / 2**20
     click.echo(f"bundle {out}: {classes:,} {rows} classes, d={dim}, head {head_mb:,.1f} MiB "
                f"({time.perf_counter() - t0:.1f} s)  -> slc verify {out}; slc serve {out}")
+
+
+@bundle.command()
+@click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--out", required=True, help="model repository directory (replaced)", **OUT)
+@click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True, help="Triton max_batch_size")
+@click.option("--delay-us", type=click.IntRange(min=0), default=2000, show_default=True,
+              help="dynamic batching: max_queue_delay_microseconds")
+def triton(bundle_dir: Path, out: Path, max_batch: int, delay_us: int) -> None:
+    """A Triton model repository (onnxruntime backend) serving the bundle's three graphs."""
+    from serving.bundle.triton import write_triton_repository
+
+    models = write_triton_repository(bundle_dir, out, max_batch, delay_us)
+    click.echo(f"triton repository {out}: {', '.join(models)}  -> tritonserver --model-repository {out}")

@@ -154,3 +154,22 @@ def hostile(size_mb: float, out: Path) -> None:
     worst = max(rows, key=lambda r: r["seconds"])
     click.echo(f"{len(rows)} hostile bodies: slowest answer {worst['seconds']:.3f} s ({worst['kind']}), worst probe "
                f"{max(r['worst_probe_ms'] for r in rows):.1f} ms -> {out / 'hostile.md'}")
+
+
+@click.command()
+@click.option("--gallery-url", required=True, help="postgresql://… (a database the benchmark may write to)")
+@click.option("--items", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def gallery(gallery_url: str, items: int, out: Path) -> None:
+    """Shared gallery: delay until another replica sees a write or delete, and the write rate."""
+    from serving.bench.gallery_sync import markdown, measure
+
+    require("psycopg", "postgres")
+    result = measure(gallery_url, items)
+    command = f"slc bench gallery --gallery-url postgresql://… --items {items}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shared-gallery.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "shared-gallery.md").write_text(markdown(result, command))
+    up = result["upsert"]
+    click.echo(f"gallery: upsert seen by the other replica after p50 {up['p50_ms']:.1f} ms, p99 {up['p99_ms']:.1f} ms; "
+               f"{result['writes_per_s']:.0f} writes/s -> {out / 'shared-gallery.md'}")

@@ -179,3 +179,14 @@ def test_a_database_that_goes_away_is_a_503_envelope_and_detect_keeps_answering(
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+def test_the_sync_benchmark_sees_every_change_on_the_other_replica(url, tmp_path):
+    from click.testing import CliRunner
+
+    from slc.cli import root
+
+    result = CliRunner().invoke(root, ["bench", "gallery", "--gallery-url", url, "--items", "5", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "shared-gallery.json").read_text())
+    assert data["upsert"]["n"] == data["delete"]["n"] == 5 and data["upsert"]["lost"] == data["delete"]["lost"] == 0

@@ -91,6 +91,7 @@ class ServerState:
             "name": b.name,
             "version": m.get("version"),
             "input": m.get("input", {"shape": list(b.input_shape), "dtype": "float32"}),
+            "image": b.image,  # how an image body becomes one input; null: JSON only
             "embed_dim": b.embed_dim,
             "num_classes": b.num_classes,
             "digest": b.digest,

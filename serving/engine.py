@@ -197,6 +197,13 @@ class Engine:
                            code="unknown_class") from None
         return ClassRef(j, str(self.bundle.classes[j]))
 
+    async def image_batch(self, body: bytes, content_type: bytes) -> np.ndarray:
+        """One example [1, *input_shape] from an image body (decoded off the event loop)."""
+        from serving.images import decode
+
+        x = await asyncio.to_thread(decode, body, content_type, self.bundle.image, self.input_shape)
+        return x[None].astype(np.float32, copy=False)
+
     def to_batch(self, inputs: Any, what: str = "inputs", bools_possible: bool = True) -> np.ndarray:
         """Examples (each nested like the input shape, or flat) -> float32 [N, *input_shape], strictly
         and with bounds checked first (serving/inputs.py); `bools_possible=False` when the raw body

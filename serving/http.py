@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from serving import inputs as read
+from serving import images, inputs as read
 from serving.errors import DeadlineExceeded, InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.inputs import UnsupportedMediaType
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
@@ -190,10 +190,17 @@ async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(se
 # ----------------------------------------------------------------------------- POST bodies
 # The same engine calls as the routes above, from the raw body: the routes' own signatures only
 # describe the bodies in OpenAPI (FastAPI's handler never reads a POST body here).
-def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict]) -> tuple[Any, dict, np.ndarray]:
+async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict]) -> tuple[Any, dict, np.ndarray]:
     """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
-    the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion."""
+    the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
+    An image body (Content-Type image/*) is one example; its parameters come from the query string."""
     engine = _state(scope).ready_engine()
+    content_type = images.content_type_of(scope)
+    if images.is_image(content_type):
+        obj = _query_string(scope)
+        read.check_keys(obj, tuple(k for k in allowed if k != "inputs"), where="query string")
+        p = params(obj)
+        return engine, p, await engine.image_batch(body, content_type)
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
     read.check_structure(body, max_values=n * math.prod(shape) + 8, max_lists=1 + n * lists_per_example,
@@ -204,16 +211,29 @@ def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict]
     return engine, p, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
 
 
+def _query_string(scope) -> dict:
+    """?threshold=0.5&k=3&mode=index -> {"threshold": 0.5, "k": 3, "mode": "index"} (JSON values where they parse)."""
+    from urllib.parse import parse_qsl
+
+    out = {}
+    for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True):
+        try:
+            out[key] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 @_body_route(detect)
 async def _detect_body(scope, body: bytes):
-    engine, p, x = _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
+    engine, p, x = await _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.detect(cls, x, p["threshold"])
 
 
 @_body_route(softmax)
 async def _softmax_body(scope, body: bytes):
-    engine, _, x = _query(scope, body, ("inputs",), lambda o: {})
+    engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.softmax(cls, x)
 
@@ -221,7 +241,7 @@ async def _softmax_body(scope, body: bytes):
 @_body_route(topk)
 async def _topk_body(scope, body: bytes):
     max_topk = _state(scope).settings.max_topk
-    engine, p, x = _query(scope, body, ("inputs", "k", "mode"), lambda o: {
+    engine, p, x = await _query(scope, body, ("inputs", "k", "mode"), lambda o: {
         "k": read.integer(o, "k", 5, 1, max_topk, code="k_too_large"),
         "mode": read.choice(o, "mode", "exact", ("exact", "index"))})
     return 200, await engine.topk(x, p["k"], p["mode"])

@@ -35,6 +35,7 @@ from serving.bundle import (
 )
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from trainer.calibrate import calibrate
+from trainer.data import image_spec
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,8 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         calibration_metrics=metrics.get("calibration"),
         onnx={"opset": int(opset), "ir_version": int(full_model.ir_version),
               "exporter": f"torch {torch.__version__} dynamo", "parity_max_rel_diff": parity_report},
-        calibration_target=cal["target"])
+        calibration_target=cal["target"],
+        **({"image": spec} if (spec := image_spec(r.data_info.get("dataset") or "")) is not None else {}))
 
 
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None) -> Path:

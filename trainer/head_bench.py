@@ -10,7 +10,6 @@ the three use the same cores.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -36,7 +35,19 @@ def _step_seconds(fn, repeats: int) -> float:
 
 def head_step_times(num_classes: int, dim: int = 256, batch: int = 128, rate: float = 0.1, loss: str = "ce",
                     repeats: int = 5, seed: int = 0) -> dict:
-    """Median seconds per step, full head vs sampled head at `rate`, and their ratio."""
+    """Median seconds per step: full head, sampled head at `rate`, SHARDS shards; and their ratios."""
+    t_full, t_sampled, size = _local_head_times(num_classes, dim, batch, rate, loss, repeats, seed)
+    t_shard = run_sharded({"kind": "head", "classes": num_classes, "dim": dim, "batch": batch, "loss": loss,
+                           "repeats": repeats, "seed": seed})
+    return {"classes": num_classes, "dim": dim, "batch": batch, "rate": rate, "sampled_columns": size,
+            "loss": loss, "full_ms": 1e3 * t_full, "sampled_ms": 1e3 * t_sampled, "full_over_sampled": t_full / t_sampled,
+            "shards": SHARDS, "sharded_ms": 1e3 * t_shard, "full_over_sharded": t_full / t_shard,
+            "rows_per_rank": -(-num_classes // SHARDS)}
+
+
+def _local_head_times(num_classes: int, dim: int, batch: int, rate: float, loss: str, repeats: int,
+                      seed: int) -> tuple[float, float, int]:
+    """(full, sampled) median seconds per step in this process, and the sampled column count."""
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(num_classes, dim, generator=g) / dim ** 0.5).requires_grad_(True)  # [D, d]
     bias = torch.zeros(num_classes, requires_grad=True)  # [D]
@@ -55,14 +66,7 @@ def head_step_times(num_classes: int, dim: int = 256, batch: int = 128, rate: fl
         logits = h @ torch.index_select(weight, 0, cols).T + torch.index_select(bias, 0, cols)  # [B, K]
         sampled_loss(logits, ClassSampler.positions(cols, y)).backward()
 
-    t_full, t_sampled = _step_seconds(full, repeats), _step_seconds(sampled, repeats)
-    del weight, bias
-    t_shard = run_sharded({"kind": "head", "classes": num_classes, "dim": dim, "batch": batch, "loss": loss,
-                           "repeats": repeats, "seed": seed})
-    return {"classes": num_classes, "dim": dim, "batch": batch, "rate": rate, "sampled_columns": sampler.size,
-            "loss": loss, "full_ms": 1e3 * t_full, "sampled_ms": 1e3 * t_sampled, "full_over_sampled": t_full / t_sampled,
-            "shards": SHARDS, "sharded_ms": 1e3 * t_shard, "full_over_sharded": t_full / t_shard,
-            "rows_per_rank": -(-num_classes // SHARDS)}
+    return _step_seconds(full, repeats), _step_seconds(sampled, repeats), sampler.size
 
 
 def run_sharded(job: dict) -> float:
@@ -125,6 +129,15 @@ def train_step_rates(num_classes: int, batch: int = 256, rate: float = 0.1, loss
                      embed: int = 256, repeats: int = 5, seed: int = 0) -> dict:
     """Training images/s of the glyph network (forward, loss, backward, Adam step): full head,
     sampled head at `rate`, and SHARDS sharded processes."""
+    t_full, t_sampled = _local_train_times(num_classes, batch, rate, loss, width, embed, repeats, seed)
+    t_shard = run_sharded({"kind": "train", "classes": num_classes, "batch": batch, "loss": loss, "width": width,
+                           "embed": embed, "repeats": repeats, "seed": seed})
+    return {"classes": num_classes, "batch": batch, "loss": loss, "rate": rate, "width": width, "embed": embed,
+            "full_images_s": batch / t_full, "sampled_images_s": batch / t_sampled, "sharded_images_s": batch / t_shard}
+
+
+def _local_train_times(num_classes: int, batch: int, rate: float, loss: str, width: int, embed: int, repeats: int,
+                       seed: int) -> tuple[float, float]:
     torch.manual_seed(seed)
     model = _glyph_model(num_classes, width, embed)
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
@@ -144,12 +157,7 @@ def train_step_rates(num_classes: int, batch: int = 256, rate: float = 0.1, loss
         sampled_loss(model(x, cols), ClassSampler.positions(cols, y)).backward()
         optimizer.step()
 
-    t_full, t_sampled = _step_seconds(full, repeats), _step_seconds(sampled, repeats)
-    del model, optimizer
-    t_shard = run_sharded({"kind": "train", "classes": num_classes, "batch": batch, "loss": loss, "width": width,
-                           "embed": embed, "repeats": repeats, "seed": seed})
-    return {"classes": num_classes, "batch": batch, "loss": loss, "rate": rate, "width": width, "embed": embed,
-            "full_images_s": batch / t_full, "sampled_images_s": batch / t_sampled, "sharded_images_s": batch / t_shard}
+    return _step_seconds(full, repeats), _step_seconds(sampled, repeats)
 
 
 def _sharded_train_step(job: dict, rank: int):

@@ -58,6 +58,7 @@ class Bundle:
     platt_b: np.ndarray  # [D] float32
     global_threshold: float
     digest: str  # sha256 hex of manifest.json bytes
+    image: dict | None = None  # how an image becomes one input (manifest "image"; serving/images.py)
     _class_index: dict[str, int] | None = field(default=None, repr=False, compare=False)
 
     def graph_path(self, kind: str) -> Path:
@@ -114,5 +115,6 @@ def load_bundle(path: Path | str, verify: bool = True) -> Bundle:
         platt_b=arrays["b"],
         global_threshold=float(calibration["global"]["threshold"]),
         digest=hashlib.sha256(manifest_bytes).hexdigest(),
+        image=manifest.get("image"),
     )
 

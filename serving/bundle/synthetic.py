@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from serving.bundle.format import base_manifest, write_manifest
 from serving.bundle.graphs import external_tensor
+from serving.bundle.imagespec import check_image_spec
 from serving.bundle.npy import NPY_ALIGN, NpyStream  # noqa: F401  (NPY_ALIGN: part of this module's contract)
 
 OPSET = 17
@@ -195,9 +196,12 @@ def _write_head(out: Path, rng: np.random.Generator, D: int, d: int, rows: str, 
 
 
 def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle",
-                           rows: str = "clustered") -> Path:
-    """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`."""
+                           rows: str = "clustered", image: dict | None = None) -> Path:
+    """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`;
+    `image` (a manifest image spec with layout flat) lets it take image bodies too."""
     D, d = int(classes), int(dim)
+    if image is not None and (bad := check_image_spec(image, (int(input_dim),))):
+        raise ValueError(bad)
     if rows not in ROW_KINDS:
         raise ValueError(f"rows must be one of {', '.join(ROW_KINDS)}; got {rows!r}")
     if D < 1 or d < 1 or input_dim < 1:
@@ -220,7 +224,8 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
         backbone={"name": "synthetic_mlp", "params": {"input_dim": int(input_dim), "hidden": HIDDEN, "normalize": "l2"}},
         training={"synthetic": True, "seed": int(seed), "rows": rows}, test_metrics=None,
         external_data={"full.onnx": ["head_weight.npy", "head_bias.npy"],
-                       "single.onnx": ["head_weight.npy", "head_bias.npy"]})
+                       "single.onnx": ["head_weight.npy", "head_bias.npy"]},
+        **({"image": image} if image is not None else {}))
     write_manifest(out, manifest, known_hashes=known)
     return out
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from serving.bundle.calibration import read_calibration
+from serving.bundle.imagespec import check_image_spec
 from serving.bundle.format import MANIFEST, REQUIRED_FILES, SELF_HASH_KEY, FORMAT, FORMAT_VERSION, canonical_manifest_hash, json_load, sha256_file
 from serving.bundle.files import not_regular, read_bounded
 from serving.bundle.graphs import check_graphs
@@ -79,6 +80,11 @@ def read_manifest(path: Path) -> tuple[dict | None, bytes, list[str]]:
             problems.append(f"{MANIFEST}: {len(manifest['classes'])} class names for num_classes {D}")
         if manifest["input"].get("dtype", "float32") != "float32":
             problems.append(f"{MANIFEST}: input dtype must be float32")
+        if manifest.get("image") is not None:
+            bad = check_image_spec(manifest["image"], tuple(shape)) if isinstance(manifest["image"], dict) \
+                else "image must be an object"
+            if bad:
+                problems.append(f"{MANIFEST}: {bad}")
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         problems.append(f"{MANIFEST}: bad header field ({e})")
     return manifest, data, problems  # with problems, so the caller can still report the other files

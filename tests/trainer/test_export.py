@@ -242,3 +242,23 @@ def test_default_model_example_is_an_image_of_its_class(exported, tmp_path):
     rows = np.flatnonzero((x_cal == x).all(axis=1))
     assert rows.size and splits.classes[int(y_cal[rows[0]])] == "7"
     assert not write_example(bundle, tmp_path / "none.json", class_name="no such class")
+
+
+def test_an_image_dataset_bundle_records_how_images_become_inputs(exported):
+    """The manifest's `image` spec turns the dataset's own images, sent as PNG, back into their
+    inputs (digits: 0..16 stored as 0..255 grey, so within half a grey level)."""
+    import io
+
+    from PIL import Image
+
+    from serving.images import decode
+    from trainer.data import image_spec
+
+    _, _, bundle, splits = exported
+    b = load_bundle(bundle)
+    assert b.image == image_spec("digits")
+    for example in splits.test[0][:10]:  # [64] values 0..16
+        buf = io.BytesIO()
+        Image.fromarray(np.rint(example.reshape(8, 8) * 255 / 16).astype(np.uint8)).save(buf, format="PNG")
+        got = decode(buf.getvalue(), b"image/png", b.image, b.input_shape)
+        np.testing.assert_allclose(got, example, atol=0.5 * 16 / 255 + 1e-6)

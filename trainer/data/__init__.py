@@ -122,6 +122,23 @@ def check_dataset_name(name: str) -> None:
     raise ValueError(f"unknown dataset {name!r}; choose from {dataset_choices()}")
 
 
+def image_spec(name: str) -> dict | None:
+    """How an image becomes one example of dataset `name` (the bundle manifest's `image`,
+    serving/images.py), or None for datasets whose examples are not images."""
+    if name == "mnist5k":  # 28x28 grey, white digit on black, values 0..255, flattened
+        return {"height": 28, "width": 28, "channels": 1, "layout": "flat", "scale": 1.0, "background": "dark",
+                "resample": "lanczos"}
+    if name == "digits":  # 8x8 grey, values 0..16, flattened
+        return {"height": 8, "width": 8, "channels": 1, "layout": "flat", "scale": 16.0 / 255.0,
+                "background": "dark", "resample": "lanczos"}
+    if name.startswith("glyphs"):  # trainer/data/glyphs.py: 32x32 grey, white on black, [1, 32, 32]
+        from trainer.data.glyphs import SIZE
+
+        return {"height": SIZE, "width": SIZE, "channels": 1, "layout": "CHW", "scale": 1.0, "background": "dark",
+                "resample": "lanczos"}
+    return None
+
+
 def load_dataset(name: str, seed: int = 0) -> Splits:
     """Load a dataset by name with its fixed stratified 60/20/20 split (`seed` = split seed)."""
     return _load_cached(name, seed)

@@ -1,0 +1,27 @@
+"""The manifest's `image` key: how a bundle's input is made from an image (docs/bundle-format.md).
+Checked by verify; applied by the server (serving/images.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+LAYOUTS = ("flat", "CHW", "HWC")
+RESAMPLE = ("lanczos", "bilinear", "nearest")
+
+
+def check_image_spec(spec: dict, input_shape: tuple[int, ...]) -> Optional[str]:
+    """What is wrong with a manifest's `image` spec for this input shape (None if nothing)."""
+    try:
+        h, w, c = int(spec["height"]), int(spec["width"]), int(spec["channels"])
+        layout, scale = spec["layout"], float(spec.get("scale", 1.0))
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"image spec needs height, width, channels, layout ({exc})"
+    if min(h, w) < 1 or c not in (1, 3) or layout not in LAYOUTS or not np.isfinite(scale):
+        return f"image spec out of range: {spec}"
+    if spec.get("background", "dark") not in ("dark", "light") or spec.get("resample", "lanczos") not in RESAMPLE:
+        return f"image spec: background must be dark or light, resample one of {RESAMPLE}"
+    want = {"flat": (h * w * c,), "CHW": (c, h, w), "HWC": (h, w, c)}[layout]
+    if tuple(input_shape) != want:
+        return f"image spec ({layout} {h}x{w}x{c}) does not give the input shape {list(input_shape)}"
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from urllib.parse import unquote_plus
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -24,7 +25,7 @@ from serving import images, inputs as read
 from serving.errors import DeadlineExceeded, InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.inputs import UnsupportedMediaType
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
-                             GalleryInfo, GalleryItem, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
+                             GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
                              SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
 
 
@@ -34,7 +35,7 @@ class FastJSONRoute(APIRoute):
 
     async def handle(self, scope, receive, send) -> None:
         fn = _BODY_HANDLERS.get(self.endpoint)  # per request: handlers register after their route
-        if fn is None or scope["method"] != "POST":
+        if fn is None or scope["method"] not in ("POST", "PUT"):
             return await super().handle(scope, receive, send)
         body = await _read_body(receive)  # size and read-time limits: BodyLimitMiddleware
         timeout = _state(scope).settings.request_timeout_s
@@ -298,6 +299,41 @@ async def _gallery_upsert_body(scope, body: bytes):
         if it["metadata"]:
             read.check_metadata(it["metadata"], body, f"items[{k}].metadata")
     ids = await engine.gallery_upsert(items, bools_possible=read.has_bool_token(body))
+    return 201, {"upserted": len(ids), "ids": ids}
+
+
+@router.put("/gallery/items/{item_id:path}", status_code=201, response_model=GalleryUpsertResponse,
+            responses=_WRITE_ERRORS, dependencies=[Depends(require_api_key)], tags=["gallery"])
+async def gallery_put(body: GalleryPutRequest, item_id: str, engine=Depends(ready_engine)):
+    """Upsert one item by its id: JSON {input, metadata?}, or an image body (metadata as a JSON
+    object in ?metadata=) for bundles whose input is an image. Answered once committed."""
+    raise AssertionError("answered by _gallery_put_body")  # pragma: no cover - bodies never reach here
+
+
+@_body_route(gallery_put)
+async def _gallery_put_body(scope, body: bytes):
+    _require_key(scope)
+    engine = _state(scope).ready_engine()
+    item_id = read.string(scope["path_params"]["item_id"], "item id", 256)
+    content_type = images.content_type_of(scope)
+    if images.is_image(content_type):
+        obj = _query_string(scope)
+        read.check_keys(obj, ("metadata",), where="query string")
+        x = await engine.image_batch(body, content_type)
+        item = {"id": item_id, "input": x[0].tolist(), "metadata": obj.get("metadata")}
+        source = unquote_plus(scope.get("query_string", b"").decode("latin-1")).encode()  # metadata's raw text
+    else:
+        source = body
+        read.check_structure(body, max_values=None, what="item", max_lists=1 + math.prod(engine.input_shape)
+                             + METADATA_VALUES, max_objects=1 + METADATA_VALUES, max_strings=4 + METADATA_VALUES)
+        obj = _read_object(scope, body)
+        read.check_keys(obj, ("input", "metadata"), required=("input",))
+        item = {"id": item_id, "input": obj["input"], "metadata": obj.get("metadata")}
+    if item["metadata"] is not None:
+        if type(item["metadata"]) is not dict:
+            raise InvalidInput("metadata must be a JSON object or null", code="validation_error")
+        read.check_metadata(item["metadata"], source, "metadata")
+    ids = await engine.gallery_upsert([item], bools_possible=read.has_bool_token(source))
     return 201, {"upserted": len(ids), "ids": ids}
 
 

@@ -130,6 +130,11 @@ class GalleryUpsertRequest(_Body):
     items: Annotated[list[GalleryItemIn], Field(min_length=1)]
 
 
+class GalleryPutRequest(_Body):
+    input: Any = Field(..., description="one example (or send an image body, for bundles whose input is an image)")
+    metadata: Optional[dict[str, Any]] = None
+
+
 class GalleryUpsertResponse(BaseModel):
     upserted: int
     ids: list[str]

@@ -143,3 +143,29 @@ def test_an_unknown_query_parameter_is_422(image_client):
 def test_a_bundle_without_an_image_spec_refuses_images_with_415(client):
     r = _post_png(client, "/v1/classes/3/detect", _png(_digit()))
     assert "not an image" in assert_envelope(r, 415)["error"]["message"]
+
+
+def test_a_gallery_item_put_as_an_image_is_stored_as_its_tensor_and_found(image_client):
+    tensor = preprocess(Image.fromarray(_digit()), IMAGE)
+    r = image_client.put("/v1/gallery/items/digit-1", content=_png(_digit()), headers={"content-type": "image/png"},
+                         params={"metadata": '{"drawn": "by hand"}'})
+    assert r.status_code == 201 and r.json() == {"upserted": 1, "ids": ["digit-1"]}
+    item = image_client.get("/v1/gallery/items/digit-1").json()
+    assert item["metadata"] == {"drawn": "by hand"}
+    np.testing.assert_array_equal(np.asarray(item["input"], np.float32), tensor)
+    hits = image_client.post("/v1/classes/3/search", json={"threshold": -1e30}).json()["results"]
+    assert [h["id"] for h in hits] == ["digit-1"]
+
+
+def test_a_gallery_item_put_as_json_equals_the_post_form(image_client):
+    tensor = preprocess(Image.fromarray(_digit()), IMAGE).tolist()
+    assert image_client.put("/v1/gallery/items/a", json={"input": tensor}).status_code == 201
+    assert image_client.post("/v1/gallery/items", json={"items": [{"id": "b", "input": tensor}]}).status_code == 201
+    hits = {h["id"]: h["logit"] for h in image_client.post("/v1/classes/5/search", json={"threshold": -1e30}).json()["results"]}
+    assert hits["a"] == hits["b"]
+
+
+def test_gallery_put_with_metadata_that_is_not_an_object_is_422(image_client):
+    r = image_client.put("/v1/gallery/items/x", content=_png(_digit()), headers={"content-type": "image/png"},
+                         params={"metadata": "[1, 2]"})
+    assert_envelope(r, 422, "validation_error")

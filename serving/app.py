@@ -225,11 +225,13 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
     app.openapi = openapi
 
     from serving.http import metrics_router, router as v1
+    from serving.demo import router as demo_router
     from serving.kserve import openapi_components as kserve_components, router as v2
 
     app.include_router(v1)
     app.include_router(v2)
     app.include_router(metrics_router)
+    app.include_router(demo_router)
     install_error_handlers(app, on_error=metrics.reject)
     # Outermost first in the request path: metrics sees every status, including 413s.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject,

@@ -212,6 +212,23 @@ def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, runs_di
                f"({t['elapsed_seconds'] / 60:.1f} min) -> {out / (dataset + '.md')}")
 
 
+@experiment.command("calibration")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def calibration_experiment(runs: tuple[Path, ...], out: Path) -> None:
+    """Per-class vs global vs shrunk thresholds, chosen on calibration, judged on the test faces."""
+    from trainer.calibration_study import study, write
+
+    results = []
+    for run in runs:
+        if not (run / "checkpoint.pt").is_file():
+            raise click.BadParameter(f"{run} is not a run directory (no checkpoint.pt)", param_hint="RUNS")
+        results.append(study(run))
+        click.echo(f"{run.name}: {len(results[-1]['rows'])} method x target rows", err=True)
+    path = write(results, out, "slc experiment calibration " + " ".join(str(r) for r in runs))
+    click.echo(f"calibration study of {len(runs)} run(s) -> {path}")
+
+
 @experiment.command("table1")
 @click.option("--dataset", default="mnist5k", show_default=True, **DATASET)
 @click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True)

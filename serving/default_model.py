@@ -50,6 +50,12 @@ def write_example(bundle: Path, path: Path, class_name: str = "7") -> bool:
             return False
         x = samples["input"][hits[0]]
     path.write_text(json.dumps({"inputs": [x.astype(float).tolist()]}))
+    image = manifest.get("image")
+    if image and image.get("layout") == "flat" and image.get("channels") == 1:  # the same 7 as a PNG
+        from PIL import Image
+
+        pixels = np.clip(np.rint(x.reshape(image["height"], image["width"]) / image.get("scale", 1.0)), 0, 255)
+        Image.fromarray(pixels.astype(np.uint8)).save(path.with_suffix(".png"))
     return True
 
 

@@ -242,6 +242,10 @@ def test_default_model_example_is_an_image_of_its_class(exported, tmp_path):
     rows = np.flatnonzero((x_cal == x).all(axis=1))
     assert rows.size and splits.classes[int(y_cal[rows[0]])] == "7"
     assert not write_example(bundle, tmp_path / "none.json", class_name="no such class")
+    from serving.images import decode  # the same 7 as a PNG, read back by the server's preprocessing
+
+    back = decode((tmp_path / "ex.png").read_bytes(), b"image/png", load_bundle(bundle).image, (64,))
+    np.testing.assert_allclose(back, x, atol=0.5 * 16 / 255 + 1e-6)
 
 
 def test_an_image_dataset_bundle_records_how_images_become_inputs(exported):

@@ -63,8 +63,13 @@ def curl_hint(home: Path, host: str, port: int) -> str | None:
     example = example_request_path(home)
     if not example.is_file():
         return None
-    return (f"is this image a 7?  curl -s -X POST http://{host}:{port}/v1/classes/7/detect "
+    hint = (f"is this image a 7?  curl -s -X POST http://{host}:{port}/v1/classes/7/detect "
             f"-H 'content-type: application/json' -d @{example}")
+    if example.with_suffix(".png").is_file():
+        hint += (f"\n  or as an image:  curl -s -X POST http://{host}:{port}/v1/classes/7/detect "
+                 f"-H 'content-type: image/png' --data-binary @{example.with_suffix('.png')}"
+                 f"\n  or draw one:  http://{host}:{port}/demo")
+    return hint
 
 
 def ensure_default_bundle(home: Path) -> Path:

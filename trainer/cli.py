@@ -196,8 +196,10 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
 @click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="resnet_glyph width")
 @click.option("--runs", "runs_dir", type=click.Path(path_type=Path), default=None,
               help="run cache [default: $SLC_HOME/runs/glyphs]")
+@click.option("--report-only", is_flag=True, help="write the table from the cached runs; train nothing")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
-def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, runs_dir: Optional[Path], out: Path) -> None:
+def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, runs_dir: Optional[Path], report_only: bool,
+           out: Path) -> None:
     """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
     import sys
 
@@ -206,7 +208,8 @@ def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, runs_di
 
     plan = GlyphPlan(dataset=dataset, seeds=tuple(range(seeds)), epochs=epochs, lr=lr, width=width)
     command = f"slc experiment glyphs --dataset {dataset} --seeds {seeds} --epochs {epochs} --lr {lr:g} --width {width}"
-    res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty())
+    res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty(),
+                           train_missing=not report_only)
     t = res["timing"]
     click.echo(f"glyphs: {len(res['rows']['test'])} rows, {t['runs_trained_now']} runs trained now "
                f"({t['elapsed_seconds'] / 60:.1f} min) -> {out / (dataset + '.md')}")

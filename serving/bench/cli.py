@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE, key_values, require
+from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, key_values, require
 
 
 @contextmanager
@@ -68,9 +68,20 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
 @click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--work", default="/tmp/slc-index-bench", show_default=True,
               help="where the head and the index cache are kept between runs", **OUT)
-def index(classes: int, dim: int, rows: str, kind: Optional[str], params: dict, batch: int, work: Path) -> None:
-    """Build time, memory, recall@10 and speed-up vs exact of the top-k index on a synthetic head.
-    The first run writes the head; run again for memory figures that exclude writing it."""
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
+              help="measure on this bundle's trained head with real queries instead of a synthetic head")
+@click.option("--inputs", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="with --bundle: a .npy of raw inputs to embed as queries [default: the bundle's samples]")
+@click.option("--grow", default="", help="with --bundle: comma list of head sizes grown by perturbed copies of the rows")
+@click.option("--sigma", type=POSITIVE, default=0.3, show_default=True, help="with --bundle: perturbation of the copies")
+@click.option("--out", default="docs/results", show_default=True, help="with --bundle: where the report goes", **OUT)
+def index(classes: int, dim: int, rows: str, kind: Optional[str], params: dict, batch: int, work: Path,
+          bundle_dir: Optional[Path], inputs: Optional[Path], grow: str, sigma: float, out: Path) -> None:
+    """Build time, memory, recall@10 and speed-up vs exact of the top-k index on a synthetic head
+    (the first run writes the head; run again for memory figures that exclude writing it), or with
+    --bundle on a trained head and real queries."""
+    if bundle_dir is not None:
+        return _trained_index(bundle_dir, inputs, grow, sigma, kind, work, out)
     from serving.bench.index import run_index_bench
 
     report = run_index_bench(classes, dim, rows, work, kind=kind, params=params, batch=batch)
@@ -173,3 +184,21 @@ def gallery(gallery_url: str, items: int, out: Path) -> None:
     up = result["upsert"]
     click.echo(f"gallery: upsert seen by the other replica after p50 {up['p50_ms']:.1f} ms, p99 {up['p99_ms']:.1f} ms; "
                f"{result['writes_per_s']:.0f} writes/s -> {out / 'shared-gallery.md'}")
+
+
+def _trained_index(bundle_dir: Path, inputs: Optional[Path], grow: str, sigma: float, kind: Optional[str],
+                   work: Path, out: Path) -> None:
+    from serving.bench.trained_index import markdown, run
+
+    sizes = [int(g) for g in grow.split(",") if g.strip()]
+    kinds = (kind,) if kind else ("ivf", "hnsw")
+    result = run(bundle_dir, inputs, sizes, sigma, kinds, work)
+    command = (f"slc bench index --bundle {bundle_dir}" + (f" --inputs {inputs}" if inputs else "")
+               + (f" --grow {grow}" if grow else "") + f" --sigma {sigma:g}" + (f" --kind {kind}" if kind else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"index-trained-{result['bundle']}"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result, command))
+    worst = min(result["rows"], key=lambda r: r["recall_at_10"])
+    click.echo(f"index on {result['bundle']}: {len(result['rows'])} head x kind rows, lowest recall@10 "
+               f"{worst['recall_at_10']:.3f} ({worst['kind']}, {worst['classes']:,} classes) -> {out / name}.md")

@@ -28,6 +28,11 @@ import math
 import numpy as np
 
 DEFAULT_TARGET = {"precision": 0.99}
+# How class j's threshold is chosen (docs/results/calibration-glyphs3755.md compares them):
+# per_class (column j alone), global (one pooled threshold), or shrink: the per-class threshold
+# pulled toward the global one by a pseudo-count kappa, (n_j t_j + kappa t_g) / (n_j + kappa).
+METHODS = ("per_class", "global", "shrink")
+DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
 PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
 
 
@@ -249,19 +254,49 @@ def _summary(per: dict, per_at_global: dict, test: dict | None, kind: str, value
     return summary
 
 
+def check_method(method: dict | None) -> dict:
+    method = dict(method or DEFAULT_METHOD)
+    if method.get("name") not in METHODS:
+        raise ValueError(f"threshold method must be one of {', '.join(METHODS)}, got {method.get('name')!r}")
+    if method["name"] == "shrink":
+        kappa = float(method.get("kappa", DEFAULT_METHOD["kappa"]))
+        if not (kappa > 0 and math.isfinite(kappa)):
+            raise ValueError(f"shrink needs kappa > 0, got {kappa}")
+        return {"name": "shrink", "kappa": kappa}
+    return {"name": method["name"]}
+
+
+def _apply_method(per: dict, global_t: float, method: dict, logits: np.ndarray, positive: np.ndarray,
+                  kind: str, value: float) -> dict:
+    """Per-class thresholds of `method` and their calibration rates (per_class: as chosen)."""
+    if method["name"] == "per_class":
+        return per
+    n = per["positives"].astype(np.float64)
+    if method["name"] == "global":
+        threshold = np.full(len(n), global_t)
+    else:
+        threshold = (n * per["threshold"] + method["kappa"] * global_t) / (n + method["kappa"])
+    rates = rates_at(logits, positive, threshold)
+    return {**per, "threshold": threshold, "precision": rates["precision"], "recall": rates["recall"],
+            "reached": rates[kind] >= value - 1e-12}
+
+
 def calibrate(
     logits_cal: np.ndarray,
     y_cal: np.ndarray,
     target: dict | None = None,
     logits_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
+    method: dict | None = None,
 ) -> dict:
     """calibration.json content: global and per-class thresholds, Platt (a, b), and the rates.
 
     logits_cal [N, D], y_cal [N]; the test split (if given) is only measured, never used to choose.
+    `method` says how the per-class thresholds are chosen (METHODS; default DEFAULT_METHOD).
     """
     target = dict(target or DEFAULT_TARGET)
     kind, value = _check_target(target)
+    method = check_method(method)
     logits_cal = np.asarray(logits_cal, dtype=np.float64)
     y_cal = np.asarray(y_cal, dtype=np.int64)
     n, num_classes = logits_cal.shape
@@ -275,11 +310,13 @@ def calibrate(
     pooled = choose_thresholds(logits_cal.reshape(-1, 1), positive.reshape(-1, 1), target)
     a, b = fit_platt(logits_cal, positive)
     global_t = float(pooled["threshold"][0])
+    per = _apply_method(per, global_t, method, logits_cal, positive, kind, value)
     # the global threshold read per class: how much does one number lose against D numbers?
     per_at_global = rates_at(logits_cal, positive, np.full(num_classes, global_t))
     test = _test_rates(logits_test, y_test, num_classes, per["threshold"], global_t) if logits_test is not None else None
     out = {
         "target": {kind: value},
+        "method": method,
         "decision": "match = logit >= threshold",
         "probability": "sigmoid(a * logit + b)",
         "split": "calibration",

@@ -124,7 +124,12 @@ def evaluate(run: Path, split: str) -> None:
               help="calibrate thresholds for this precision [default: 0.99]")
 @click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="or for this recall (not with --target-precision)")
-def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float]) -> None:
+@click.option("--threshold-method", type=click.Choice(["shrink", "per_class", "global"]), default="shrink",
+              show_default=True, help="per-class thresholds: pulled toward the global one (shrink), alone, or one for all")
+@click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
+              help="shrink: pseudo-count of the global threshold against a class's calibration positives")
+def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float],
+           threshold_method: str, kappa: float) -> None:
     """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
@@ -132,12 +137,13 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
     from trainer.export import export_bundle
 
     t0 = time.perf_counter()
-    export_bundle(run, out, target_precision=target_precision, target_recall=target_recall)
+    method = {"name": threshold_method, "kappa": kappa} if threshold_method == "shrink" else {"name": threshold_method}
+    export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method)
     b = load_bundle(out, verify=False)
     test = (b.calibration.get("summary") or {}).get("test") or {}
     extra = (f", test per-class mean precision {test['per_class_mean_precision']:.3f} recall "
              f"{test['per_class_mean_recall']:.3f}") if test else ""
-    click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}"
+    click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}, thresholds {b.calibration.get('method', {}).get('name', '?')}"
                f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: slc serve {out}")
 
 

@@ -226,12 +226,12 @@ def _write_head(stage: Path, weight: np.ndarray, bias: np.ndarray) -> None:
         stream.close()
 
 
-def _write_calibration(r: _Run, stage: Path, target: dict) -> dict:
+def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None) -> dict:
     """Thresholds chosen on the calibration split's logits as the server computes them (full.onnx)."""
     logits_cal = _ort_logits(stage / "full.onnx", r.x_cal)
     has_test = len(r.x_test) > 0
     logits_test = _ort_logits(stage / "full.onnx", r.x_test) if has_test else None
-    cal = calibrate(logits_cal, r.y_cal, target, logits_test, r.y_test if has_test else None)
+    cal = calibrate(logits_cal, r.y_cal, target, logits_test, r.y_test if has_test else None, method=method)
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
     return cal
 
@@ -279,7 +279,8 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         **({"image": spec} if (spec := image_spec(r.data_info.get("dataset") or "")) is not None else {}))
 
 
-def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None) -> Path:
+def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
+                  method: dict | None = None) -> Path:
     """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful."""
     run, out = Path(run), Path(out)
     target = _target(target_precision, target_recall)
@@ -293,7 +294,7 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     try:
         parity_report = _export_graphs(r, stage, D, external=weight.nbytes > EXTERNAL_DATA_BYTES)
         _write_head(stage, weight, bias)
-        cal = _write_calibration(r, stage, target)
+        cal = _write_calibration(r, stage, target, method)
         _write_samples(r, stage, D)
         write_manifest(stage, _manifest(r, stage, classes, d, cal, parity_report))
         problems = verify_bundle(stage)

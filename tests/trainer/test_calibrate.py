@@ -62,7 +62,7 @@ def test_reaches_target_on_calibration_when_reachable_and_flags_when_not():
     # class 0 separable: reachable at full recall; class 1 hopeless: its positives score lowest
     logits[:, 0] = np.where(y == 0, 5.0, -5.0) + 0.01 * rng.standard_normal(len(y))
     logits[:, 1] = np.where(y == 1, -10.0, rng.standard_normal(len(y)))
-    cal = calibrate(logits, y, {"precision": 0.99})
+    cal = calibrate(logits, y, {"precision": 0.99}, method={"name": "per_class"})
     json.dumps(cal, allow_nan=False)  # strict JSON
     positive = y[:, None] == np.arange(5)
     for entry in cal["per_class"]:
@@ -103,7 +103,7 @@ def test_class_without_positives_never_matches():
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((50, 3))
     y = rng.integers(0, 2, 50)  # class 2 absent
-    cal = calibrate(logits, y)
+    cal = calibrate(logits, y, method={"name": "per_class"})
     entry = cal["per_class"][2]
     assert not entry["reached"] and entry["positives"] == 0
     assert (logits[:, 2] < entry["threshold"]).all()
@@ -146,10 +146,42 @@ def test_large_d_is_vectorised():
     y = rng.integers(0, classes, n)
     logits = rng.standard_normal((n, classes)).astype(np.float32)
     logits[np.arange(n), y] += 4
-    cal = calibrate(logits, y)
+    cal = calibrate(logits, y, method={"name": "per_class"})
     assert len(cal["per_class"]) == classes
     present = np.unique(y)
     j = int(present[0])
     positive = y == j
     t, _, r, reached = brute_force(logits[:, j].astype(np.float64), positive, {"precision": 0.99})
     assert cal["per_class"][j]["threshold"] == pytest.approx(t) and cal["per_class"][j]["reached"] == reached
+
+
+def test_shrunk_thresholds_are_the_positive_weighted_mean_and_their_rates_are_measured():
+    rng = np.random.default_rng(8)
+    logits, y = overlapping_logits(rng, n=300, classes=6, sep=1.5)
+    per = calibrate(logits, y, {"precision": 0.9}, method={"name": "per_class"})
+    shrunk = calibrate(logits, y, {"precision": 0.9}, method={"name": "shrink", "kappa": 2})
+    assert shrunk["method"] == {"name": "shrink", "kappa": 2.0} and per["method"] == {"name": "per_class"}
+    g = per["global"]["threshold"]
+    positive = y[:, None] == np.arange(6)
+    for e_per, e in zip(per["per_class"], shrunk["per_class"]):
+        n = e_per["positives"]
+        assert e["threshold"] == pytest.approx((n * e_per["threshold"] + 2 * g) / (n + 2), abs=1e-12)
+        match = logits[:, e["class_id"]] >= e["threshold"]
+        pos = positive[:, e["class_id"]]
+        assert e["precision"] == pytest.approx((match & pos).sum() / match.sum() if match.any() else 1.0)
+        assert e["recall"] == pytest.approx((match & pos).sum() / pos.sum())
+        assert e["reached"] == (e["precision"] >= 0.9 - 1e-12)
+
+
+def test_the_global_method_gives_every_class_the_pooled_threshold():
+    rng = np.random.default_rng(9)
+    logits, y = overlapping_logits(rng, n=200, classes=4, sep=2.0)
+    cal = calibrate(logits, y, method={"name": "global"})
+    assert {e["threshold"] for e in cal["per_class"]} == {cal["global"]["threshold"]}
+
+
+@pytest.mark.parametrize("method", [{"name": "median"}, {"name": "shrink", "kappa": 0}, {"name": "shrink", "kappa": -1}])
+def test_an_unknown_method_or_a_bad_kappa_is_refused(method):
+    logits, y = overlapping_logits(np.random.default_rng(0), n=50, classes=3, sep=1.0)
+    with pytest.raises(ValueError):
+        calibrate(logits, y, method=method)

@@ -261,6 +261,7 @@ def test_an_image_dataset_bundle_records_how_images_become_inputs(exported):
     _, _, bundle, splits = exported
     b = load_bundle(bundle)
     assert b.image == image_spec("digits")
+    assert b.calibration["method"] == {"name": "shrink", "kappa": 4.0}  # the default threshold method
     for example in splits.test[0][:10]:  # [64] values 0..16
         buf = io.BytesIO()
         Image.fromarray(np.rint(example.reshape(8, 8) * 255 / 16).astype(np.uint8)).save(buf, format="PNG")

@@ -41,10 +41,23 @@ def _classes(ctx: click.Context, param: click.Parameter, value: str) -> list[int
 @click.option("--peer/--no-peer", default=True, show_default=True, help="also measure the plain torch peer (train extra)")
 @click.option("--default-model/--no-default-model", default=True, show_default=True,
               help="also measure detect on the default model")
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
+              help="measure this one bundle (e.g. a trained model) instead of the synthetic sweep")
 @click.option("--out", default="docs/results", show_default=True, help="where scale.{json,md,png} go", **OUT)
 def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer: bool, default_model: bool,
-          out: Path) -> None:
-    """Single-logit vs full softmax as D grows: OUT/scale.{json,md,png}."""
+          bundle_dir: Optional[Path], out: Path) -> None:
+    """Single-logit vs full softmax as D grows: OUT/scale.{json,md,png}; or on one real bundle."""
+    if bundle_dir is not None:
+        from serving.bench.bundle_scale import bench_bundle, bundle_markdown
+
+        r = bench_bundle(bundle_dir, duration, concurrency)
+        command = f"slc bench scale --bundle {bundle_dir} --duration {duration:g} --concurrency {concurrency}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"scale-{r['bundle']}.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+        (out / f"scale-{r['bundle']}.md").write_text(bundle_markdown(r, command))
+        click.echo(f"{r['bundle']}: detect/softmax throughput {r['ratios']['detect_over_softmax_rps']:.2f}x "
+                   f"-> {out / ('scale-' + r['bundle'] + '.md')}")
+        return
     from serving.bench.report import scale_markdown
     from serving.bench.run import run_scale_bench
 

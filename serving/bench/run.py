@@ -217,7 +217,7 @@ def default_model_check(duration: float, concurrency: int, log_dir: Path) -> dic
         return {"ready_s": ready, "closed": s, "detect_over_live": s["detect"]["rps"] / s["live"]["rps"]}
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     cpu = ""
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -237,7 +237,7 @@ def run_scale_bench(classes: Sequence[int], dim: int = 256, duration: float = 8.
     classes = sorted(int(c) for c in classes)
     command = f"slc bench scale --classes {','.join(map(str, classes))} --dim {dim} --duration {duration:g} --out {out}"
     res = {"command": command, "dim": dim, "duration_s": duration, "concurrency": concurrency, "block_s": BLOCK_S,
-           "machine": _machine(), "rows": []}
+           "machine": machine_info(), "rows": []}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="slc-bench-") as tmp:
         log_dir = Path(tmp)

@@ -35,6 +35,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "soak": ("serving.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
     "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
+    "agreement": ("serving.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),
     "gallery": ("serving.bench.cli:gallery", "Shared (PostgreSQL) gallery: how soon another replica sees a write."),
     "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
     "head": ("trainer.cli:bench_head", "Training at many classes: full vs sampled vs sharded head, as D grows."),

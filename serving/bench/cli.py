@@ -215,3 +215,30 @@ def _trained_index(bundle_dir: Path, inputs: Optional[Path], grow: str, sigma: f
     worst = min(result["rows"], key=lambda r: r["recall_at_10"])
     click.echo(f"index on {result['bundle']}: {len(result['rows'])} head x kind rows, lowest recall@10 "
                f"{worst['recall_at_10']:.3f} ({worst['kind']}, {worst['classes']:,} classes) -> {out / name}.md")
+
+
+@click.command()
+@click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--inputs", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=".npy of the split's raw inputs (the one export measured: the run's test split)")
+@click.option("--labels", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=".npy of their class ids")
+@click.option("--classes", type=click.IntRange(min=1), default=50, show_default=True,
+              help="classes whose detect answers are compared one by one")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: Path) -> None:
+    """Top-1 and per-class detect precision/recall over HTTP against the offline figures of export."""
+    import numpy as np
+
+    from serving.bench.agreement import markdown, measure
+
+    x, y = np.load(inputs, mmap_mode="r"), np.load(labels)
+    if len(x) != len(y):
+        raise click.BadParameter(f"{len(x)} inputs but {len(y)} labels", param_hint="--labels")
+    r = measure(bundle_dir, x, y, classes)
+    command = f"slc bench agreement BUNDLE --inputs {inputs.name} --labels {labels.name} --classes {classes}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"agreement-{r['bundle']}.json").write_text(json.dumps(r, indent=2) + "\n")
+    (out / f"agreement-{r['bundle']}.md").write_text(markdown(r, command))
+    click.echo(f"{r['bundle']}: HTTP top-1 {r['http_accuracy']:.4f} (offline {r['offline_accuracy']}); detect equal on "
+               f"{r['classes_equal']}/{r['classes_clear']} classes -> {out / ('agreement-' + r['bundle'] + '.md')}")

@@ -230,9 +230,22 @@ class ClassIndex:
              **params: Any) -> "ClassIndex":
         """Load the cached index for ``bundle.digest`` or build (and cache) it.
 
-        kind None chooses by D: ``flat`` up to EXACT_MAX_CLASSES, else ``ivf``. ``params``
-        overrides build settings (nlist, nprobe, rerank, train_size, niter, hnsw_m, ...).
+        kind None chooses by D: ``flat`` up to EXACT_MAX_CLASSES, else ``ivf``, and ``hnsw``
+        when IVF misses its recall or speed target (trained heads: docs/results/index-trained-
+        glyphs3755.md), exact search when neither is worth it. ``params`` overrides build
+        settings (nlist, nprobe, rerank, train_size, niter, hnsw_m, ...).
         """
+        if kind is not None or int(bundle.weight.shape[0]) <= EXACT_MAX_CLASSES:
+            return cls._open_kind(bundle, cache_dir, device, kind, **params)
+        ivf = cls._open_kind(bundle, cache_dir, device, "ivf", **params)
+        if ivf.meta.kind != "exact":
+            return ivf
+        log.info("class index: ivf not worth it on this head; trying hnsw")
+        return cls._open_kind(bundle, cache_dir, device, "hnsw", **params)
+
+    @classmethod
+    def _open_kind(cls, bundle: Any, cache_dir: Path, device: str, kind: str | None, **params: Any) -> "ClassIndex":
+        """open() for one kind (None: flat or ivf by D)."""
         weight, bias = bundle.weight, bundle.bias
         num_classes, embed_dim = int(weight.shape[0]), int(weight.shape[1])
         digest = str(bundle.digest)

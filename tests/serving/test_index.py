@@ -230,3 +230,28 @@ def test_engine_searches_the_index_once_per_batch(tmp_path):
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(logits, want_logits)
     np.testing.assert_array_equal(results[1], hs[1])
+
+
+def test_an_automatic_choice_tries_hnsw_when_ivf_is_not_worth_it(monkeypatch):
+    """Above EXACT_MAX_CLASSES: ivf first; if its tuning falls back to exact, hnsw; ivf kept when it holds."""
+    import types
+
+    from serving import index as index_mod
+
+    asked = []
+
+    def fake_open(cls, bundle, cache_dir, device, kind, **params):
+        asked.append(kind)
+        return types.SimpleNamespace(meta=types.SimpleNamespace(kind=outcome[kind]))
+
+    monkeypatch.setattr(index_mod.ClassIndex, "_open_kind", classmethod(fake_open))
+    big = types.SimpleNamespace(weight=np.zeros((index_mod.EXACT_MAX_CLASSES + 1, 2), np.float32))
+    outcome = {"ivf": "exact", "hnsw": "hnsw"}
+    assert index_mod.ClassIndex.open(big, None).meta.kind == "hnsw" and asked == ["ivf", "hnsw"]
+    asked.clear()
+    outcome = {"ivf": "ivf", "hnsw": "hnsw"}
+    assert index_mod.ClassIndex.open(big, None).meta.kind == "ivf" and asked == ["ivf"]
+    asked.clear()
+    small = types.SimpleNamespace(weight=np.zeros((10, 2), np.float32))
+    outcome = {None: "flat"}
+    assert index_mod.ClassIndex.open(small, None).meta.kind == "flat" and asked == [None]

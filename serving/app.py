@@ -188,12 +188,19 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        grpc_server = None
+        if settings.grpc_port is not None:  # before the model loads: it answers UNAVAILABLE until ready
+            from serving.grpc_v2 import start_grpc
+
+            grpc_server = await start_grpc(state, settings.host, settings.grpc_port, settings.max_body_bytes)
         loader = asyncio.create_task(_load(state), name="slc-load")
         state.loader = loader
         try:
             yield
         finally:
             state.start_draining()
+            if grpc_server is not None:
+                await grpc_server.stop(settings.request_timeout_s)
             if not loader.done():
                 loader.cancel()
                 try:

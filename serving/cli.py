@@ -16,6 +16,7 @@ from serving.bundle.cliopts import bundle_dir
 @click.option("--host", help="[default: 127.0.0.1, or SLC_HOST]")
 @click.option("--port", type=click.IntRange(0, 65535), help="[default: 8000, or SLC_PORT]")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="gallery and index cache [default: $SLC_HOME/data]")
+@click.option("--grpc-port", type=click.IntRange(0, 65535), help="also serve KServe v2 over gRPC on this port [default: off]")
 @click.option("--gallery-url", help="postgresql://… : a gallery shared by every replica [default: SQLite in --data-dir]")
 @click.option("--max-batch", type=click.IntRange(min=1), help="inputs per backbone call [default: 64]")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0.0), help="batching wait in ms [default: 2.0]")

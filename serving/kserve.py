@@ -117,7 +117,7 @@ def _check_version(request: Request) -> None:
                        code="unknown_version")
 
 
-def _model_kind(engine, model: str) -> str:
+def model_kind(engine, model: str) -> str:
     name = engine.bundle.name
     if model == name:
         return "single"
@@ -126,7 +126,7 @@ def _model_kind(engine, model: str) -> str:
     raise NotFound(f"unknown model {model!r}; this server has {name!r} and {name + '-full'!r}", code="unknown_model")
 
 
-def _metadata(engine, kind: str) -> dict:
+def model_metadata_of(engine, kind: str) -> dict:
     name = engine.bundle.name
     x = {"name": "input", "datatype": "FP32", "shape": [-1, *engine.input_shape]}
     if kind == "single":
@@ -160,7 +160,7 @@ async def v2_ready(state=Depends(server_state)):
             include_in_schema=False)
 async def model_metadata(model: str, request: Request, engine=Depends(ready_engine)):
     _check_version(request)
-    return OrjsonResponse(_metadata(engine, _model_kind(engine, model)))
+    return OrjsonResponse(model_metadata_of(engine, model_kind(engine, model)))
 
 
 @router.get("/models/{model}/ready", response_model=Readiness, responses=error_responses(404, 503))
@@ -168,7 +168,7 @@ async def model_metadata(model: str, request: Request, engine=Depends(ready_engi
             include_in_schema=False)
 async def model_ready(model: str, request: Request, engine=Depends(ready_engine), state=Depends(server_state)):
     _check_version(request)
-    _model_kind(engine, model)
+    model_kind(engine, model)
     if not state.is_ready:
         raise NotReady(state.not_ready_reason())
     return {"ready": True}
@@ -188,7 +188,7 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
 @router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
 async def infer(model: str, request: Request, engine=Depends(ready_engine)):
     _check_version(request)
-    kind = _model_kind(engine, model)
+    kind = model_kind(engine, model)
     body = await request.body()
     header_len = request.headers.get("inference-header-content-length")
     binary = b""
@@ -210,24 +210,7 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
         raise InvalidInput(f"{loc}: {first['msg']}", code="validation_error") from None
 
     tensors = _decode_inputs(req, binary, read.has_bool_token(body))
-    if kind == "single":
-        x = _input_batch(engine, tensors)
-        cid = tensors.get("class_id")
-        if cid is None:
-            raise InvalidInput("model needs inputs 'input' and 'class_id'", code="missing_input")
-        cid_arr, cid_type = cid
-        if cid_type not in _INTS or cid_arr.size != x.shape[0]:
-            raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
-        flat = cid_arr.reshape(-1)
-        bad = flat[(flat < 0) | (flat >= engine.num_classes)]  # in the tensor's own dtype: no wrap-around
-        if bad.size:
-            raise NotFound(f"unknown class id {int(bad[0])} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
-        ids = flat.astype(np.int64)
-        logit, match = await engine.single_logits(x, ids)
-        outputs = {"logit": ("FP32", logit), "match": ("BOOL", match)}
-    else:
-        x = _input_batch(engine, tensors)
-        outputs = {"logits": ("FP32", await engine.all_logits(x))}
+    outputs = await run_model(engine, kind, tensors)
 
     wanted = req.outputs or [InferRequestedOutput(name=n) for n in outputs]
     binary_default = bool((req.parameters or {}).get("binary_data_output", False))
@@ -252,6 +235,26 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
         return Response(head, media_type="application/json")
     return Response(head + b"".join(out_bin), media_type="application/octet-stream",
                     headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]]) -> dict[str, tuple[str, np.ndarray]]:
+    """The model `kind` ("single" or "full") on decoded input tensors -> {output name: (datatype, array)}.
+    Shared by the HTTP route above and the gRPC service (serving/grpc_v2.py)."""
+    x = _input_batch(engine, tensors)
+    if kind != "single":
+        return {"logits": ("FP32", await engine.all_logits(x))}
+    cid = tensors.get("class_id")
+    if cid is None:
+        raise InvalidInput("model needs inputs 'input' and 'class_id'", code="missing_input")
+    cid_arr, cid_type = cid
+    if cid_type not in _INTS or cid_arr.size != x.shape[0]:
+        raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
+    flat = cid_arr.reshape(-1)
+    bad = flat[(flat < 0) | (flat >= engine.num_classes)]  # in the tensor's own dtype: no wrap-around
+    if bad.size:
+        raise NotFound(f"unknown class id {int(bad[0])} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
+    logit, match = await engine.single_logits(x, flat.astype(np.int64))
+    return {"logit": ("FP32", logit), "match": ("BOOL", match)}
 
 
 def _check_structure(engine, body: bytes) -> None:

@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     max_inputs: int = Field(256, ge=1, description="examples per request (inputs, gallery items); 422 beyond")
     max_topk: int = Field(1000, ge=1)
 
+    grpc_port: Optional[int] = Field(None, ge=0, le=65535, description=(
+        "also serve KServe v2 over gRPC on this port (needs slc[grpc]); unset: HTTP only"))
+
     # --- storage (serving/gallery/)
     gallery_max_bytes: Optional[int] = Field(None, ge=65536, description="quota of the SQLite gallery; a write "
                                              "past it (or on a full disk) is answered 507 and nothing is written")

@@ -1,0 +1,170 @@
+"""KServe v2 over gRPC (`inference.GRPCInferenceService`, the protocol Triton speaks), beside HTTP:
+`slc serve --grpc-port 8001` (needs `pip install 'slc[grpc]'`). `tritonclient.grpc` works
+against it unmodified.
+
+Same models as /v2 over HTTP (serving/kserve.py): `<bundle name>` (input + class_id -> logit,
+match) and `<bundle name>-full` (input -> logits); same engine and batch queue; inputs as
+`raw_input_contents` (what tritonclient sends) or typed `contents`; outputs as
+`raw_output_contents`. Errors are the HTTP envelope's, mapped to gRPC status codes (STATUS
+below) with the envelope's code in the message; requests are counted in /metrics with
+endpoint `grpc:<method>`. The protocol's message classes come from tritonclient's generated
+modules (Triton's own .proto files, compiled).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from serving.errors import ApiError, InvalidInput
+from serving.kserve import _DTYPES, _FLOATS, SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
+
+log = logging.getLogger(__name__)
+
+# HTTP status of the error envelope -> gRPC status code name
+STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED",
+          413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
+          503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED", 507: "RESOURCE_EXHAUSTED"}
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+             "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def _modules():
+    try:
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError(f"--grpc-port needs grpcio and tritonclient[grpc] ({exc}): pip install 'slc[grpc]'") from None
+    return grpc, service_pb2, service_pb2_grpc
+
+
+def decode_tensors(request) -> dict[str, tuple[np.ndarray, str]]:
+    """ModelInferRequest inputs -> {name: (array shaped as declared, datatype)}, checked as over HTTP."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs", code="validation_error")
+    names = [t.name for t in request.inputs]
+    if unknown := [n for n in names if n not in ("input", "class_id")]:
+        raise InvalidInput(f"unknown input tensor {unknown[0]!r}; the models take 'input' (and 'class_id')",
+                           code="unknown_input")
+    if len(set(names)) != len(names):
+        raise InvalidInput("an input tensor is given twice", code="validation_error")
+    tensors = {}
+    for i, t in enumerate(request.inputs):
+        dt = t.datatype.upper()
+        if dt not in _DTYPES or dt == "FP16":
+            raise InvalidInput(f"input {t.name!r}: datatype {t.datatype!r} is not supported", code="unsupported_datatype")
+        shape = [int(s) for s in t.shape]
+        if any(s < 0 for s in shape):
+            raise InvalidInput(f"input {t.name!r}: negative dimension in shape {shape}", code="shape_mismatch")
+        count = int(np.prod(shape)) if shape else 1
+        if raw:
+            itemsize = np.dtype(_DTYPES[dt]).itemsize
+            if len(raw[i]) != count * itemsize:
+                raise InvalidInput(f"input {t.name!r}: {len(raw[i])} bytes for shape {shape} {dt}", code="shape_mismatch")
+            arr = np.frombuffer(raw[i], dtype=_DTYPES[dt])
+        else:
+            arr = np.asarray(getattr(t.contents, _CONTENTS[dt]), dtype=_DTYPES[dt])
+            if arr.size != count:
+                raise InvalidInput(f"input {t.name!r}: {arr.size} values for shape {shape}", code="shape_mismatch")
+        arr = arr.reshape(shape)
+        if dt in _FLOATS and not np.isfinite(arr).all():
+            raise InvalidInput(f"input {t.name!r}: NaN or infinite values", code="non_finite_value")
+        tensors[t.name] = (arr, dt)
+    return tensors
+
+
+def build_service(state):
+    """The servicer class bound to the server's state (engine, metrics)."""
+    grpc, pb, pb_grpc = _modules()
+
+    def engine():
+        return state.ready_engine()  # NotReady (503 -> UNAVAILABLE) while loading or draining
+
+    async def guarded(method: str, context, work):
+        t0 = time.perf_counter()
+        status = 200
+        try:
+            return await work()
+        except ApiError as exc:
+            status = exc.status
+            state.metrics.reject(exc.code)
+            await context.abort(getattr(grpc.StatusCode, STATUS.get(exc.status, "INTERNAL")), f"{exc.code}: {exc}")
+        except Exception as exc:  # an abort raises too: counted as what it was
+            if not isinstance(exc, grpc.aio.AbortError):
+                status = 500
+                log.exception("grpc %s failed", method)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+        finally:
+            label = f"grpc:{method}"
+            state.metrics.requests.labels(label, "POST", str(status)).inc()
+            state.metrics.latency.labels(label, "POST", str(status)).observe(time.perf_counter() - t0)
+
+    def tensor_meta(items: list[dict]) -> list:
+        return [pb.ModelMetadataResponse.TensorMetadata(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                for t in items]
+
+    class Service(pb_grpc.GRPCInferenceServiceServicer):
+        async def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+        async def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=bool(state.is_ready))
+
+        async def ServerMetadata(self, request, context):
+            return pb.ServerMetadataResponse(name="slc", version=SERVER_VERSION, extensions=[])
+
+        async def ModelReady(self, request, context):
+            async def work():
+                model_kind(engine(), request.name)
+                return pb.ModelReadyResponse(ready=bool(state.is_ready))
+            return await guarded("ModelReady", context, work)
+
+        async def ModelMetadata(self, request, context):
+            async def work():
+                e = engine()
+                m = model_metadata_of(e, model_kind(e, request.name))
+                return pb.ModelMetadataResponse(name=m["name"], versions=m["versions"], platform=m["platform"],
+                                                inputs=tensor_meta(m["inputs"]), outputs=tensor_meta(m["outputs"]))
+            return await guarded("ModelMetadata", context, work)
+
+        async def ModelInfer(self, request, context):
+            async def work():
+                e = engine()
+                if request.model_version not in ("", VERSION):
+                    raise ApiError(f"model version {request.model_version!r} does not exist", code="unknown_version",
+                                   status=404)
+                kind = model_kind(e, request.model_name)
+                outputs = await run_model(e, kind, decode_tensors(request))
+                wanted = [o.name for o in request.outputs] or list(outputs)
+                if unknown := [n for n in wanted if n not in outputs]:
+                    raise InvalidInput(f"unknown output {unknown[0]!r}; outputs are {sorted(outputs)}",
+                                       code="unknown_output")
+                response = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSION, id=request.id)
+                for name in wanted:
+                    dtype, arr = outputs[name]
+                    response.outputs.add(name=name, datatype=dtype, shape=list(arr.shape))
+                    response.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
+                return response
+            return await guarded("ModelInfer", context, work)
+
+    return Service
+
+
+async def start_grpc(state, host: str, port: int, max_message_bytes: int) -> Any:
+    """A grpc.aio server on host:port serving the v2 service; returns it (stop with .stop(grace))."""
+    grpc, _, pb_grpc = _modules()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", int(max_message_bytes)),
+                                      ("grpc.max_send_message_length", 256 * 1024 * 1024)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(build_service(state)(), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    log.info("gRPC KServe v2 on %s:%d", host, bound)
+    return server
+

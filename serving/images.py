@@ -55,7 +55,9 @@ def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: 
         img.load()
     except PayloadTooLarge:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # Pillow's own guard, far above MAX_PIXELS
+        raise PayloadTooLarge(f"the image is too large to decode ({exc})", code="image_too_large") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise InvalidInput(f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})",
                            code="invalid_image") from None
     return preprocess(img, spec)

@@ -10,7 +10,7 @@ import pytest
 
 from trainer.glyph_experiment import GlyphPlan, glyph_experiment
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # four short trainings on glyphs-latin
 ROWS = (("ce", 1.0), ("batch_ce", 0.5))
 
 

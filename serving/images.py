@@ -23,7 +23,8 @@ import numpy as np
 from serving.errors import InvalidInput, PayloadTooLarge
 from serving.inputs import UnsupportedMediaType
 
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/bmp", "image/webp", "image/tiff")
+IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/bmp": "BMP",
+               "image/webp": "WEBP", "image/tiff": "TIFF"}  # content type -> the one Pillow decoder tried
 MAX_PIXELS = 16_000_000  # decoded pixels; a larger image (or a decompression bomb) is refused
 
 
@@ -45,22 +46,24 @@ def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: 
     if content_type.decode("latin-1") not in IMAGE_TYPES:
         raise UnsupportedMediaType(f"{content_type.decode('latin-1')} is not a supported image type; "
                                    f"send one of {', '.join(IMAGE_TYPES)}")
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(body))
+        img = Image.open(io.BytesIO(body), formats=[IMAGE_TYPES[content_type.decode("latin-1")]])
         if img.width * img.height > MAX_PIXELS:
             raise PayloadTooLarge(f"the image has {img.width}x{img.height} pixels; the limit is {MAX_PIXELS:,}",
                                   code="image_too_large")
         img.load()
-    except PayloadTooLarge:
+        if img.mode in ("I", "F") or img.mode.startswith("I;32"):
+            raise UnsupportedMediaType(f"{img.mode} images (32-bit samples) are not supported; send 8 or 16 bits")
+        return preprocess(img, spec)
+    except (PayloadTooLarge, UnsupportedMediaType):
         raise
     except Image.DecompressionBombError as exc:  # Pillow's own guard, far above MAX_PIXELS
         raise PayloadTooLarge(f"the image is too large to decode ({exc})", code="image_too_large") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any decoder or EXIF failure is the image's fault, never a 500
         raise InvalidInput(f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})",
                            code="invalid_image") from None
-    return preprocess(img, spec)
 
 
 def preprocess(img, spec: dict) -> np.ndarray:
@@ -70,6 +73,8 @@ def preprocess(img, spec: dict) -> np.ndarray:
     h, w, c = int(spec["height"]), int(spec["width"]), int(spec["channels"])
     dark = spec.get("background", "dark") == "dark"
     img = ImageOps.exif_transpose(img)
+    if img.mode.startswith("I;16"):  # 16-bit grey: scaled to 8 bits, not clipped at 255
+        img = Image.fromarray(np.rint(np.asarray(img, dtype=np.float64) / 257.0).astype(np.uint8))
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         flat = Image.new("RGBA", rgba.size, (0, 0, 0, 255) if dark else (255, 255, 255, 255))

@@ -169,3 +169,31 @@ def test_gallery_put_with_metadata_that_is_not_an_object_is_422(image_client):
     r = image_client.put("/v1/gallery/items/x", content=_png(_digit()), headers={"content-type": "image/png"},
                          params={"metadata": "[1, 2]"})
     assert_envelope(r, 422, "validation_error")
+
+
+def test_sixteen_bit_grey_is_scaled_not_clipped():
+    ramp = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)  # 0 .. 63,000
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG")  # uint16 -> mode I;16
+    got = decode(buf.getvalue(), b"image/png", IMAGE, (64,))
+    np.testing.assert_array_equal(got, (np.rint(ramp / 257.0) * np.float32(16 / 255)).astype(np.float32).ravel())
+
+
+def test_a_body_in_another_format_than_declared_is_422():
+    buf = io.BytesIO()
+    Image.fromarray(_digit()).save(buf, format="BMP")
+    with pytest.raises(Exception) as err:
+        decode(buf.getvalue(), b"image/png", IMAGE, (64,))
+    assert getattr(err.value, "code", None) == "invalid_image"
+
+
+@pytest.mark.parametrize("mode", ["LAB", "CMYK", "RGBA", "P", "1"])
+def test_every_pillow_mode_either_decodes_or_is_a_4xx(mode):
+    img = Image.new(mode, (8, 8))
+    buf = io.BytesIO()
+    img.save(buf, format="TIFF")
+    try:
+        got = decode(buf.getvalue(), b"image/tiff", IMAGE, (64,))
+        assert got.shape == (64,) and np.isfinite(got).all()
+    except Exception as exc:  # noqa: BLE001
+        assert getattr(exc, "status", 500) in (413, 415, 422), exc

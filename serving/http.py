@@ -258,6 +258,14 @@ def _require_key(scope) -> None:
                   auth.decode("latin-1"))
 
 
+def _item_id(value: Any, where: str) -> str:
+    """A gallery item id: 1..256 characters, no NUL (PostgreSQL text cannot store it)."""
+    item_id = read.string(value, where, 256)
+    if "\x00" in item_id:
+        raise InvalidInput(f"{where} must not contain the NUL character", code="validation_error")
+    return item_id
+
+
 def _gallery_items(obj: dict, max_items: int) -> list[dict]:
     """items [{id, input, metadata?}], checked before any input is converted; last one wins per id."""
     read.check_keys(obj, ("items",), required=("items",))
@@ -270,7 +278,7 @@ def _gallery_items(obj: dict, max_items: int) -> list[dict]:
         if type(it) is not dict:
             raise InvalidInput(f"items[{k}] must be an object {{id, input, metadata?}}", code="validation_error")
         read.check_keys(it, ("id", "input", "metadata"), required=("id", "input"), where=f"items[{k}]")
-        read.string(it["id"], f"items[{k}].id", 256)
+        _item_id(it["id"], f"items[{k}].id")
         if it.get("metadata") is not None and type(it["metadata"]) is not dict:
             raise InvalidInput(f"items[{k}].metadata must be an object or null", code="validation_error")
     return list({it["id"]: {"metadata": None, **it} for it in items}.values())
@@ -314,7 +322,7 @@ async def gallery_put(body: GalleryPutRequest, item_id: str, engine=Depends(read
 async def _gallery_put_body(scope, body: bytes):
     _require_key(scope)
     engine = _state(scope).ready_engine()
-    item_id = read.string(scope["path_params"]["item_id"], "item id", 256)
+    item_id = _item_id(scope["path_params"]["item_id"], "item id")
     content_type = images.content_type_of(scope)
     if images.is_image(content_type):
         obj = _query_string(scope)

@@ -66,68 +66,110 @@ class PostgresGallery(GalleryBase):
     def __init__(self, url: str, bundle_digest: str, embed_dim: int, poll_s: float = 0.5):
         super().__init__(bundle_digest, embed_dim)
         psycopg = _psycopg()
-        self._errors = psycopg.errors
+        self._url, self._errors, self._operational = url, psycopg.errors, psycopg.OperationalError
+        self._db = self._listener = None
         try:
-            self._db = psycopg.connect(url, autocommit=True, connect_timeout=10)
+            self._db = self._connect()
             with self._db.transaction():
                 self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))  # one replica creates the schema
                 for statement in _SCHEMA:
                     self._db.execute(statement)
-            self._listener = psycopg.connect(url, autocommit=True, connect_timeout=10)
-            self._listener.execute(f"LISTEN {CHANNEL}")
+            self._listener = self._connect(listen=True)
+            self.last_seq = 0
+            self._rebuild()
         except psycopg.OperationalError as exc:
-            raise GalleryUnavailable(f"cannot reach the gallery database: {str(exc).strip().splitlines()[0]}") from None
-        self.last_seq = 0
-        self._rebuild()
+            for conn in (self._db, self._listener):
+                if conn is not None:
+                    conn.close()
+            raise GalleryUnavailable(f"cannot reach the gallery database: {_first_line(exc)}") from None
         self._poll_s = float(poll_s)
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="gallery-follower", daemon=True)
         self._follower.start()
 
+    # ------------------------------------------------------------------------------ connections
+    def _connect(self, listen: bool = False):
+        """A connection with bounded waits: statements and lock waits end after 10 s (503, not a
+        stall), TCP keepalives notice a dead peer."""
+        import psycopg
+
+        conn = psycopg.connect(self._url, autocommit=True, connect_timeout=10, keepalives=1, keepalives_idle=30,
+                               options="-c statement_timeout=10000 -c lock_timeout=10000")
+        if listen:
+            conn.execute(f"LISTEN {CHANNEL}")
+        return conn
+
+    def _ensure_db(self) -> None:
+        """After the database restarted (or the connection broke): reconnect, then rebuild the index
+        from the table, since changes made meanwhile may have been missed. Under self._lock."""
+        if not (self._db.closed or self._db.broken):
+            return
+        self._db.close()
+        try:
+            self._db = self._connect()
+        except self._operational as exc:
+            raise GalleryUnavailable(f"the gallery database is unavailable: {_first_line(exc)}") from None
+        log.warning("gallery: reconnected to PostgreSQL; rebuilding the index")
+        self._rebuild()
+
     # ------------------------------------------------------------------------------ keeping in step
     def _rebuild(self) -> None:
         """The index from every row of this bundle's digest; last_seq = the newest seq drawn. Under
-        the writers' lock, so no write is half-way (drawn its seq, not yet committed)."""
+        the writers' lock, so no write is half-way (drawn its seq, not yet committed). Built aside
+        and swapped in only once complete: a failure leaves the old index and last_seq."""
         t0 = time.perf_counter()
-        with self._lock, self._db.transaction():
-            self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-            (self.last_seq,) = self._db.execute(
-                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM slc_gallery_seq").fetchone()
-            self._index = type(self._index)(self.embed_dim)
-            self._apply_rows(self._db.execute("SELECT num, digest, embedding, seq FROM slc_gallery_items").fetchall())
+        with self._lock:
+            try:
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+                    (last_seq,) = self._db.execute(
+                        "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM slc_gallery_seq").fetchone()
+                    rows = self._db.execute("SELECT num, digest, embedding, seq FROM slc_gallery_items WHERE digest = %s",
+                                            (self.digest,)).fetchall()
+            except self._operational as exc:
+                raise GalleryUnavailable(f"the gallery database is unavailable: {_first_line(exc)}") from None
+            index = type(self._index)(self.embed_dim)
+            self._apply_rows(rows, index)
+            self._index, self.last_seq = index, last_seq
         log.info("gallery: %d items indexed from PostgreSQL in %.2fs", self._index.ntotal, time.perf_counter() - t0)
 
-    def _apply_rows(self, rows) -> None:
+    def _apply_rows(self, rows, index=None) -> None:
         """Rows (num, digest, embedding, seq) that are new or changed: into the index if ours."""
+        index = self._index if index is None else index
         if not rows:
             return
-        self._index.remove(r[0] for r in rows)
+        index.remove(r[0] for r in rows)
         mine = [r for r in rows if r[1] == self.digest]
         if mine:
-            self._index.add(np.asarray([r[0] for r in mine], dtype=np.int64),
-                            np.stack([self._index.vector(np.frombuffer(r[2], dtype="<f4")) for r in mine]))
+            index.add(np.asarray([r[0] for r in mine], dtype=np.int64),
+                      np.stack([index.vector(np.frombuffer(r[2], dtype="<f4")) for r in mine]))
 
     def catch_up(self) -> None:
         """Apply every change committed after last_seq (idempotent)."""
         with self._lock:
             self._check_open()
-            pruned = self._db.execute("SELECT upto FROM slc_gallery_pruned").fetchone()
-            if pruned is not None and pruned[0] > self.last_seq:
+            self._ensure_db()
+            pruned = self._read("SELECT upto FROM slc_gallery_pruned", ())
+            if pruned and pruned[0][0] > self.last_seq:
                 log.warning("gallery: this replica fell behind the pruned tombstones; rebuilding its index")
                 self._rebuild()
                 return
-            changes = self._db.execute(  # one statement, one snapshot: upserts and deletes seen together
+            changes = self._read(  # one statement, one snapshot: upserts and deletes seen together
                 """SELECT num, digest, embedding, seq, FALSE FROM slc_gallery_items WHERE seq > %s
                    UNION ALL SELECT num, NULL, NULL, seq, TRUE FROM slc_gallery_tombstones WHERE seq > %s""",
-                (self.last_seq, self.last_seq)).fetchall()
+                (self.last_seq, self.last_seq))
             self._apply_rows([c[:4] for c in changes if not c[4]])
             self._index.remove(c[0] for c in changes if c[4])
             self.last_seq = max([self.last_seq] + [c[3] for c in changes])
 
     def _follow(self) -> None:
-        """Catch up on every NOTIFY and every poll_s seconds, until closed."""
+        """Catch up on every NOTIFY and every poll_s seconds, until closed; reconnect when the
+        database comes back (the catch-up then rebuilds the index)."""
         while not self._stop.is_set():
             try:
+                if self._listener.closed or self._listener.broken:
+                    self._listener.close()
+                    self._listener = self._connect(listen=True)
                 for _ in self._listener.notifies(timeout=self._poll_s, stop_after=1):
                     pass
                 if not self._stop.is_set():
@@ -135,12 +177,14 @@ class PostgresGallery(GalleryBase):
             except Exception as exc:  # the database went away: keep serving what is indexed, retry
                 if self._stop.is_set():
                     return
-                log.warning("gallery: cannot follow changes (%s); retrying", str(exc).strip().splitlines()[0])
+                log.warning("gallery: cannot follow changes (%s); retrying", _first_line(exc))
                 self._stop.wait(1.0)
 
     # ------------------------------------------------------------------------------ writes
     def _write(self, statements) -> None:
-        """Run statements(cursor) in one locked transaction that ends with NOTIFY; map errors."""
+        """Run statements() in one locked transaction that ends with NOTIFY; map errors; then catch
+        up (the write is durable already: a failed catch-up is left to the follower)."""
+        self._ensure_db()
         try:
             with self._db.transaction():
                 self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
@@ -148,8 +192,12 @@ class PostgresGallery(GalleryBase):
                 self._db.execute(f"NOTIFY {CHANNEL}")
         except self._errors.DiskFull as exc:
             raise StorageFull(f"the gallery could not commit: {exc}") from exc
-        except self._errors.OperationalError as exc:
-            raise GalleryUnavailable(f"the gallery database is unavailable: {str(exc).strip().splitlines()[0]}") from exc
+        except self._operational as exc:  # includes statement and lock timeouts
+            raise GalleryUnavailable(f"the gallery database is unavailable: {_first_line(exc)}") from exc
+        try:
+            self.catch_up()
+        except GalleryUnavailable as exc:
+            log.warning("gallery: committed, but catching up failed (%s); the follower will", exc)
 
     def upsert(self, items: list[GalleryRecord]) -> None:
         """Insert or replace items by id; returns once committed and in this replica's index."""
@@ -171,7 +219,6 @@ class PostgresGallery(GalleryBase):
         with self._lock:
             self._check_open()
             self._write(statements)
-            self.catch_up()
 
     def delete(self, id: str) -> bool:
         """Remove an item (of any bundle digest); True if it existed. Durable once it returns."""
@@ -185,10 +232,11 @@ class PostgresGallery(GalleryBase):
                                     VALUES (nextval('slc_gallery_seq'), %s, %s)""", (row[0], time.time()))
             self._prune()
 
+        if "\x00" in id:  # PostgreSQL text cannot hold NUL: no such item can exist
+            return False
         with self._lock:
             self._check_open()
             self._write(statements)
-            self.catch_up()
         return bool(found)
 
     def _prune(self) -> None:
@@ -202,6 +250,8 @@ class PostgresGallery(GalleryBase):
 
     # ------------------------------------------------------------------------------ reads
     def get(self, id: str) -> dict | None:
+        if "\x00" in id:  # PostgreSQL text cannot hold NUL: no such item can exist
+            return None
         with self._lock:
             self._check_open()
             row = self._read("SELECT id, metadata, input FROM slc_gallery_items WHERE id = %s AND digest = %s",
@@ -224,10 +274,11 @@ class PostgresGallery(GalleryBase):
                           (self.digest, limit))
 
     def _read(self, query: str, params) -> list[tuple]:
+        self._ensure_db()
         try:
             return self._db.execute(query, params).fetchall()
-        except self._errors.OperationalError as exc:
-            raise GalleryUnavailable(f"the gallery database is unavailable: {str(exc).strip().splitlines()[0]}") from exc
+        except self._operational as exc:
+            raise GalleryUnavailable(f"the gallery database is unavailable: {_first_line(exc)}") from exc
 
     # ------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -238,3 +289,7 @@ class PostgresGallery(GalleryBase):
                 self._closed = True
                 self._listener.close()
                 self._db.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

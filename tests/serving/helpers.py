@@ -178,12 +178,16 @@ def throwaway_postgres() -> Iterator[tuple[str, callable]]:
     def stop() -> None:
         subprocess.run(as_user + [pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True)
 
-    try:
-        subprocess.run(as_user + [_postgres_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "slc", "--no-sync"],
-                       **run)
+    def start() -> None:
         options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1"
         subprocess.run(as_user + [pg_ctl, "-D", str(data), "-o", options, "-l", str(home / "pg.log"), "-w", "start"],
                        **run)
+
+    stop.start = start  # type: ignore[attr-defined]  # a test can bring the database back
+    try:
+        subprocess.run(as_user + [_postgres_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "slc", "--no-sync"],
+                       **run)
+        start()
         yield f"postgresql://slc@127.0.0.1:{port}/postgres", stop
     finally:
         stop()

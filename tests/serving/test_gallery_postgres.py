@@ -190,3 +190,31 @@ def test_the_sync_benchmark_sees_every_change_on_the_other_replica(url, tmp_path
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "shared-gallery.json").read_text())
     assert data["upsert"]["n"] == data["delete"]["n"] == 5 and data["upsert"]["lost"] == data["delete"]["lost"] == 0
+
+
+def test_replicas_reconnect_after_the_database_restarts_and_see_what_was_written_meanwhile():
+    with throwaway_postgres() as (own_url, stop):
+        with _replica(own_url) as a, _replica(own_url) as b:
+            a.upsert([GalleryRecord("before", np.ones(DIM, np.float32))])
+            assert _eventually(lambda: b.count() == 1) is not None
+            stop()
+            stop.start()
+            with _replica(own_url) as c:  # a third replica writes while a and b have dead connections
+                c.upsert([GalleryRecord("during", -np.ones(DIM, np.float32))])
+            assert _eventually(lambda: _try(lambda: b.count() == 2 and a.get("during") is not None)) is not None
+            a.upsert([GalleryRecord("after", np.ones(DIM, np.float32))])
+            assert _eventually(lambda: _try(lambda: sorted(_ids(b, np.ones(DIM))) == ["after", "before", "during"]))
+
+
+def _try(check):
+    from serving.gallery import GalleryUnavailable
+
+    try:
+        return check()
+    except GalleryUnavailable:
+        return False
+
+
+def test_ids_with_nul_are_never_found_rather_than_an_error(url):
+    with _replica(url) as a:
+        assert a.get("a\x00b") is None and a.delete("a\x00b") is False

@@ -197,3 +197,10 @@ def test_every_pillow_mode_either_decodes_or_is_a_4xx(mode):
         assert got.shape == (64,) and np.isfinite(got).all()
     except Exception as exc:  # noqa: BLE001
         assert getattr(exc, "status", 500) in (413, 415, 422), exc
+
+
+def test_gallery_ids_with_nul_are_refused_with_422(image_client):
+    tensor = preprocess(Image.fromarray(_digit()), IMAGE).tolist()
+    r = image_client.post("/v1/gallery/items", json={"items": [{"id": "a\u0000b", "input": tensor}]})
+    assert_envelope(r, 422, "validation_error")
+    assert_envelope(image_client.put("/v1/gallery/items/a%00b", json={"input": tensor}), 422, "validation_error")

@@ -12,14 +12,16 @@ modules (Triton's own .proto files, compiled).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from typing import Any
 
 import numpy as np
 
 from serving.errors import ApiError, InvalidInput
-from serving.kserve import _DTYPES, _FLOATS, SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
+from serving.kserve import _DTYPES, _FLOATS, _INTS, SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,9 @@ def _modules():
     return grpc, service_pb2, service_pb2_grpc
 
 
-def decode_tensors(request) -> dict[str, tuple[np.ndarray, str]]:
-    """ModelInferRequest inputs -> {name: (array shaped as declared, datatype)}, checked as over HTTP."""
+def decode_tensors(request, max_values: int = 1 << 28) -> dict[str, tuple[np.ndarray, str]]:
+    """ModelInferRequest inputs -> {name: (array shaped as declared, datatype)}, checked as over HTTP;
+    a tensor may hold at most `max_values` values."""
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs", code="validation_error")
@@ -60,16 +63,24 @@ def decode_tensors(request) -> dict[str, tuple[np.ndarray, str]]:
         shape = [int(s) for s in t.shape]
         if any(s < 0 for s in shape):
             raise InvalidInput(f"input {t.name!r}: negative dimension in shape {shape}", code="shape_mismatch")
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)  # Python ints: no overflow
+        if count > max_values:
+            raise InvalidInput(f"input {t.name!r}: shape {shape} holds more values than a request may",
+                               code="too_many_inputs")
         if raw:
             itemsize = np.dtype(_DTYPES[dt]).itemsize
             if len(raw[i]) != count * itemsize:
                 raise InvalidInput(f"input {t.name!r}: {len(raw[i])} bytes for shape {shape} {dt}", code="shape_mismatch")
             arr = np.frombuffer(raw[i], dtype=_DTYPES[dt])
         else:
-            arr = np.asarray(getattr(t.contents, _CONTENTS[dt]), dtype=_DTYPES[dt])
-            if arr.size != count:
-                raise InvalidInput(f"input {t.name!r}: {arr.size} values for shape {shape}", code="shape_mismatch")
+            values = np.asarray(getattr(t.contents, _CONTENTS[dt]))
+            if values.size != count:
+                raise InvalidInput(f"input {t.name!r}: {values.size} values for shape {shape}", code="shape_mismatch")
+            if dt in _INTS and values.size:
+                info = np.iinfo(_DTYPES[dt])
+                if values.min() < info.min or values.max() > info.max:
+                    raise InvalidInput(f"input {t.name!r}: values outside the range of {dt}", code="validation_error")
+            arr = values.astype(_DTYPES[dt])
         arr = arr.reshape(shape)
         if dt in _FLOATS and not np.isfinite(arr).all():
             raise InvalidInput(f"input {t.name!r}: NaN or infinite values", code="non_finite_value")
@@ -89,6 +100,9 @@ def build_service(state):
         status = 200
         try:
             return await work()
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed
+            status = 499
+            raise
         except ApiError as exc:
             status = exc.status
             state.metrics.reject(exc.code)
@@ -139,7 +153,8 @@ def build_service(state):
                     raise ApiError(f"model version {request.model_version!r} does not exist", code="unknown_version",
                                    status=404)
                 kind = model_kind(e, request.model_name)
-                outputs = await run_model(e, kind, decode_tensors(request))
+                limit = e.settings.max_inputs * (e.input_size + 1)
+                outputs = await run_model(e, kind, decode_tensors(request, limit))
                 wanted = [o.name for o in request.outputs] or list(outputs)
                 if unknown := [n for n in wanted if n not in outputs]:
                     raise InvalidInput(f"unknown output {unknown[0]!r}; outputs are {sorted(outputs)}",

@@ -61,7 +61,7 @@ class _LingeringTransport:
         self.lingering = True
         self._real.write_eof()       # the answer goes out, then FIN
         self._real.resume_reading()  # uvicorn's flow control may have paused it
-        self._limit = self._loop.call_later(self._max_s, self.finish)
+        self._limit = self._loop.call_later(self._max_s, self.finish, True)
         self.discard()
 
     def discard(self, data: bytes = b"") -> None:
@@ -70,13 +70,17 @@ class _LingeringTransport:
             self._quiet.cancel()
         self._quiet = self._loop.call_later(self._quiet_s, self.finish)
 
-    def finish(self) -> None:
+    def finish(self, hard: bool = False) -> None:
+        """Close; `hard` (the time limit): abort, even with output a client never reads."""
         for timer in (self._quiet, self._limit):
             if timer is not None:
                 timer.cancel()
         self._quiet = self._limit = None
         self.lingering = False
-        self._real.close()
+        if hard:
+            self._real.abort()
+        else:
+            self._real.close()
 
 
 class GuardedProtocol(HttpToolsProtocol):

@@ -276,9 +276,10 @@ def _apply_method(per: dict, global_t: float, method: dict, logits: np.ndarray, 
         threshold = np.full(len(n), global_t)
     else:
         threshold = (n * per["threshold"] + method["kappa"] * global_t) / (n + method["kappa"])
+    threshold = threshold.astype(np.float32).astype(np.float64)  # as stored and compared by the server
     rates = rates_at(logits, positive, threshold)
     return {**per, "threshold": threshold, "precision": rates["precision"], "recall": rates["recall"],
-            "reached": rates[kind] >= value - 1e-12}
+            "reached": (rates[kind] >= value - 1e-12) & (per["positives"] > 0)}
 
 
 def calibrate(

@@ -12,6 +12,11 @@ Backward: the all-reduces pass gradients through unchanged (trainer.distributed.
 so rank r's backward gives exactly ∂L/∂W_r for its rows and the part of ∂L/∂H that flows through
 its classes; the gather's backward sums those parts, and `sum_gradients` sums the backbone's.
 With one rank (`Shard.full`), every method is the ordinary dense computation.
+
+The identity backward is exact because every loss here only *adds up* per-rank terms after its
+reductions (log of a summed normaliser, a summed true logit, sums over negatives). A loss that
+fed an all-reduced value back into per-class terms reduced again (Σ_j f(z_ij − z_iy)) would need
+a summing backward instead: check that before adding a `sharded` method.
 """
 from __future__ import annotations
 
@@ -121,7 +126,8 @@ def keep_shard(head, num_classes: int):
 
     rank, world = _rank_world()
     start, stop = shard_bounds(num_classes, rank, world)
-    shard = ClassHead(head.weight.shape[1], stop - start)
+    with torch.random.fork_rng():  # the shard's own init draws would leave ranks' random streams apart
+        shard = ClassHead(head.weight.shape[1], stop - start)
     with torch.no_grad():
         shard.weight.copy_(head.weight[start:stop])
         shard.bias.copy_(head.bias[start:stop])

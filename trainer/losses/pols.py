@@ -98,8 +98,10 @@ class NoiseContrastive(nn.Module):
         return (positive + noise).mean()
 
     def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
-        """The same loss from this rank's columns z [B, D_r]. Sampled mode: every rank draws the
-        same noise classes (same seed, same random stream) and counts those in its shard."""
+        """The same loss from this rank's columns z [B, D_r]. Sampled mode: each rank draws t noise
+        classes per example and counts those in its shard; the summed noise term is an unbiased
+        estimate of the exact one whether or not the ranks' draws coincide (they do when their
+        random streams are in step, as training keeps them)."""
         q = shard.columns(self.q).to(device=z.device, dtype=z.dtype)  # [D_r]
         shifted = z - torch.log(self.t * q)  # [B, D_r]
         positive = -shard.true_logits(F.logsigmoid(shifted))  # [B]

@@ -1,7 +1,7 @@
 """The /v1 routes (docs/api.md): parse, resolve the class, hand over to the engine, answer.
 
 Every POST with a body (detect, softmax, topk, gallery writes, class search) is read by its
-handler straight from ASGI (`_body_route` below) and checked by serving/inputs.py: the size while
+handler straight from ASGI (`body_route` below) and checked by serving/inputs.py: the size while
 reading, the parse in C, the counts, then one vectorised conversion of the examples; no value is
 coerced and no per-value Python runs on an ordinary request. pydantic models still describe each
 body in the OpenAPI schema; FastAPI's own handler answers the other methods.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from dataclasses import dataclass, field
 from urllib.parse import unquote_plus
 from typing import Any, Callable, Optional
 
@@ -30,7 +31,7 @@ from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequ
 
 
 class FastJSONRoute(APIRoute):
-    """APIRoute whose POST body, when the route registered a body handler (`_body_route`), is read
+    """APIRoute whose POST body, when the route registered a body handler (`body_route`), is read
     and answered by that handler, straight on ASGI; errors still reach the app's handlers."""
 
     async def handle(self, scope, receive, send) -> None:
@@ -38,16 +39,18 @@ class FastJSONRoute(APIRoute):
         if fn is None or scope["method"] not in ("POST", "PUT"):
             return await super().handle(scope, receive, send)
         body = await _read_body(receive)  # size and read-time limits: BodyLimitMiddleware
-        timeout = _state(scope).settings.request_timeout_s
+        timeout = app_state(scope).settings.request_timeout_s
         try:  # the deadline: from here, queue and compute included
             async with asyncio.timeout(timeout):
                 status, payload = await fn(scope, body)
         except TimeoutError:
             raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
-        body = b"" if payload is None else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-        headers = [(b"content-length", str(len(body)).encode())]
-        if payload is not None:
-            headers.append((b"content-type", b"application/json"))
+        if isinstance(payload, RawAnswer):
+            body, headers = payload.body, [(b"content-type", payload.content_type), *payload.headers]
+        else:
+            body = b"" if payload is None else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+            headers = [(b"content-type", b"application/json")] if payload is not None else []
+        headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -55,8 +58,18 @@ class FastJSONRoute(APIRoute):
 _BODY_HANDLERS: dict[Callable, Callable] = {}
 
 
-def _body_route(endpoint: Callable):
-    """Register `fn(scope, body) -> (status, payload)` as the POST handler of `endpoint`'s route."""
+@dataclass
+class RawAnswer:
+    """A body handler's answer that is not JSON (the v2 binary tensor extension)."""
+
+    body: bytes
+    content_type: bytes
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+def body_route(endpoint: Callable):
+    """Register `fn(scope, body) -> (status, payload)` as the POST handler of `endpoint`'s route
+    (payload: a JSON-able object, a RawAnswer, or None for no body)."""
     def register(fn: Callable) -> Callable:
         _BODY_HANDLERS[endpoint] = fn
         return fn
@@ -83,7 +96,8 @@ async def _read_body(receive) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _state(scope):
+def app_state(scope):
+    """The server's state object (serving/app.py) from an ASGI scope."""
     return scope["app"].state.slc
 
 
@@ -195,7 +209,7 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
     """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
     the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
     An image body (Content-Type image/*) is one example; its parameters come from the query string."""
-    engine = _state(scope).ready_engine()
+    engine = app_state(scope).ready_engine()
     content_type = images.content_type_of(scope)
     if images.is_image(content_type):
         obj = _query_string(scope)
@@ -225,23 +239,23 @@ def _query_string(scope) -> dict:
     return out
 
 
-@_body_route(detect)
+@body_route(detect)
 async def _detect_body(scope, body: bytes):
     engine, p, x = await _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.detect(cls, x, p["threshold"])
 
 
-@_body_route(softmax)
+@body_route(softmax)
 async def _softmax_body(scope, body: bytes):
     engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.softmax(cls, x)
 
 
-@_body_route(topk)
+@body_route(topk)
 async def _topk_body(scope, body: bytes):
-    max_topk = _state(scope).settings.max_topk
+    max_topk = app_state(scope).settings.max_topk
     engine, p, x = await _query(scope, body, ("inputs", "k", "mode"), lambda o: {
         "k": read.integer(o, "k", 5, 1, max_topk, code="k_too_large"),
         "mode": read.choice(o, "mode", "exact", ("exact", "index"))})
@@ -254,7 +268,7 @@ METADATA_VALUES = 65536  # room for metadata in the gallery body's structure bou
 def _require_key(scope) -> None:
     headers = dict(scope["headers"])
     given, auth = headers.get(b"x-api-key"), headers.get(b"authorization", b"")
-    check_api_key(_state(scope).settings.api_key_value(), None if given is None else given.decode("latin-1"),
+    check_api_key(app_state(scope).settings.api_key_value(), None if given is None else given.decode("latin-1"),
                   auth.decode("latin-1"))
 
 
@@ -291,10 +305,10 @@ async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine
     raise AssertionError("answered by _gallery_upsert_body")  # pragma: no cover - POST bodies never reach here
 
 
-@_body_route(gallery_upsert)
+@body_route(gallery_upsert)
 async def _gallery_upsert_body(scope, body: bytes):
     _require_key(scope)  # 401 before the body is parsed
-    engine = _state(scope).ready_engine()
+    engine = app_state(scope).ready_engine()
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))
     # metadata strings may hold any character: no bound on commas here; generous ones on brackets and
@@ -318,10 +332,10 @@ async def gallery_put(body: GalleryPutRequest, item_id: str, engine=Depends(read
     raise AssertionError("answered by _gallery_put_body")  # pragma: no cover - bodies never reach here
 
 
-@_body_route(gallery_put)
+@body_route(gallery_put)
 async def _gallery_put_body(scope, body: bytes):
     _require_key(scope)
-    engine = _state(scope).ready_engine()
+    engine = app_state(scope).ready_engine()
     item_id = _item_id(scope["path_params"]["item_id"], "item id")
     content_type = images.content_type_of(scope)
     if images.is_image(content_type):
@@ -364,9 +378,9 @@ async def class_search(body: ClassSearchRequest = Body(None), class_ref: str = C
     raise AssertionError("answered by _class_search_body")  # pragma: no cover - POST bodies never reach here
 
 
-@_body_route(class_search)
+@body_route(class_search)
 async def _class_search_body(scope, body: bytes):
-    engine = _state(scope).ready_engine()
+    engine = app_state(scope).ready_engine()
     obj = _read_object(scope, body, optional=True)
     read.check_keys(obj, ("limit", "threshold"))
     limit = read.integer(obj, "limit", 100, 1, 100_000)

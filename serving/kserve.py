@@ -18,12 +18,11 @@ from typing import Any, Literal, Optional
 import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
 from serving import inputs as read
-from serving.http import error_responses, ready_engine, server_state
+from serving.http import RawAnswer, app_state, body_route, error_responses, ready_engine, server_state, FastJSONRoute
 
 _DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
            "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -93,7 +92,7 @@ class Readiness(BaseModel):
     ready: Literal[True]
 
 
-router = APIRouter(prefix="/v2", tags=["kserve v2"])
+router = APIRouter(prefix="/v2", tags=["kserve v2"], route_class=FastJSONRoute)
 
 
 def _package_version() -> str:
@@ -110,8 +109,11 @@ VERSION = "1"  # the one model version a bundle serves
 
 
 def _check_version(request: Request) -> None:
+    _check_version_value(request.path_params.get("version"))
+
+
+def _check_version_value(version: Optional[str]) -> None:
     """`/versions/{v}` routes: only the one version a bundle serves exists."""
-    version = request.path_params.get("version")
     if version is not None and version != VERSION:
         raise NotFound(f"model version {version!r} does not exist (this server has version {VERSION!r})",
                        code="unknown_version")
@@ -186,41 +188,58 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
 @router.post("/models/{model}/infer", response_model=InferResponse, responses=error_responses(400, 404, 413, 422, 429, 503, 504),
              openapi_extra=_INFER_BODY)
 @router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
-async def infer(model: str, request: Request, engine=Depends(ready_engine)):
-    _check_version(request)
-    kind = model_kind(engine, model)
-    body = await request.body()
-    header_len = request.headers.get("inference-header-content-length")
-    binary = b""
-    if header_len is not None:
-        try:
-            n = int(header_len)
-        except ValueError:
-            raise BadRequest("Inference-Header-Content-Length must be an integer", code="malformed_request") from None
-        if not 0 <= n <= len(body):
-            raise BadRequest("Inference-Header-Content-Length is larger than the body", code="malformed_request")
-        body, binary = body[:n], body[n:]
+async def infer(model: str, request: Request):
+    """Describes the route in OpenAPI; `_infer_body` answers it."""
+    raise AssertionError("answered by _infer_body")  # pragma: no cover - POST bodies never reach here
+
+
+@body_route(infer)
+async def _infer_body(scope, body: bytes):
+    """The infer route straight on ASGI, as /v1 detect: no FastAPI dependency solving and no pydantic on
+    the body (docs/results/v2-path.md); the checks below give the same answers the models gave."""
+    engine = app_state(scope).ready_engine()
+    params = scope["path_params"]
+    _check_version_value(params.get("version"))
+    kind = model_kind(engine, params["model"])
+    body, binary = _split_binary(_header(scope, b"inference-header-content-length"), body)
     _check_structure(engine, body)
-    payload = read.parse_object(body)
-    try:
-        req = InferRequest.model_validate(payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidInput(f"{loc}: {first['msg']}", code="validation_error") from None
-
-    tensors = _decode_inputs(req, binary, read.has_bool_token(body))
+    req = parse_infer_request(read.parse_object(body))
+    tensors = _decode_inputs(req["inputs"], binary, read.has_bool_token(body))
     outputs = await run_model(engine, kind, tensors)
+    return 200, _answer(params["model"], req, outputs)
 
-    wanted = req.outputs or [InferRequestedOutput(name=n) for n in outputs]
-    binary_default = bool((req.parameters or {}).get("binary_data_output", False))
+
+def _header(scope, name: bytes) -> Optional[bytes]:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _split_binary(header_len: Optional[bytes], body: bytes) -> tuple[bytes, bytes]:
+    """(JSON header, raw tensors) of a binary-extension body; (body, b"") without the header."""
+    if header_len is None:
+        return body, b""
+    try:
+        n = int(header_len)
+    except ValueError:
+        raise BadRequest("Inference-Header-Content-Length must be an integer", code="malformed_request") from None
+    if not 0 <= n <= len(body):
+        raise BadRequest("Inference-Header-Content-Length is larger than the body", code="malformed_request")
+    return body[:n], body[n:]
+
+
+def _answer(model: str, req: dict, outputs: dict[str, tuple[str, np.ndarray]]):
+    """The infer response: outputs asked as binary_data go raw after the JSON header (RawAnswer)."""
+    wanted = req["outputs"] or [{"name": n, "parameters": None} for n in outputs]
+    binary_default = bool((req["parameters"] or {}).get("binary_data_output", False))
     out_json, out_bin = [], []
     for o in wanted:
-        if o.name not in outputs:
-            raise InvalidInput(f"unknown output {o.name!r}; outputs are {sorted(outputs)}", code="unknown_output")
-        dtype, arr = outputs[o.name]
-        entry: dict[str, Any] = {"name": o.name, "datatype": dtype, "shape": list(arr.shape)}
-        if bool((o.parameters or {}).get("binary_data", binary_default)):
+        if o["name"] not in outputs:
+            raise InvalidInput(f"unknown output {o['name']!r}; outputs are {sorted(outputs)}", code="unknown_output")
+        dtype, arr = outputs[o["name"]]
+        entry: dict[str, Any] = {"name": o["name"], "datatype": dtype, "shape": list(arr.shape)}
+        if bool((o["parameters"] or {}).get("binary_data", binary_default)):
             raw = np.ascontiguousarray(arr).tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             out_bin.append(raw)
@@ -228,13 +247,52 @@ async def infer(model: str, request: Request, engine=Depends(ready_engine)):
             entry["data"] = arr.reshape(-1)
         out_json.append(entry)
     response = {"model_name": model, "model_version": VERSION, "outputs": out_json}
-    if req.id is not None:
-        response["id"] = req.id
-    head = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if req["id"] is not None:
+        response["id"] = req["id"]
     if not out_bin:
-        return Response(head, media_type="application/json")
-    return Response(head + b"".join(out_bin), media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(len(head))})
+        return response
+    head = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    return RawAnswer(head + b"".join(out_bin), b"application/octet-stream",
+                     [(b"inference-header-content-length", str(len(head)).encode())])
+
+
+def _field(obj: dict, key: str, types: tuple, where: str, what: str, required: bool = False):
+    """obj[key] when its type is one of `types` (exactly: a bool is not an int), None when absent and allowed."""
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise InvalidInput(f"{where}{key}: field required", code="validation_error")
+        return None
+    if type(value) not in types:
+        raise InvalidInput(f"{where}{key}: must be {what}", code="validation_error")
+    return value
+
+
+def parse_infer_request(obj: dict) -> dict:
+    """The infer body's fields, typed as the InferRequest model says (strict: nothing coerced)."""
+    req = {"id": _field(obj, "id", (str,), "", "a string"),
+           "parameters": _field(obj, "parameters", (dict,), "", "an object"),
+           "inputs": _field(obj, "inputs", (list,), "", "a list of tensors", required=True),
+           "outputs": _field(obj, "outputs", (list,), "", "a list of {name, parameters?}")}
+    if not req["inputs"]:
+        raise InvalidInput("inputs: must hold at least one tensor", code="validation_error")
+    for i, t in enumerate(req["inputs"]):
+        where = f"inputs[{i}]."
+        if type(t) is not dict:
+            raise InvalidInput(f"inputs[{i}]: must be an object {{name, shape, datatype, data}}", code="validation_error")
+        _field(t, "name", (str,), where, "a string", required=True)
+        _field(t, "datatype", (str,), where, "a string", required=True)
+        _field(t, "parameters", (dict,), where, "an object")
+        shape = _field(t, "shape", (list,), where, "a list of integers", required=True)
+        if any(type(s) is not int for s in shape):
+            raise InvalidInput(f"{where}shape: must be a list of integers (got {shape!r:.80})", code="validation_error")
+    for i, o in enumerate(req["outputs"] or ()):
+        if type(o) is not dict:
+            raise InvalidInput(f"outputs[{i}]: must be an object {{name, parameters?}}", code="validation_error")
+        _field(o, "name", (str,), f"outputs[{i}].", "a string", required=True)
+        o.setdefault("parameters", None)
+        _field(o, "parameters", (dict,), f"outputs[{i}].", "an object")
+    return req
 
 
 async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]]) -> dict[str, tuple[str, np.ndarray]]:
@@ -267,51 +325,66 @@ def _check_structure(engine, body: bytes) -> None:
                          max_objects=4096, what="inputs")
 
 
-def _decode_inputs(req: InferRequest, binary: bytes, bools_possible: bool) -> dict[str, tuple[np.ndarray, str]]:
+def _decode_inputs(inputs: list[dict], binary: bytes, bools_possible: bool) -> dict[str, tuple[np.ndarray, str]]:
+    """Checked tensors {name: (array shaped as declared, datatype)} from parse_infer_request's inputs."""
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     offset = 0
-    names = [t.name for t in req.inputs]
+    names = [t["name"] for t in inputs]
     if unknown := [n for n in names if n not in ("input", "class_id")]:
         raise InvalidInput(f"unknown input tensor {unknown[0]!r}; the models take 'input' (and 'class_id')",
                            code="unknown_input")
     if len(set(names)) != len(names):
         raise InvalidInput("an input tensor is given twice", code="validation_error")
-    for t in req.inputs:
-        dt = t.datatype.upper()
-        if dt not in _DTYPES:
-            raise InvalidInput(f"input {t.name!r}: datatype {t.datatype!r} is not supported", code="unsupported_datatype")
-        if any(s < 0 for s in t.shape):
-            raise InvalidInput(f"input {t.name!r}: negative dimension in shape {t.shape}", code="shape_mismatch")
-        count = int(np.prod(t.shape)) if t.shape else 1
-        size = (t.parameters or {}).get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise BadRequest(f"input {t.name!r}: binary_data_size does not fit the body", code="malformed_request")
-            itemsize = np.dtype(_DTYPES[dt]).itemsize
-            if size != count * itemsize:
-                raise InvalidInput(f"input {t.name!r}: {size} bytes for shape {t.shape} {dt}", code="shape_mismatch")
-            arr = np.frombuffer(binary[offset:offset + size], dtype=_DTYPES[dt])
-            offset += size
-        else:
-            if t.data is None:
-                raise InvalidInput(f"input {t.name!r} has no data", code="missing_input")
-            kind = "float" if dt in _FLOATS else "int" if dt in _INTS else "bool"
-            arr = read.tensor_values(t.data, t.name, kind, bools_possible)
-            if kind == "int":
-                info = np.iinfo(_DTYPES[dt])
-                if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                    raise InvalidInput(f"input {t.name!r}: values outside the range of {dt}", code="validation_error")
-                arr = arr.astype(_DTYPES[dt])
-            if arr.size != count:
-                raise InvalidInput(f"input {t.name!r}: {arr.size} values for shape {t.shape}", code="shape_mismatch")
-        try:
-            arr = arr.reshape(t.shape)
-        except ValueError:
-            raise InvalidInput(f"input {t.name!r}: data does not fit shape {t.shape}", code="shape_mismatch") from None
-        if dt in _FLOATS and not np.isfinite(arr).all():
-            raise InvalidInput(f"input {t.name!r}: NaN or infinite values", code="non_finite_value")
-        tensors[t.name] = (arr, dt)
+    for t in inputs:
+        arr, dt, used = _decode_one(t, binary, offset, bools_possible)
+        offset += used
+        tensors[t["name"]] = (arr, dt)
     return tensors
+
+
+def _decode_one(t: dict, binary: bytes, offset: int, bools_possible: bool) -> tuple[np.ndarray, str, int]:
+    """One input tensor -> (array shaped as declared, datatype, bytes of the binary part it used):
+    raw bytes at `offset` of the binary part when it has binary_data_size, else its JSON data."""
+    name, shape = t["name"], t["shape"]
+    dt = t["datatype"].upper()
+    if dt not in _DTYPES:
+        raise InvalidInput(f"input {name!r}: datatype {t['datatype']!r} is not supported", code="unsupported_datatype")
+    if any(s < 0 for s in shape):
+        raise InvalidInput(f"input {name!r}: negative dimension in shape {shape}", code="shape_mismatch")
+    count = math.prod(shape)  # Python ints: no overflow
+    size = (t.get("parameters") or {}).get("binary_data_size")
+    if size is not None:
+        if type(size) is not int or size < 0 or offset + size > len(binary):
+            raise BadRequest(f"input {name!r}: binary_data_size does not fit the body", code="malformed_request")
+        if size != count * np.dtype(_DTYPES[dt]).itemsize:
+            raise InvalidInput(f"input {name!r}: {size} bytes for shape {shape} {dt}", code="shape_mismatch")
+        arr = np.frombuffer(binary, dtype=_DTYPES[dt], count=count, offset=offset)
+    else:
+        arr = _json_values(t, dt, count, bools_possible)
+    try:
+        arr = arr.reshape(shape)
+    except ValueError:
+        raise InvalidInput(f"input {name!r}: data does not fit shape {shape}", code="shape_mismatch") from None
+    if dt in _FLOATS and not np.isfinite(arr).all():
+        raise InvalidInput(f"input {name!r}: NaN or infinite values", code="non_finite_value")
+    return arr, dt, 0 if size is None else size
+
+
+def _json_values(t: dict, dt: str, count: int, bools_possible: bool) -> np.ndarray:
+    """A tensor's JSON `data` (flat or nested) as a flat array of its datatype, nothing coerced."""
+    name = t["name"]
+    if t.get("data") is None:
+        raise InvalidInput(f"input {name!r} has no data", code="missing_input")
+    kind = "float" if dt in _FLOATS else "int" if dt in _INTS else "bool"
+    arr = read.tensor_values(t["data"], name, kind, bools_possible)
+    if kind == "int":
+        info = np.iinfo(_DTYPES[dt])
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise InvalidInput(f"input {name!r}: values outside the range of {dt}", code="validation_error")
+        arr = arr.astype(_DTYPES[dt])
+    if arr.size != count:
+        raise InvalidInput(f"input {name!r}: {arr.size} values for shape {t['shape']}", code="shape_mismatch")
+    return arr
 
 
 def _input_batch(engine, tensors) -> np.ndarray:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import httpx
+import orjson
 import numpy as np
 import pytest
 
@@ -160,3 +161,33 @@ def test_a_json_header_too_large_for_any_valid_request_is_refused_unparsed(serve
     body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [[]] * 300_000}]}
     assert_envelope(httpx.post(f"{server}/v2/models/{bundle.name}-full/infer", json=body, timeout=30), 422,
                     "shape_mismatch")
+
+
+_X = {"name": "input", "datatype": "FP32", "shape": [1, 12], "data": [0.5] * 12}
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({}, "inputs: field required"),
+    ({"inputs": []}, "at least one tensor"),
+    ({"inputs": [[1, 2]]}, "inputs[0]: must be an object"),
+    ({"inputs": [{**_X, "name": 7}]}, "inputs[0].name: must be a string"),
+    ({"inputs": [{k: v for k, v in _X.items() if k != "datatype"}]}, "inputs[0].datatype: field required"),
+    ({"inputs": [{**_X, "shape": [True, 12]}]}, "inputs[0].shape: must be a list of integers"),
+    ({"inputs": [{**_X, "parameters": []}]}, "inputs[0].parameters: must be an object"),
+    ({"inputs": [_X], "outputs": {"name": "logits"}}, "outputs: must be a list"),
+    ({"inputs": [_X], "outputs": [{"name": None}]}, "outputs[0].name: field required"),
+    ({"inputs": [_X], "id": 5}, "id: must be a string"),
+])
+def test_malformed_infer_bodies_name_the_field(server, bundle, body, needle):
+    r = httpx.post(f"{server}/v2/models/{bundle.name}-full/infer", json=body, timeout=30)
+    assert needle in assert_envelope(r, 422, "validation_error")["error"]["message"]
+
+
+def test_the_request_id_and_binary_output_parameter_come_back(server, bundle, offline):
+    body = {"id": "r-1", "inputs": [_X], "parameters": {"binary_data_output": True}}
+    r = httpx.post(f"{server}/v2/models/{bundle.name}-full/infer", json=body, timeout=30)
+    n = int(r.headers["inference-header-content-length"])
+    head = orjson.loads(r.content[:n])
+    assert head["id"] == "r-1" and head["outputs"][0]["parameters"]["binary_data_size"] == 4 * bundle.num_classes
+    logits = np.frombuffer(r.content[n:], np.float32)
+    np.testing.assert_allclose(logits, offline.logits(np.full((1, 12), 0.5, np.float32))[0], rtol=1e-5, atol=1e-5)

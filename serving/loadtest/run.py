@@ -9,7 +9,9 @@ Why it is built this way:
   that falls behind) shows up in the numbers instead of silently thinning the load
   (no coordinated omission);
 - every report carries the generator's own ceiling (trivial endpoint, and `wrk` when present),
-  because a number above that ceiling measures the client, not the server.
+  because a number above that ceiling measures the client, not the server;
+- each endpoint goes out on its protocol's own pool (HTTP endpoints share one, grpc has a
+  channel of its own), so protocols compare under one client, one schedule and one report.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from serving.loadtest.client import (
-    TRIVIAL_ENDPOINT, AiohttpPool, EndpointSpec, RawHttpPool, build_endpoints, check_target,
-    endpoint_request, get_json, model_input_info,
+    TRIVIAL_ENDPOINT, V2_ENDPOINTS, AiohttpPool, EndpointSpec, GrpcPool, RawHttpPool, build_endpoints, check_endpoints,
+    check_target, get_json, model_input_info, v2_target,
 )
 from serving.loadtest.stats import LoadtestResult, Samples, summarize
 
@@ -33,7 +35,7 @@ from serving.loadtest.stats import LoadtestResult, Samples, summarize
 @dataclass
 class _RunState:
     endpoints: list[EndpointSpec]
-    pool: object
+    pools: list  # the transport of each endpoint, by index
     samples: Samples
     measure_start: float
     measure_end: float
@@ -71,13 +73,13 @@ class _RunState:
 
 async def _one_request(state: _RunState, slot: int, ep: int, scheduled: float, measured: bool) -> None:
     spec = state.endpoints[ep]
-    pool = state.pool
+    pool = state.pools[ep]
     status, error, sent, held = 0, "", float("nan"), False
     try:
         await pool.acquire_slot()  # open loop: may wait here; the latency still counts from `scheduled`
         held = True
         sent = time.perf_counter()
-        status = await pool.roundtrip(spec, (slot // len(state.endpoints)) % len(spec.raw_requests))
+        status = await pool.roundtrip(spec, (slot // len(state.endpoints)) % len(spec.bodies))
     except asyncio.CancelledError:
         error = "timeout"
         raise
@@ -181,18 +183,51 @@ async def _progress(state: _RunState, t0: float, enabled: bool) -> None:
         sys.stderr.flush()
 
 
+def _make_pools(specs: list[EndpointSpec], client: str, host: str, port: int, grpc_port: Optional[int],
+                size: int) -> list:
+    """One pool per transport the endpoints use; returns each endpoint's pool, by index. HTTP
+    endpoints share a pool (raw or aiohttp), grpc goes on its own channel to grpc_port."""
+    made: dict[str, object] = {}
+
+    def pool_for(transport: str):
+        if transport not in made:
+            made[transport] = (GrpcPool(host, grpc_port, size) if transport == "grpc"
+                               else AiohttpPool(host, port, size) if client == "aiohttp"
+                               else RawHttpPool(host, port, size))
+        return made[transport]
+
+    return [pool_for(spec.transport) for spec in specs]
+
+
+async def _prepare(host: str, port: int, endpoints: list[str], class_: Optional[str],
+                   input_shape: Optional[Sequence[int]]):
+    """(input shape, class, v2 target or None), from GET /v1/model when anything is not given:
+    v2 endpoints always ask it, for the model's name and the class's integer id."""
+    v2_needed = any(e in V2_ENDPOINTS for e in endpoints)
+    needs_inputs = any(e not in ("live", "model") for e in endpoints)
+    if not (v2_needed or (needs_inputs and (input_shape is None or class_ is None))):
+        return input_shape, class_, None
+    model = await get_json(host, port, "/v1/model")
+    shape, default_class = model_input_info(model)
+    input_shape = input_shape if input_shape is not None else shape
+    class_ = class_ if class_ is not None else (default_class if default_class is not None else "0")
+    return input_shape, class_, (v2_target(model, class_) if v2_needed else None)
+
+
 async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = None,
                     concurrency: Optional[int] = None, rate: Optional[float] = None,
                     duration: float = 10.0, warmup: float = 2.0, max_requests: Optional[int] = None,
                     batch: int = 1, allow_remote: bool = False, client: str = "raw",
                     interleave: str = "request", block_s: float = 1.0, max_connections: int = 256,
                     drain_timeout: float = 30.0, progress: bool = False, k: int = 10,
-                    input_shape: Optional[Sequence[int]] = None, seed: int = 0) -> LoadtestResult:
+                    input_shape: Optional[Sequence[int]] = None, seed: int = 0,
+                    grpc_port: Optional[int] = None) -> LoadtestResult:
     """One load run; returns the report (dict) and the raw samples.
 
     Closed loop with `concurrency` workers (default 8), or open loop at `rate` req/s using up to
-    `max_connections` connections. Warm-up is not recorded; the run stops after `duration`
-    measured seconds or `max_requests` measured requests, then drains in-flight requests.
+    `max_connections` connections (per transport). Warm-up is not recorded; the run stops after
+    `duration` measured seconds or `max_requests` measured requests, then drains in-flight
+    requests. The grpc endpoint goes to `grpc_port` on the same host (the server's --grpc-port).
     """
     if concurrency is not None and rate is not None:
         raise ValueError("give either concurrency (closed loop) or rate (open loop), not both")
@@ -203,24 +238,18 @@ async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = 
     if interleave not in ("request", "block"):
         raise ValueError("interleave must be 'request' or 'block'")
     endpoints = [e.strip() for e in endpoints if e.strip()]
-    for e in endpoints:
-        endpoint_request(e, "0", [])  # validates the name
+    check_endpoints(endpoints, grpc_port)
     host, port = check_target(url, allow_remote)
 
-    need_model = any(e not in ("live", "model") for e in endpoints) and (input_shape is None or class_ is None)
-    if need_model:
-        model = await get_json(host, port, "/v1/model")
-        shape, default_class = model_input_info(model)
-        input_shape = input_shape if input_shape is not None else shape
-        class_ = class_ if class_ is not None else (default_class if default_class is not None else "0")
+    input_shape, class_, v2 = await _prepare(host, port, endpoints, class_, input_shape)
     specs = build_endpoints(endpoints, class_ if class_ is not None else "0", input_shape or [1], host, port,
-                            batch=batch, k=k, seed=seed)
+                            batch=batch, k=k, seed=seed, v2=v2)
 
-    size = concurrency if concurrency is not None else max_connections
-    pool = AiohttpPool(host, port, size) if client == "aiohttp" else RawHttpPool(host, port, size)
+    pools = _make_pools(specs, client, host, port, grpc_port,
+                        concurrency if concurrency is not None else max_connections)
     samples = Samples()
     t0 = time.perf_counter()
-    state = _RunState(specs, pool, samples, measure_start=t0 + warmup, measure_end=t0 + warmup + duration,
+    state = _RunState(specs, pools, samples, measure_start=t0 + warmup, measure_end=t0 + warmup + duration,
                       max_requests=max_requests, interleave=interleave, block_s=block_s)
     progress_task = asyncio.create_task(_progress(state, t0, progress))
     try:
@@ -243,7 +272,8 @@ async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = 
             await asyncio.wait(pending)
     finally:
         progress_task.cancel()
-        await pool.close()
+        for pool in {id(p): p for p in pools}.values():
+            await pool.close()
         if progress:
             sys.stderr.write("\n")
     report = summarize(samples, [s.name for s in specs], state.measure_start, duration, interleave, block_s, owned)
@@ -254,6 +284,10 @@ async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = 
         "duration_s": duration, "warmup_s": warmup, "max_requests": max_requests,
         "input_shape": list(input_shape or []),
     })
+    if grpc_port is not None:
+        report["grpc_port"] = grpc_port
+    if v2 is not None:
+        report["v2"] = {"model": v2.model, "class_id": v2.class_id}
     if interleave == "block":
         report["block_s"] = block_s
     return LoadtestResult(report=report, samples=samples, endpoints=[s.name for s in specs],

@@ -40,8 +40,9 @@ class Job:
     """One request's share of a batch: inputs x [n, ...] and what to do with their rows."""
 
     x: np.ndarray
-    kind: str  # "embed" (rows of h), "logits" (rows of all D logits) or "index" (class-index top-k, one search per batch)
-    reduce: Optional[Callable[[np.ndarray], Any]] = None  # runs in the worker thread on this job's rows
+    kind: str  # "embed" (rows of h), "logits" (a pass over all D classes) or "index" (class-index top-k)
+    reduce: Optional[Callable[[Any], Any]] = None  # runs in the worker thread on this job's rows (or accumulator)
+    accumulator: Optional[Callable[[int], Any]] = None  # kind "logits": what the pass fills for this job's n rows
     deadline: float = math.inf  # loop.time()
     enqueued: float = 0.0
     future: Optional[asyncio.Future] = field(default=None, repr=False)
@@ -96,7 +97,8 @@ class Batcher:
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ---- request side
-    async def submit(self, x: np.ndarray, kind: str = "embed", reduce=None, timeout: Optional[float] = None) -> Any:
+    async def submit(self, x: np.ndarray, kind: str = "embed", reduce=None, timeout: Optional[float] = None,
+                     accumulator=None) -> Any:
         """Queue x [n, ...]; returns reduce(rows) (or the rows). Raises Overloaded, DeadlineExceeded."""
         if self._task is None or self._stopping:
             from serving.errors import NotReady
@@ -108,7 +110,7 @@ class Batcher:
                              retry_after=self._retry_after())
         loop = asyncio.get_running_loop()
         now = loop.time()
-        job = Job(x=x, kind=kind, reduce=reduce, enqueued=now,
+        job = Job(x=x, kind=kind, reduce=reduce, accumulator=accumulator, enqueued=now,
                   deadline=now + timeout if timeout is not None else math.inf, future=loop.create_future())
         self._jobs.append(job)
         self._held += 1

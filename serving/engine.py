@@ -2,9 +2,10 @@
 
 detect   embed once (batched with other requests), then ONE dot product per input with the
          class row W[j] of the memory-mapped head: the cost does not depend on D.
-softmax  the honest baseline: all D logits per input (one GEMM per batch, numpy BLAS over the
-         mmap head or full.onnx, whichever measured faster at warm-up), stable softmax.
-topk     exact: all D logits + argpartition; index: the faiss ClassIndex over the rows.
+softmax  the honest baseline: all D logits per input, in ONE pass over the head per batch (a GEMM
+         per class chunk, numpy BLAS over the mmap head, or full.onnx when it measured faster at
+         warm-up), the softmax statistics streamed over the chunks (serving/head_scan.py).
+topk     exact: the same pass keeping the k best; index: the faiss ClassIndex over the rows.
 gallery  embed items and store them; search a class: its row and threshold against the gallery.
 
 Every numeric step runs in the batcher's worker thread (a job's `reduce`), never on the loop.
@@ -20,6 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from serving import head_scan
 from serving.batcher import Batcher, Job, JobFailed
 from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import GalleryUnavailable, StorageFull
@@ -40,10 +42,15 @@ def sigmoid(t: np.ndarray) -> np.ndarray:
 def finite_output(values: np.ndarray) -> np.ndarray:
     """The model's outputs, or 422 when they overflowed: finite float32 inputs far from the data the
     network saw can give inf / NaN embeddings or logits, which have no JSON number to answer with."""
-    if not np.isfinite(values).all():
+    require_finite(np.isfinite(values))
+    return values
+
+
+def require_finite(finite: np.ndarray) -> None:
+    """422 non_finite_output unless every entry of the mask is true."""
+    if not finite.all():
         raise InvalidInput("the model's output for these inputs is not finite (inputs too large for the network)",
                            code="non_finite_output")
-    return values
 
 
 @dataclass
@@ -88,16 +95,18 @@ class Engine:
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 
     def _choose_softmax_impl(self) -> tuple[str, dict[str, float]]:
-        """Time h @ W.T + b (numpy) against full.onnx on a full batch; keep the faster."""
+        """Time a softmax batch through the chunked numpy head against full.onnx; keep the faster."""
         rng = np.random.default_rng(0)
-        x = rng.standard_normal((self.settings.max_batch,) + self.input_shape).astype(np.float32)
+        n = self.settings.max_batch
+        x = rng.standard_normal((n,) + self.input_shape).astype(np.float32)
         timings = {}
 
         def numpy_path():
-            return self._head_logits(self.runtime.embed(x))
+            head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x),
+                           [(slice(0, n), head_scan.SoftmaxStats(n, 0))])
 
         def onnx_path():
-            return self.runtime.full_logits(x)
+            head_scan.feed(self.runtime.full_logits(x), [(slice(0, n), head_scan.SoftmaxStats(n, 0))])
 
         paths = [("numpy", numpy_path)]
         if self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES:
@@ -122,35 +131,19 @@ class Engine:
         return best, timings
 
     # ------------------------------------------------------------------ batch compute (worker thread)
-    def _head_logits(self, h: np.ndarray) -> np.ndarray:
-        """h [n, d] -> all D logits [n, D] float32: one GEMM over the mmap head (W.T is a view)."""
-        z = h @ self.bundle.weight.T
-        z += self.bundle.bias
-        return z
-
     def _compute(self, jobs: list[Job]) -> list[Any]:
         xs = [j.x for j in jobs]
         x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
         offsets = np.cumsum([0] + [j.n for j in jobs])
-        wants_logits = [i for i, j in enumerate(jobs) if j.kind == "logits"]
-        need_h = self.softmax_impl == "numpy" or len(wants_logits) < len(jobs)
+        scans = [i for i, j in enumerate(jobs) if j.kind == "logits"]
+        need_h = self.softmax_impl == "numpy" or len(scans) < len(jobs)
         h = self.runtime.embed(x) if need_h else None  # [M, d]
-        z_rows: dict[int, np.ndarray] = {}
-        if wants_logits:
-            rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in wants_logits])
-            if self.softmax_impl == "numpy":
-                z = self._head_logits(h if len(rows) == len(x) else h[rows])
-            else:
-                z = self.runtime.full_logits(x if len(rows) == len(x) else x[rows])
-            start = 0
-            for i in wants_logits:  # [n_i, D] each
-                z_rows[i] = z[start:start + jobs[i].n]
-                start += jobs[i].n
+        accumulated = self._scan_head(jobs, scans, offsets, x, h)
         found = self._index_search(jobs, offsets, h)
         results = []
         for i, job in enumerate(jobs):
             if job.kind == "logits":
-                rows = z_rows[i]
+                rows = accumulated[i]
             elif job.kind == "index":
                 rows = found[i]
             else:
@@ -160,6 +153,25 @@ class Engine:
             except ApiError as exc:
                 results.append(JobFailed(exc))
         return results
+
+    def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
+                   h: Optional[np.ndarray]) -> dict[int, Any]:
+        """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
+        top-k, full logits), each into its own accumulator (serving/head_scan.py): one GEMM per class
+        chunk, never a [batch, D] matrix unless a job answers with one."""
+        if not scans:
+            return {}
+        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in scans])
+        accumulated, parts, start = {}, [], 0
+        for i in scans:
+            accumulated[i] = jobs[i].accumulator(jobs[i].n)
+            parts.append((slice(start, start + jobs[i].n), accumulated[i]))
+            start += jobs[i].n
+        if self.softmax_impl == "numpy":
+            head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts)
+        else:
+            head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts)
+        return accumulated
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:
         """ONE class-index search over the embeddings of every "index" job in the batch, split per job.
@@ -237,17 +249,14 @@ class Engine:
     async def softmax(self, cls: ClassRef, x: np.ndarray) -> dict:
         j = cls.id
 
-        def reduce(z: np.ndarray) -> list[dict]:  # z [n, D] all logits
-            finite_output(z)
-            m = z.max(axis=1)  # [n]
-            lse = m + np.log(np.exp(z - m[:, None]).sum(axis=1, dtype=np.float64))  # [n]
-            zj = z[:, j].astype(np.float64)
-            p = np.exp(zj - lse)
-            top = z.argmax(axis=1)
-            return [{"probability": pi, "logit": zi, "is_top1": ti == j}
-                    for pi, zi, ti in zip(p.tolist(), zj.tolist(), top.tolist())]
+        def reduce(acc: head_scan.SoftmaxStats) -> list[dict]:  # streamed over all D logits
+            require_finite(acc.finite)
+            p, zj, top1 = acc.result()
+            return [{"probability": pi, "logit": zi, "is_top1": ti}
+                    for pi, zi, ti in zip(p.tolist(), zj.tolist(), top1.tolist())]
 
-        results = await self.batcher.submit(x, "logits", reduce, self._timeout())
+        results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
+                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j))
         return {"class_id": j, "class_name": cls.name, "results": results}
 
     async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:
@@ -259,18 +268,13 @@ class Engine:
                      for c, v in zip(row_ids, row_z) if c >= 0] for row_ids, row_z in zip(ids, logits)]
 
         if mode == "exact":
-            def reduce(z: np.ndarray):  # z [n, D]
-                finite_output(z)
-                if k < z.shape[1]:
-                    part = np.argpartition(-z, k - 1, axis=1)[:, :k]  # [n, k] unordered
-                else:
-                    part = np.tile(np.arange(z.shape[1]), (z.shape[0], 1))
-                vals = np.take_along_axis(z, part, axis=1)
-                order = np.argsort(-vals, axis=1, kind="stable")
-                ids = np.take_along_axis(part, order, axis=1)
-                return entries(ids, np.take_along_axis(vals, order, axis=1))
+            def reduce(acc: head_scan.TopK):  # streamed over all D logits
+                require_finite(acc.finite)
+                logits, ids = acc.result()
+                return entries(ids, logits)
 
-            results = await self.batcher.submit(x, "logits", reduce, self._timeout())
+            results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
+                                                accumulator=lambda n: head_scan.TopK(n, k))
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
@@ -293,8 +297,13 @@ class Engine:
         return await self.batcher.submit(x, "embed", reduce, self._timeout())
 
     async def all_logits(self, x: np.ndarray) -> np.ndarray:
-        """KServe `<name>-full`: logits [N, D] float32."""
-        return await self.batcher.submit(x, "logits", lambda z: finite_output(np.array(z, np.float32)), self._timeout())
+        """KServe `<name>-full`: logits [N, D] float32, written chunk by chunk into the answer."""
+        def reduce(acc: head_scan.AllLogits) -> np.ndarray:
+            require_finite(acc.finite)
+            return acc.result()
+
+        return await self.batcher.submit(x, "logits", reduce, self._timeout(),
+                                         accumulator=lambda n: head_scan.AllLogits(n, self.num_classes))
 
     # ------------------------------------------------------------------ gallery
     async def _gallery(self, method: str, *args, nothing: str = "nothing was written"):

@@ -43,6 +43,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from serving import head_scan
 from serving.bundle.files import atomic_replace
 from serving.bundle.session import ort_session
 
@@ -50,10 +51,10 @@ log = logging.getLogger(__name__)
 
 EXACT_MAX_CLASSES = 50_000
 RECALL_K = 10
-RECALL_TARGET = 0.95
+RECALL_TARGET = 0.97
 RECALL_QUERIES = 256
 MIN_SPEEDUP = 2.0  # an approximate index slower than this against exact (batched) is dropped
-RECALL_MARGIN = 0.02  # tuning aims this far above the target: fresh queries scatter around the tuning recall
+RECALL_MARGIN = 0.01  # tuning aims this far above the target: fresh queries scatter around the tuning recall
 BIAS_AXIS_SHARE = 0.4  # s·sd(b) as a share of the rows' spread, sqrt(E|W_j - mean W|^2)
 CACHE_FORMAT = 3
 _CHUNK_ROWS = 65_536
@@ -67,30 +68,19 @@ def _clip_k(k: int, num_classes: int) -> int:
 
 
 def exact_topk(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, k: int,
-               chunk_rows: int = _CHUNK_ROWS) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k by float32 matmul over row chunks, so a memory-mapped head is never copied whole.
+               chunk_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k in one chunked pass over the head (serving/head_scan.py), so a memory-mapped head
+    is never copied whole.
 
     Returns (float32 logits [N, k], int64 ids [N, k]) sorted best first; logits as computed
     by the float32 matmul (callers re-score when they need the float64-rounded value).
     """
     h = np.ascontiguousarray(h, dtype=np.float32)  # [N, d]
-    n, num_classes = h.shape[0], weight.shape[0]
-    k = _clip_k(k, num_classes)
-    best_scores = np.full((n, 0), -np.inf, dtype=np.float32)
-    best_ids = np.zeros((n, 0), dtype=np.int64)
-    for start in range(0, num_classes, chunk_rows):
-        stop = min(start + chunk_rows, num_classes)
-        scores = h @ np.asarray(weight[start:stop], dtype=np.float32).T  # [N, chunk]
-        scores += np.asarray(bias[start:stop], dtype=np.float32)
-        kk = min(k, stop - start)
-        part = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]  # [N, kk]
-        cand_scores = np.concatenate([best_scores, np.take_along_axis(scores, part, 1)], axis=1)
-        cand_ids = np.concatenate([best_ids, part.astype(np.int64) + start], axis=1)
-        keep = np.argpartition(-cand_scores, min(k, cand_scores.shape[1]) - 1, axis=1)[:, :k]
-        best_scores = np.take_along_axis(cand_scores, keep, 1)
-        best_ids = np.take_along_axis(cand_ids, keep, 1)
-    order = np.lexsort((best_ids, -best_scores), axis=1) if n else np.zeros((0, k), np.int64)
-    return np.take_along_axis(best_scores, order, 1), np.take_along_axis(best_ids, order, 1)
+    k = _clip_k(k, weight.shape[0])
+    acc = head_scan.TopK(h.shape[0], k)
+    if h.shape[0]:
+        head_scan.scan(weight, bias, h, [(slice(None), acc)], chunk_rows)
+    return acc.result()
 
 
 def rescore(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -139,9 +129,12 @@ def _max_row_norm(weight: np.ndarray, bias: np.ndarray) -> float:
     return float(np.sqrt(best) * (1 + 1e-6))
 
 
+MAX_NLIST = 2048  # at 10^6 rows: 4096 lists took 3x the build time of 2048 for the same recall (docs/results/scale.md)
+
+
 def default_nlist(num_classes: int) -> int:
-    """About 4·sqrt(D) lists, a power of two (1024 at 100k, 4096 at 1M)."""
-    return int(2 ** round(np.log2(max(4 * np.sqrt(num_classes), 16))))
+    """About 4·sqrt(D) lists, a power of two, at most MAX_NLIST (1024 at 100k, 2048 at 1M)."""
+    return min(MAX_NLIST, int(2 ** round(np.log2(max(4 * np.sqrt(num_classes), 16)))))
 
 
 def backbone_queries(bundle: Any, n: int, seed: int = 0) -> np.ndarray | None:
@@ -445,6 +438,7 @@ def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, 
         return x
 
     train = rows(sample)  # [train_size, d + 1], one copy
+    log.info("class index: k-means of %d sampled rows into %d cells ...", train_size, meta.nlist)
     kmeans = faiss.Kmeans(d + 1, meta.nlist, niter=int(params.get("niter", 10)), seed=int(params.get("seed", 0)) + 1,
                           max_points_per_centroid=10**9, spherical=False)
     kmeans.train(train)
@@ -453,11 +447,13 @@ def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, 
     nearest.add(centroids)
     assign = np.empty(num, dtype=np.int64)
     cell_max_b = np.full(meta.nlist, -np.inf, dtype=np.float32)
+    progress = _Progress(f"class index: assigning {num:,} rows to cells", num)
     for start in range(0, num, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, num)
         x = rows(slice(start, stop))
         assign[start:stop] = nearest.search(x, 1)[1][:, 0]
         np.maximum.at(cell_max_b, assign[start:stop], x[:, d])
+        progress.update(stop)
     probe = centroids.copy()
     filled = np.isfinite(cell_max_b)
     probe[filled, d] = cell_max_b[filled]  # empty cells keep their centroid: never read anyway
@@ -472,11 +468,30 @@ def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, 
         index = faiss.IndexIVFScalarQuantizer(quantizer, d + 1, meta.nlist, qtype, faiss.METRIC_INNER_PRODUCT)
     index.train(train)  # the quantizer is full (nlist vectors): trains the scalar quantiser's code ranges only
     del train
+    progress = _Progress(f"class index: encoding {num:,} rows ({codes})", num)
     for start in range(0, num, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, num)
         x = rows(slice(start, stop))
         index.add_core(stop - start, faiss.swig_ptr(x), None, faiss.swig_ptr(assign[start:stop]))
+        progress.update(stop)
     return index
+
+
+class _Progress:
+    """A log line at most every PROGRESS_S seconds while a long build step runs (the server's log is
+    where a start-up is watched: no terminal bar)."""
+
+    PROGRESS_S = 5.0
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total = what, total
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.PROGRESS_S or (done >= self.total and now - self.t0 >= self.PROGRESS_S):
+            self.last = now
+            log.info("%s: %d%% (%.0f s)", self.what, 100 * done // self.total, now - self.t0)
 
 
 def _index_bytes(index: Any) -> int:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from serving import head_scan
+
 
 def _time_call(fn, min_time: float = 0.3, repeats: int = 5) -> float:
     """Median seconds per call over `repeats` rounds of at least `min_time` each."""
@@ -61,12 +63,16 @@ def head_alone(bundle: Path, batch: int = 64, seed: int = 0) -> dict:
     H /= np.linalg.norm(H, axis=1, keepdims=True)  # [B, d]
     ids = rng.integers(0, D, batch)  # [B]
     t = {name: _time_call(fn) for name, fn in head_kernels(W, b, H, ids).items()}
+    t["chunked_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, []))  # the server's pass, nothing kept
     us = {
         "one_logit_per_input_single_us": t["one_logit_single"] * 1e6,
         "one_logit_per_input_batch64_us": t["one_logit_batch"] / batch * 1e6,
         "all_logits_per_input_single_us": t["all_logits_single"] * 1e6,
         "all_logits_per_input_batch64_us": t["all_logits_batch"] / batch * 1e6,
         "softmax_per_input_batch64_us": t["softmax_batch"] / batch * 1e6,
+        # the bound a full-softmax server is read against: the faster of one [B, D] GEMM and the chunked pass
+        "gemm_bound_inputs_per_s": batch / min(t["all_logits_batch"], t["chunked_gemm"]),
+        "chunked_gemm_per_input_batch64_us": t["chunked_gemm"] / batch * 1e6,
     }
     us["all_over_one_single"] = us["all_logits_per_input_single_us"] / us["one_logit_per_input_single_us"]
     us["all_over_one_batch64"] = us["all_logits_per_input_batch64_us"] / us["one_logit_per_input_batch64_us"]

@@ -1,8 +1,10 @@
 """`slc bench scale`: single-logit against full-softmax serving as the number of classes D grows.
 
 For each D: a cached synthetic bundle, a real `slc serve` subprocess, then
-- closed loop (concurrency 8) over live, detect, softmax, topk exact, topk index, rotated in
-  short blocks so that every endpoint sees the same drift but owns its throughput;
+- closed loop (concurrency 8) over live, detect, softmax, topk exact, topk index and the KServe
+  v2 protocols (JSON, binary tensors, gRPC when slc[grpc] is installed), rotated in short
+  blocks so that every endpoint sees the same drift but owns its throughput;
+- softmax with SATURATE connections (full batches) against the GEMM bound of the same batch;
 - one connection, endpoints interleaved per request (latency without queueing);
 - recall@10 of topk index against topk exact on the same inputs (over HTTP);
 - the server's resident memory against the head's size;
@@ -28,7 +30,7 @@ import numpy as np
 from serving import loadtest as lt
 from serving.bench.head import head_alone
 from serving.bench.report import evaluate_targets, scale_markdown, scale_plot
-from serving.bench.server import peer_server, process_tree_memory, slc_server
+from serving.bench.server import grpc_available, peer_server, process_tree_memory, slc_server
 from serving.bundle import replace_dir, slc_home
 from serving.loadtest.stats import latency_summary
 
@@ -36,8 +38,9 @@ log = logging.getLogger(__name__)
 
 INPUT_DIM = 64
 BLOCK_S = 2.0
-ROTATION = ["live", "detect", "softmax", "topk_exact", "topk_index"]
-SINGLE = ["detect", "softmax", "topk_exact", "topk_index"]
+ROTATION = ["live", "detect", "softmax", "topk_exact", "topk_index", "v2", "v2_binary"]
+SINGLE = ["detect", "softmax", "topk_exact", "topk_index", "v2", "v2_binary"]
+SATURATE = 64  # connections for the softmax run that fills every batch (the server's max_batch)
 SYNTHETIC_ROWS = "clustered"  # like trained heads; "gaussian" is the index worst case
 
 
@@ -105,13 +108,14 @@ def _summary(report: dict) -> dict:
 
 
 def measure_server(url: str, endpoints: Sequence[str], concurrency: int, duration: float, warmup: float = 2.0,
-                   single: Optional[Sequence[str]] = None, class_: Optional[str] = None) -> dict:
+                   single: Optional[Sequence[str]] = None, class_: Optional[str] = None,
+                   grpc_port: Optional[int] = None) -> dict:
     """Closed loop (block rotation) plus one-connection latency (per-request interleaving)."""
     closed = lt.run_loadtest(url, list(endpoints), class_=class_, concurrency=concurrency,
                              duration=duration * len(endpoints), warmup=warmup, interleave="block", block_s=BLOCK_S,
-                             progress=True)
+                             progress=True, grpc_port=grpc_port)
     one = lt.run_loadtest(url, list(single or endpoints), class_=class_, concurrency=1, duration=duration,
-                          warmup=min(warmup, 1.0), interleave="request", progress=True)
+                          warmup=min(warmup, 1.0), interleave="request", progress=True, grpc_port=grpc_port)
     return {"closed": _summary(closed.report), "single_connection": _summary(one.report),
             "closed_report": closed.report, "single_report": one.report}
 
@@ -129,7 +133,9 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         row["timings_s"][name] = round(now - tick, 2)
         tick = now
     data_dir = bundle.with_name(bundle.name + "-data")
-    with slc_server(bundle, log_dir, f"D{D}", data_dir) as srv:
+    grpc = grpc_available()
+    rotation, single = ROTATION + ["grpc"] * grpc, SINGLE + ["grpc"] * grpc
+    with slc_server(bundle, log_dir, f"D{D}", data_dir, grpc=grpc) as srv:
         row["ready_s"] = srv.wait_ready()
         log.info(f"D={D}: server ready in {row['ready_s']:.1f} s")
         idle = process_tree_memory(srv.proc.pid)
@@ -138,8 +144,10 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
                                if k in model}
         phase("start")
         row["wrk_live"] = lt.wrk_ceiling(srv.url, concurrency, 3.0)
-        m = measure_server(srv.url, ROTATION, concurrency, duration, single=SINGLE)
+        m = measure_server(srv.url, rotation, concurrency, duration, single=single, grpc_port=srv.grpc_port)
         row["slc"] = {"closed": m["closed"], "single_connection": m["single_connection"]}
+        full = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
+        row["softmax_saturated"] = {"concurrency": SATURATE, **_summary(full.report)["softmax"]}
         row["recall"] = topk_recall(srv.url)
         loaded = process_tree_memory(srv.proc.pid)
         phase("load")
@@ -211,10 +219,11 @@ def default_model_check(duration: float, concurrency: int, log_dir: Path) -> dic
             ready = srv.wait_ready(900)
         except (RuntimeError, TimeoutError) as exc:
             return {"error": str(exc)[-800:]}
-        closed = lt.run_loadtest(srv.url, ["live", "detect"], concurrency=concurrency, duration=2 * duration,
+        closed = lt.run_loadtest(srv.url, ["live", "detect", "v2"], concurrency=concurrency, duration=3 * duration,
                                  warmup=2.0, interleave="block", block_s=BLOCK_S, progress=True)
         s = _summary(closed.report)
-        return {"ready_s": ready, "closed": s, "detect_over_live": s["detect"]["rps"] / s["live"]["rps"]}
+        return {"ready_s": ready, "closed": s, "detect_over_live": s["detect"]["rps"] / s["live"]["rps"],
+                "v2_over_detect": s["v2"]["rps"] / s["detect"]["rps"]}
 
 
 def machine_info() -> dict:

@@ -102,12 +102,25 @@ def process_tree_memory(pid: int) -> dict:
     return {"rss": rss, "hwm": hwm, "processes": len(pids), "source": "/proc/PID/status"}
 
 
-def slc_server(bundle: Optional[Path], log_dir: Path, tag: str, data_dir: Path) -> ServerProcess:
-    """`slc serve BUNDLE` (the default model when None) on a free port, logging to log_dir."""
+def grpc_available() -> bool:
+    """Whether this install can serve and load-test KServe v2 over gRPC (the slc[grpc] extra)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("grpc", "tritonclient"))
+
+
+def slc_server(bundle: Optional[Path], log_dir: Path, tag: str, data_dir: Path, grpc: bool = False) -> ServerProcess:
+    """`slc serve BUNDLE` (the default model when None) on a free port, logging to log_dir; with `grpc`,
+    KServe v2 over gRPC on a second free port (`.grpc_port`)."""
     port = free_port()
     argv = [sys.executable, "-m", "slc", "serve"] + ([str(bundle)] if bundle else []) + [
         "--port", str(port), "--data-dir", str(data_dir)]
-    return ServerProcess(argv, port, log_dir / f"server-{tag}.log", env={"SLC_LOG_LEVEL": "warning"})
+    grpc_port = free_port() if grpc else None
+    if grpc_port:
+        argv += ["--grpc-port", str(grpc_port)]
+    server = ServerProcess(argv, port, log_dir / f"server-{tag}.log", env={"SLC_LOG_LEVEL": "warning"})
+    server.grpc_port = grpc_port
+    return server
 
 
 def peer_server(bundle: Path, log_dir: Path, tag: str) -> ServerProcess:

@@ -31,6 +31,7 @@ def test_bench_bundle_cache_key_holds_rows_kind_and_builder(tmp_path, monkeypatc
 def test_scale_bench_end_to_end_small(tmp_path, monkeypatch):
     """The whole `slc bench scale` pipeline on two tiny D: three result files, consistent numbers."""
     from serving.bench import run as bench
+    from serving.bench.server import grpc_available
 
     monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
     res = bench.run_scale_bench([5, 40], dim=8, duration=0.3, out=tmp_path / "out", default_model=False)
@@ -40,8 +41,11 @@ def test_scale_bench_end_to_end_small(tmp_path, monkeypatch):
     for r in data["rows"]:
         assert r["head_bytes"] == r["classes"] * 8 * 4 + r["classes"] * 4
         assert r["recall"]["recall_at_k"] == 1.0  # tiny D: the index is exact (flat)
-        for ep in ("detect", "softmax", "topk_exact", "topk_index", "live"):
+        protocols = ("v2", "v2_binary") + (("grpc",) if grpc_available() else ())
+        for ep in ("detect", "softmax", "topk_exact", "topk_index", "live") + protocols:
             assert r["slc"]["closed"][ep]["errors"] == {}, (r["classes"], ep)
+            assert r["slc"]["closed"][ep]["requests"] > 0, (r["classes"], ep)
+        assert r["softmax_saturated"]["errors"] == {} and r["softmax_saturated"]["requests"] > 0
         assert r["peer"]["closed"]["softmax"]["errors"] == {}
         assert r["memory"]["loaded_rss"] > 0
     assert "slc bench scale --classes 5,40" in (tmp_path / "out" / "scale.md").read_text()

@@ -1,0 +1,152 @@
+"""Passes over every class of the head in chunks: softmax statistics, exact top-k, all logits.
+
+The queries that need all D logits (softmax probability, exact top-k, the full logits) read the
+whole head once per batch: one GEMM per chunk of class rows over every input of the batch that
+needs it, so concurrent requests share one read of W and memory stays at [batch, chunk] instead
+of [batch, D]. Each request keeps only what it answers with (an accumulator): for softmax the
+running max and sum of exponentials (the online softmax of Milakov & Gimelshein, 2018), for
+top-k the k best so far, for the full logits its own [n, D] output.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import numpy as np
+
+CHUNK_VALUES = 8 * 1024 * 1024  # logits per chunk buffer (32 MiB of float32), whatever the batch
+MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
+FIRST_COLUMNS = 1024  # top-k: partitioned to seed the running k-th best; the rest is compared to it
+
+
+class Accumulator(Protocol):
+    def update(self, z: np.ndarray, start: int) -> None:
+        """Take logits z [n, C] of classes start..start+C-1 (z may be overwritten)."""
+
+
+def chunk_rows(batch: int, num_classes: int, values: int = CHUNK_VALUES) -> int:
+    """Classes per chunk so that [batch, chunk] holds about `values` logits."""
+    return int(min(num_classes, max(MIN_CHUNK_ROWS, values // max(batch, 1))))
+
+
+def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
+         rows: int | None = None) -> None:
+    """Logits h @ W.T + b chunk by chunk; each accumulator gets its rows of every chunk.
+
+    weight [D, d] (memory-mapped: only views are taken), bias [D], h [M, d] float32;
+    parts: (rows of h, accumulator), rows disjoint.
+    """
+    parts = list(parts)
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    num_classes = weight.shape[0]
+    rows = rows or chunk_rows(h.shape[0], num_classes)
+    buf = np.empty((h.shape[0], rows), dtype=np.float32)  # [M, C], reused by every chunk
+    for start in range(0, num_classes, rows):
+        stop = min(start + rows, num_classes)
+        z = buf[:, :stop - start]
+        np.matmul(h, weight[start:stop].T, out=z)  # [M, C]: the GEMM, W.T a view of the mmap
+        z += bias[start:stop]
+        for sl, acc in parts:
+            acc.update(z[sl], start)
+
+
+def feed(z: np.ndarray, parts: Iterable[tuple[slice, Accumulator]]) -> None:
+    """Logits computed elsewhere (full.onnx) [M, D], as one chunk."""
+    for sl, acc in parts:
+        acc.update(z[sl], 0)
+
+
+class SoftmaxStats:
+    """Per row: softmax probability of class j, its logit and whether it is the top-1, streamed."""
+
+    def __init__(self, n: int, j: int):
+        self.j = j
+        self.m = np.full(n, -np.inf)  # running max, float64 [n]
+        self.s = np.zeros(n)  # running sum of exp(z - m), float64 [n]
+        self.zj = np.zeros(n)
+        self.top = np.zeros(n, dtype=np.int64)
+        self.finite = np.ones(n, dtype=bool)
+
+    def update(self, z: np.ndarray, start: int) -> None:
+        n, c = z.shape
+        if start <= self.j < start + c:
+            self.zj = z[:, self.j - start].astype(np.float64)
+        am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
+        cmax = z[np.arange(n), am].astype(np.float64)
+        self.finite &= np.isfinite(cmax)
+        better = cmax > self.m
+        self.top[better] = am[better] + start
+        m_new = np.maximum(self.m, cmax)
+        with np.errstate(invalid="ignore", over="ignore"):  # rows already marked not finite
+            z -= m_new.astype(np.float32)[:, None]
+            np.exp(z, out=z)  # in place: the chunk buffer is this job's rows only
+            self.s = self.s * np.exp(self.m - m_new) + z.sum(axis=1)  # float32 pairwise sum per chunk
+        self.m = m_new
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(probability [n], logit of j [n], is_top1 [n]), all float64 / bool."""
+        lse = self.m + np.log(self.s)
+        return np.exp(self.zj - lse), self.zj, self.top == self.j
+
+
+class TopK:
+    """Per row: the k largest logits and their class ids, streamed."""
+
+    def __init__(self, n: int, k: int):
+        self.k = k
+        self.scores = np.full((n, 0), -np.inf, dtype=np.float32)
+        self.ids = np.zeros((n, 0), dtype=np.int64)
+        self.finite = np.ones(n, dtype=bool)
+
+    def update(self, z: np.ndarray, start: int) -> None:
+        self.finite &= np.isfinite(z.max(axis=1))  # max propagates NaN and shows +inf
+        if self.scores.shape[1] < self.k:  # not k candidates yet: the k best of the chunk's first columns
+            head = z[:, :max(self.k, FIRST_COLUMNS)]
+            kk = min(self.k, head.shape[1])
+            part = np.argpartition(-head, kk - 1, axis=1)[:, :kk]  # [n, kk] unordered
+            self._merge(np.take_along_axis(head, part, axis=1), part.astype(np.int64) + start)
+            if head.shape[1] < z.shape[1]:
+                self.update(z[:, head.shape[1]:], start + head.shape[1])
+            return
+        # Only logits above a row's current k-th best can enter, and they are few: one comparison
+        # pass replaces a partition of the whole chunk.
+        flat = np.flatnonzero(z > self.scores.min(axis=1)[:, None])  # row-major: rows ascending
+        if not flat.size:
+            return
+        r, c = np.divmod(flat, z.shape[1])
+        counts = np.bincount(r, minlength=z.shape[0])
+        pos = np.arange(r.size) - np.repeat(np.cumsum(counts) - counts, counts)  # place within its row
+        scores = np.full((z.shape[0], counts.max()), -np.inf, dtype=np.float32)
+        ids = np.full(scores.shape, -1, dtype=np.int64)
+        scores[r, pos], ids[r, pos] = z[r, c], c + start
+        self._merge(scores, ids)
+
+    def _merge(self, scores: np.ndarray, ids: np.ndarray) -> None:
+        scores = np.concatenate([self.scores, scores], axis=1)
+        ids = np.concatenate([self.ids, ids], axis=1)
+        keep = np.argpartition(-scores, min(self.k, scores.shape[1]) - 1, axis=1)[:, :self.k]
+        self.scores = np.take_along_axis(scores, keep, axis=1)
+        self.ids = np.take_along_axis(ids, keep, axis=1)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(logits [n, k] float32, ids [n, k] int64), best first, ties by the smaller id."""
+        if not len(self.scores):
+            return self.scores, self.ids
+        order = np.lexsort((self.ids, -self.scores), axis=1)
+        return np.take_along_axis(self.scores, order, 1), np.take_along_axis(self.ids, order, 1)
+
+
+class AllLogits:
+    """Per row: every logit, written chunk by chunk into the answer [n, D]."""
+
+    def __init__(self, n: int, num_classes: int):
+        self.out = np.empty((n, num_classes), dtype=np.float32)
+
+    def update(self, z: np.ndarray, start: int) -> None:
+        self.out[:, start:start + z.shape[1]] = z
+
+    @property
+    def finite(self) -> np.ndarray:
+        return np.isfinite(self.out).all(axis=1)
+
+    def result(self) -> np.ndarray:
+        return self.out

@@ -1,0 +1,93 @@
+"""The chunked passes over the head against float64 brute force over the whole [N, D] matrix."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving import head_scan
+
+
+def _head(D=1000, d=16, n=5, seed=0):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((D, d)).astype(np.float32)
+    b = rng.standard_normal(D).astype(np.float32)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    z64 = h.astype(np.float64) @ W.astype(np.float64).T + b  # [n, D] the truth
+    return W, b, h, z64
+
+
+@pytest.mark.parametrize("rows", [7, 100, 1000, None])
+def test_streamed_softmax_equals_the_dense_softmax(rows):
+    W, b, h, z64 = _head()
+    j = 123
+    acc = head_scan.SoftmaxStats(len(h), j)
+    head_scan.scan(W, b, h, [(slice(None), acc)], rows)
+    p, zj, top1 = acc.result()
+    dense = np.exp(z64 - z64.max(1, keepdims=True))
+    dense /= dense.sum(1, keepdims=True)
+    np.testing.assert_allclose(p, dense[:, j], rtol=1e-5)
+    np.testing.assert_allclose(zj, z64[:, j], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(top1, z64.argmax(1) == j)
+    assert acc.finite.all()
+
+
+def test_is_top1_is_true_where_the_class_is_the_argmax():
+    W, b, h, z64 = _head()
+    j = int(z64[2].argmax())  # row 2's winner: is_top1 there, and only where it wins
+    acc = head_scan.SoftmaxStats(len(h), j)
+    head_scan.scan(W, b, h, [(slice(None), acc)], 64)
+    np.testing.assert_array_equal(acc.result()[2], z64.argmax(1) == j)
+    assert acc.result()[2][2]
+
+
+@pytest.mark.parametrize("k,rows", [(1, 7), (10, 7), (10, 1000), (50, 33), (1000, 64)])
+def test_streamed_topk_equals_a_full_sort(k, rows):
+    W, b, h, z64 = _head()
+    acc = head_scan.TopK(len(h), k)
+    head_scan.scan(W, b, h, [(slice(None), acc)], rows)
+    scores, ids = acc.result()
+    truth = np.argsort(-z64, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(ids, truth)
+    np.testing.assert_allclose(scores, np.take_along_axis(z64, truth, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_topk_keeps_the_smaller_id_among_equal_logits():
+    W = np.ones((300, 4), np.float32)  # every class has the same logit
+    b = np.zeros(300, np.float32)
+    acc = head_scan.TopK(2, 5)
+    head_scan.scan(W, b, np.ones((2, 4), np.float32), [(slice(None), acc)], 50)
+    np.testing.assert_array_equal(acc.result()[1], [[0, 1, 2, 3, 4]] * 2)
+
+
+def test_all_logits_equal_the_dense_matrix_and_jobs_get_their_own_rows():
+    W, b, h, z64 = _head(n=6)
+    parts = [(slice(0, 2), head_scan.AllLogits(2, len(W))), (slice(2, 5), head_scan.TopK(3, 4)),
+             (slice(5, 6), head_scan.SoftmaxStats(1, 9))]
+    head_scan.scan(W, b, h, parts, 97)
+    np.testing.assert_allclose(parts[0][1].result(), z64[:2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(parts[1][1].result()[1], np.argsort(-z64[2:5], axis=1)[:, :4])
+    dense = np.exp(z64[5] - z64[5].max())
+    np.testing.assert_allclose(parts[2][1].result()[0], dense[9] / dense.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_embedding_marks_only_its_row(bad):
+    W, b, h, _ = _head()
+    h[3, 0] = bad
+    for acc in (head_scan.SoftmaxStats(len(h), 0), head_scan.TopK(len(h), 5), head_scan.AllLogits(len(h), len(W))):
+        head_scan.scan(W, b, h, [(slice(None), acc)], 128)
+        np.testing.assert_array_equal(acc.finite, np.arange(len(h)) != 3)
+
+
+def test_feed_takes_logits_computed_elsewhere_as_one_chunk():
+    W, b, h, z64 = _head()
+    acc = head_scan.TopK(len(h), 3)
+    head_scan.feed(z64.astype(np.float32), [(slice(None), acc)])
+    np.testing.assert_array_equal(acc.result()[1], np.argsort(-z64, axis=1)[:, :3])
+
+
+def test_a_chunk_holds_a_bounded_number_of_logits():
+    assert head_scan.chunk_rows(64, 10**6) * 64 <= head_scan.CHUNK_VALUES
+    assert head_scan.chunk_rows(1, 10**6) == 10**6  # one input: one chunk of all classes
+    assert head_scan.chunk_rows(10**6, 10**6) == head_scan.MIN_CHUNK_ROWS
+    assert head_scan.chunk_rows(8, 100) == 100

@@ -151,6 +151,15 @@ def _md_protocols(res: dict) -> list[str]:
         sat, bound = r.get("softmax_saturated") or {}, r["head_alone"].get("gemm_bound_inputs_per_s")
         L.append(f"| {r['classes']:,} | {_fmt(sat.get('rps'))} | {_fmt(sat.get('p50_ms'), 2)} | {_fmt(bound)} | "
                  f"{_fmt(_ratio(sat.get('rps'), bound), 2)} |")
+    L += ["", "## All D logits over KServe v2: JSON against raw float32 (one connection, median of alternating requests, "
+          "the client's decoding included)", "",
+          "| D | inputs per request | JSON ms | JSON MB | binary ms | binary MB | JSON / binary time |",
+          "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        f = r.get("full_logits")
+        if f:
+            L.append(f"| {r['classes']:,} | {f['batch']} | {_fmt(f['json']['median_ms'], 2)} | {_fmt(f['json']['bytes'] / 1e6, 2)} | "
+                     f"{_fmt(f['binary']['median_ms'], 2)} | {_fmt(f['binary']['bytes'] / 1e6, 2)} | {_fmt(f['json_over_binary'], 1)} |")
     return L
 
 

@@ -95,6 +95,33 @@ def topk_recall(url: str, n: int = 64, k: int = 10, seed: int = 1) -> dict:
     return {"recall_at_k": float(np.mean(hits)), "k": k, "queries": n}
 
 
+def full_logits_formats(url: str, model: str, batch: int = 8, rounds: int = 15, seed: int = 2) -> dict:
+    """`<model>-full` over KServe v2, all D logits of `batch` inputs: JSON output against raw float32
+    (binary tensor extension), one connection, alternating; median ms and bytes of each answer."""
+    x = np.random.default_rng(seed).standard_normal((batch, INPUT_DIM)).astype(np.float32)
+    head = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    bodies = {"json": head, "binary": {**head, "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}}
+    times: dict[str, list] = {k: [] for k in bodies}
+    size = {}
+    for _ in range(rounds):
+        for fmt, body in bodies.items():
+            req = urllib.request.Request(f"{url}/v2/models/{model}-full/infer", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=300) as r:
+                data = r.read()
+                n = int(r.headers.get("Inference-Header-Content-Length") or len(data))
+            if fmt == "json":
+                json.loads(data)  # the client's cost of reading the numbers is part of it
+            else:
+                np.frombuffer(data, "<f4", offset=n)
+            times[fmt].append(time.perf_counter() - t0)
+            size[fmt] = len(data)
+    out = {fmt: {"median_ms": 1e3 * float(np.median(t)), "bytes": size[fmt]} for fmt, t in times.items()}
+    out["json_over_binary"] = out["json"]["median_ms"] / out["binary"]["median_ms"]
+    out["batch"] = batch
+    return out
+
 
 def _summary(report: dict) -> dict:
     """The few numbers per endpoint the scale tables need."""
@@ -149,6 +176,7 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         full = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
         row["softmax_saturated"] = {"concurrency": SATURATE, **_summary(full.report)["softmax"]}
         row["recall"] = topk_recall(srv.url)
+        row["full_logits"] = full_logits_formats(srv.url, model["name"])
         loaded = process_tree_memory(srv.proc.pid)
         phase("load")
         row["memory"] = {"idle_rss": idle["rss"], "loaded_rss": loaded["rss"], "hwm": loaded["hwm"],

@@ -43,6 +43,7 @@ class Job:
     kind: str  # "embed" (rows of h), "logits" (a pass over all D classes) or "index" (class-index top-k)
     reduce: Optional[Callable[[Any], Any]] = None  # runs in the worker thread on this job's rows (or accumulator)
     accumulator: Optional[Callable[[int], Any]] = None  # kind "logits": what the pass fills for this job's n rows
+    patience: float = 0.0  # seconds it may wait for batch-mates (beyond max_delay) while others are on their way
     deadline: float = math.inf  # loop.time()
     enqueued: float = 0.0
     future: Optional[asyncio.Future] = field(default=None, repr=False)
@@ -54,7 +55,8 @@ class Job:
 
 class Batcher:
     def __init__(self, compute: Callable[[list[Job]], list[Any]], *, max_batch: int = 64, max_delay_ms: float = 2.0,
-                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None):
+                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None,
+                 inline_s: float = 0.0):
         self.compute = compute
         # Requests inside the HTTP layer (serving/metrics.py). When every one of them already
         # holds a job here, nobody is on the way to join the batch and waiting would only add
@@ -73,6 +75,9 @@ class Batcher:
         # One thread: model calls are serialised, ORT's intra-op pool uses the cores.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slc-batch")
         self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
+        self._cost: Optional[float] = None  # seconds per input of recent batches (moving average)
+        self._last_requests, self._last_done = 0, -math.inf  # the last batch: its requests, when it ended
+        self.inline_s = inline_s
 
     # ---- lifecycle
     def start(self) -> None:
@@ -98,7 +103,7 @@ class Batcher:
 
     # ---- request side
     async def submit(self, x: np.ndarray, kind: str = "embed", reduce=None, timeout: Optional[float] = None,
-                     accumulator=None) -> Any:
+                     accumulator=None, patience: float = 0.0) -> Any:
         """Queue x [n, ...]; returns reduce(rows) (or the rows). Raises Overloaded, DeadlineExceeded."""
         if self._task is None or self._stopping:
             from serving.errors import NotReady
@@ -110,7 +115,7 @@ class Batcher:
                              retry_after=self._retry_after())
         loop = asyncio.get_running_loop()
         now = loop.time()
-        job = Job(x=x, kind=kind, reduce=reduce, accumulator=accumulator, enqueued=now,
+        job = Job(x=x, kind=kind, reduce=reduce, accumulator=accumulator, patience=patience, enqueued=now,
                   deadline=now + timeout if timeout is not None else math.inf, future=loop.create_future())
         self._jobs.append(job)
         self._held += 1
@@ -128,6 +133,16 @@ class Batcher:
 
     def _others_on_the_way(self) -> bool:
         return self.in_flight is None or self.in_flight() > self._held
+
+    def _shared_recently(self, now: float) -> bool:
+        """The last batch held several requests and ended within the last second: concurrent clients,
+        whose next requests are on their way even when none has reached the server yet."""
+        return self._last_requests > 1 and now - self._last_done < 1.0
+
+    def _inline(self, size: int) -> bool:
+        """Compute on the event loop itself when recent batches took under `inline_s` for this size:
+        handing a tiny batch to the worker thread and back costs more than computing it."""
+        return self._cost is not None and self._cost * size < self.inline_s
 
     def _retry_after(self) -> int:
         if self._rate <= 0:
@@ -147,9 +162,16 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # Wait for more inputs until the batch is full or the oldest input's delay is used up.
-            flush_at = self._jobs[0].enqueued + self.max_delay
-            while self._pending_inputs < self.max_batch and not self._stopping and self._others_on_the_way():
+            # Wait for more inputs until the batch is full or the oldest input's delay is used up. A
+            # costly job (a pass over all D classes, the same cost for 1 input or 64) waits up to its
+            # patience from now, when the worker is free: else requests answered together come back
+            # split across two batches and the split stays (each half queues behind the other).
+            first = self._jobs[0]
+            flush_at = first.enqueued + self.max_delay
+            patient = bool(first.patience) and self._shared_recently(loop.time())
+            if patient:
+                flush_at = max(flush_at, loop.time() + first.patience)
+            while self._pending_inputs < self.max_batch and not self._stopping and (patient or self._others_on_the_way()):
                 remaining = flush_at - loop.time()
                 if remaining <= 0:
                     break
@@ -163,7 +185,10 @@ class Batcher:
                 continue
             started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, self.compute, batch)
+                if self._inline(size):  # a batch this cheap costs less than the hop to the worker thread
+                    results = self.compute(batch)
+                else:
+                    results = await loop.run_in_executor(self._executor, self.compute, batch)
             except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
                 log.exception("batch of %d inputs failed", size)
                 for job in batch:
@@ -171,6 +196,8 @@ class Batcher:
                         job.future.set_exception(exc)
                 continue
             elapsed = time.perf_counter() - started
+            self._last_requests, self._last_done = len(batch), loop.time()
+            self._cost = elapsed / size if self._cost is None else 0.8 * self._cost + 0.2 * elapsed / size
             if elapsed > 0:
                 rate = size / elapsed
                 self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate

@@ -29,6 +29,10 @@ from serving.inputs import examples as read_examples
 
 log = logging.getLogger(__name__)
 
+# A batch holding a pass over all D classes waits for batch-mates up to this share of the pass's
+# measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
+SCAN_PATIENCE_SHARE = 0.05
+
 # full.onnx holds its own copy of the head in RAM; past this many weights (256 MB of float32)
 # the softmax baseline always uses numpy BLAS over the memory-mapped rows instead.
 ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
@@ -71,8 +75,9 @@ class Engine:
         self.num_classes = int(bundle.num_classes)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self.softmax_timing: dict[str, float] = {}
+        self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
-                               queue_size=settings.queue_size, metrics=metrics,
+                               queue_size=settings.queue_size, metrics=metrics, inline_s=settings.inline_batch_us / 1e6,
                                in_flight=(lambda: metrics.in_flight) if metrics is not None and settings.adaptive_delay else None)
 
     # ------------------------------------------------------------------ lifecycle
@@ -89,6 +94,7 @@ class Engine:
         await self.batcher.run_sync(self.runtime.embed, x)
         if self.settings.softmax_impl == "auto":
             self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
+            self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
             log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
                      self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
         if self.index is not None:
@@ -256,7 +262,7 @@ class Engine:
                     for pi, zi, ti in zip(p.tolist(), zj.tolist(), top1.tolist())]
 
         results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j))
+                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j), patience=self.scan_patience)
         return {"class_id": j, "class_name": cls.name, "results": results}
 
     async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:
@@ -274,7 +280,7 @@ class Engine:
                 return entries(ids, logits)
 
             results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                                accumulator=lambda n: head_scan.TopK(n, k))
+                                                accumulator=lambda n: head_scan.TopK(n, k), patience=self.scan_patience)
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
@@ -303,7 +309,8 @@ class Engine:
             return acc.result()
 
         return await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                         accumulator=lambda n: head_scan.AllLogits(n, self.num_classes))
+                                         accumulator=lambda n: head_scan.AllLogits(n, self.num_classes),
+                                         patience=self.scan_patience)
 
     # ------------------------------------------------------------------ gallery
     async def _gallery(self, method: str, *args, nothing: str = "nothing was written"):

@@ -218,3 +218,50 @@ def test_http_deadline_gives_504(app_factory):
         return await c.post("/v1/classes/2/detect", json={"inputs": [[0.0] * 12]})
 
     assert_envelope(asyncio.run(_with_app(app, call)), 504, "deadline_exceeded")
+
+
+@pytest.mark.parametrize("inline_s,expect_loop_thread", [(0.0, False), (10.0, True)])
+def test_cheap_batches_run_on_the_loop_only_when_inline_is_enabled(inline_s, expect_loop_thread):
+    import threading
+
+    threads = []
+
+    def compute(jobs):
+        threads.append(threading.current_thread())
+        return [j.x * 2 for j in jobs]
+
+    async def main():
+        b = Batcher(compute, max_batch=8, max_delay_ms=0, inline_s=inline_s)
+        b.start()
+        outs = [await b.submit(np.full((1, 2), float(i))) for i in range(3)]
+        await b.stop()
+        return outs
+
+    outs = run(main())
+    assert [o.tolist() for o in outs] == [[[0.0, 0.0]], [[2.0, 2.0]], [[4.0, 4.0]]]
+    assert threads[0] is not threading.main_thread()  # the first batch: no cost measured yet
+    assert all((t is threading.main_thread()) == expect_loop_thread for t in threads[1:])
+
+
+@pytest.mark.parametrize("patience,shared_before,batches", [
+    (0.0, True, [[1], [1]]),  # no patience: max_delay (0) decides
+    (5.0, True, [[1, 1]]),  # patience after a shared batch: the batch waits for its mate
+    (5.0, False, [[1], [1]]),  # a lone client (last batch had one request): no wait at all
+])
+def test_a_patient_job_waits_for_batch_mates_only_under_concurrent_load(patience, shared_before, batches):
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=2, max_delay_ms=0)
+        b.start()
+        before = [b.submit(np.ones((1, 2))) for _ in range(2 if shared_before else 1)]
+        await asyncio.gather(*before)
+        rec.batches.clear()
+        first = asyncio.ensure_future(b.submit(np.ones((1, 2)), patience=patience))
+        await asyncio.sleep(0.05)  # far past max_delay: only patience keeps the batch open
+        second = await b.submit(np.ones((1, 2)))
+        await first
+        await b.stop()
+        return rec.batches, second
+
+    got, second = run(main())
+    assert got == batches and second.tolist() == [[2.0, 2.0]]

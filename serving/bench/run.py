@@ -95,7 +95,7 @@ def topk_recall(url: str, n: int = 64, k: int = 10, seed: int = 1) -> dict:
     return {"recall_at_k": float(np.mean(hits)), "k": k, "queries": n}
 
 
-def full_logits_formats(url: str, model: str, batch: int = 8, rounds: int = 15, seed: int = 2) -> dict:
+def full_logits_formats(url: str, model: str, batch: int = 1, rounds: int = 9, seed: int = 2) -> dict:
     """`<model>-full` over KServe v2, all D logits of `batch` inputs: JSON output against raw float32
     (binary tensor extension), one connection, alternating; median ms and bytes of each answer."""
     x = np.random.default_rng(seed).standard_normal((batch, INPUT_DIM)).astype(np.float32)
@@ -176,7 +176,7 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         full = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
         row["softmax_saturated"] = {"concurrency": SATURATE, **_summary(full.report)["softmax"]}
         row["recall"] = topk_recall(srv.url)
-        row["full_logits"] = full_logits_formats(srv.url, model["name"])
+        row["full_logits"] = full_logits_formats(srv.url, model["name"], rounds=9 if D <= 100_000 else 5)
         loaded = process_tree_memory(srv.proc.pid)
         phase("load")
         row["memory"] = {"idle_rss": idle["rss"], "loaded_rss": loaded["rss"], "hwm": loaded["hwm"],

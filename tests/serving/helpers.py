@@ -192,3 +192,14 @@ def throwaway_postgres() -> Iterator[tuple[str, callable]]:
     finally:
         stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def slc(*args: str) -> int:
+    """`slc ARGS` in this process; its exit code."""
+    from slc.cli import main
+
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0

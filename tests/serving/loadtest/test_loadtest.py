@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from serving import loadtest as lt
+from tests.serving.helpers import slc
 
 pytestmark = pytest.mark.integration  # real processes, sockets or files
 
@@ -278,17 +279,6 @@ def test_non_loopback_targets_are_refused(url):
                                  "http://[::1]:8000"])
 def test_loopback_targets_are_accepted(url):
     lt.check_target(url)
-
-
-def slc(*args: str) -> int:
-    """`slc ARGS` in this process; its exit code."""
-    from slc.cli import main
-
-    try:
-        main([str(a) for a in args])
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
 
 
 def test_cli_refuses_remote(tmp_path, capsys):

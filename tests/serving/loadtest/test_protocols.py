@@ -15,7 +15,7 @@ import pytest
 
 from serving import loadtest as lt
 from serving.loadtest import client as lc
-from tests.serving.helpers import free_port, serve_process, wait_http_ready
+from tests.serving.helpers import free_port, serve_process, slc, wait_http_ready
 
 try:
     import grpc
@@ -26,17 +26,6 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 needs_grpc = pytest.mark.skipif(GRPC_MISSING is not None, reason=GRPC_MISSING or "")
 HTTP_PROTOCOLS = ["detect", "v2", "v2_binary"]
-
-
-def slc(*args: str) -> int:
-    """`slc ARGS` in this process; its exit code."""
-    from slc.cli import main
-
-    try:
-        main([str(a) for a in args])
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------

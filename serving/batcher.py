@@ -55,8 +55,7 @@ class Job:
 
 class Batcher:
     def __init__(self, compute: Callable[[list[Job]], list[Any]], *, max_batch: int = 64, max_delay_ms: float = 2.0,
-                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None,
-                 inline_s: float = 0.0):
+                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None):
         self.compute = compute
         # Requests inside the HTTP layer (serving/metrics.py). When every one of them already
         # holds a job here, nobody is on the way to join the batch and waiting would only add
@@ -75,9 +74,7 @@ class Batcher:
         # One thread: model calls are serialised, ORT's intra-op pool uses the cores.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slc-batch")
         self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
-        self._cost: Optional[float] = None  # seconds per input of recent batches (moving average)
-        self._last_requests, self._last_done = 0, -math.inf  # the last batch: its requests, when it ended
-        self.inline_s = inline_s
+        self._peak, self._peak_since = 0, -math.inf  # most requests in the server at once, this second
 
     # ---- lifecycle
     def start(self) -> None:
@@ -118,6 +115,7 @@ class Batcher:
         job = Job(x=x, kind=kind, reduce=reduce, accumulator=accumulator, patience=patience, enqueued=now,
                   deadline=now + timeout if timeout is not None else math.inf, future=loop.create_future())
         self._jobs.append(job)
+        self._note_concurrency(now)
         self._held += 1
         self._pending_inputs += n
         self._gauge()
@@ -134,15 +132,20 @@ class Batcher:
     def _others_on_the_way(self) -> bool:
         return self.in_flight is None or self.in_flight() > self._held
 
-    def _shared_recently(self, now: float) -> bool:
-        """The last batch held several requests and ended within the last second: concurrent clients,
-        whose next requests are on their way even when none has reached the server yet."""
-        return self._last_requests > 1 and now - self._last_done < 1.0
+    def _note_concurrency(self, now: float) -> None:
+        """Keep the most requests seen inside the server at once over the last second."""
+        if self.in_flight is None:
+            return
+        if now - self._peak_since > 1.0:
+            self._peak, self._peak_since = 0, now
+        self._peak = max(self._peak, self.in_flight())
 
-    def _inline(self, size: int) -> bool:
-        """Compute on the event loop itself when recent batches took under `inline_s` for this size:
-        handing a tiny batch to the worker thread and back costs more than computing it."""
-        return self._cost is not None and self._cost * size < self.inline_s
+    def _expected_requests(self, now: float) -> int:
+        """How many requests a patient batch waits for: the recent peak of concurrent requests (1 for a
+        lone client: no wait), at most what fits in a batch."""
+        if self.in_flight is None or now - self._peak_since > 2.0:
+            return 1
+        return min(self._peak, self.max_batch)
 
     def _retry_after(self) -> int:
         if self._rate <= 0:
@@ -162,33 +165,13 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # Wait for more inputs until the batch is full or the oldest input's delay is used up. A
-            # costly job (a pass over all D classes, the same cost for 1 input or 64) waits up to its
-            # patience from now, when the worker is free: else requests answered together come back
-            # split across two batches and the split stays (each half queues behind the other).
-            first = self._jobs[0]
-            flush_at = first.enqueued + self.max_delay
-            patient = bool(first.patience) and self._shared_recently(loop.time())
-            if patient:
-                flush_at = max(flush_at, loop.time() + first.patience)
-            while self._pending_inputs < self.max_batch and not self._stopping and (patient or self._others_on_the_way()):
-                remaining = flush_at - loop.time()
-                if remaining <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
+            await self._wait_for_batch_mates(loop)
             batch, size = self._take()
             if not batch:
                 continue
             started = time.perf_counter()
             try:
-                if self._inline(size):  # a batch this cheap costs less than the hop to the worker thread
-                    results = self.compute(batch)
-                else:
-                    results = await loop.run_in_executor(self._executor, self.compute, batch)
+                results = await loop.run_in_executor(self._executor, self.compute, batch)
             except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
                 log.exception("batch of %d inputs failed", size)
                 for job in batch:
@@ -196,8 +179,6 @@ class Batcher:
                         job.future.set_exception(exc)
                 continue
             elapsed = time.perf_counter() - started
-            self._last_requests, self._last_done = len(batch), loop.time()
-            self._cost = elapsed / size if self._cost is None else 0.8 * self._cost + 0.2 * elapsed / size
             if elapsed > 0:
                 rate = size / elapsed
                 self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
@@ -211,6 +192,35 @@ class Batcher:
                         job.future.set_exception(result.error)
                     else:
                         job.future.set_result(result)
+
+    async def _wait_for_batch_mates(self, loop) -> None:
+        """Wait for more inputs until the batch is full or the oldest input's delay is used up.
+
+        A costly job (a pass over all D classes: the same cost for 1 input or 64) waits up to its
+        patience from now, when the worker is free, for as many requests as were recently in the
+        server at once: the clients answered by the last batch are about to send again, though none
+        has arrived yet; without the wait their requests split over two batches for good.
+        """
+        first = self._jobs[0]
+        flush_at = first.enqueued + self.max_delay
+        expected = self._expected_requests(loop.time()) if first.patience else 1
+        if expected > 1:
+            flush_at = max(flush_at, loop.time() + first.patience)
+
+        def keep_waiting() -> bool:
+            if self._pending_inputs >= self.max_batch or self._stopping:
+                return False
+            return len(self._jobs) < expected if expected > 1 else self._others_on_the_way()
+
+        while keep_waiting():
+            remaining = flush_at - loop.time()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     def _take(self) -> tuple[list[Job], int]:
         """Pop jobs up to max_batch inputs (a larger single job goes alone); drop the expired."""

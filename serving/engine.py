@@ -77,7 +77,7 @@ class Engine:
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
-                               queue_size=settings.queue_size, metrics=metrics, inline_s=settings.inline_batch_us / 1e6,
+                               queue_size=settings.queue_size, metrics=metrics,
                                in_flight=(lambda: metrics.in_flight) if metrics is not None and settings.adaptive_delay else None)
 
     # ------------------------------------------------------------------ lifecycle
@@ -92,16 +92,16 @@ class Engine:
         x = np.zeros((min(self.settings.max_batch, 8),) + self.input_shape, np.float32)
         await self.batcher.run_sync(self.runtime.embed, x[:1])
         await self.batcher.run_sync(self.runtime.embed, x)
-        if self.settings.softmax_impl == "auto":
-            self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
-            self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
-            log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
-                     self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
+        self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
+        self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
+        log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
+                 self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
         if self.index is not None:
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 
     def _choose_softmax_impl(self) -> tuple[str, dict[str, float]]:
-        """Time a softmax batch through the chunked numpy head against full.onnx; keep the faster."""
+        """Time a softmax batch through the chunked numpy head against full.onnx; keep the faster (or
+        time only the path the settings name: its time sets the batch's patience)."""
         rng = np.random.default_rng(0)
         n = self.settings.max_batch
         x = rng.standard_normal((n,) + self.input_shape).astype(np.float32)
@@ -115,9 +115,12 @@ class Engine:
             head_scan.feed(self.runtime.full_logits(x), [(slice(0, n), head_scan.SoftmaxStats(n, 0))])
 
         paths = [("numpy", numpy_path)]
-        if self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES:
+        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
+                                                    self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES):
             paths.append(("onnx", onnx_path))
-        else:
+        if self.settings.softmax_impl != "auto":
+            paths = [p for p in paths if p[0] == self.settings.softmax_impl]
+        elif len(paths) == 1:
             log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
                      self.num_classes * self.bundle.embed_dim)
         for name, fn in paths:
@@ -131,6 +134,8 @@ class Engine:
                 timings[name] = best
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
                 log.warning("softmax path %s unavailable: %s", name, exc)
+        if not timings:
+            raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
         best = min(timings, key=timings.get)
         if best != "onnx":
             self.runtime.drop_full()

@@ -16,6 +16,7 @@ import numpy as np
 CHUNK_VALUES = 8 * 1024 * 1024  # logits per chunk buffer (32 MiB of float32), whatever the batch
 MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
 FIRST_COLUMNS = 1024  # top-k: partitioned to seed the running k-th best; the rest is compared to it
+THRESHOLD_MAX_K = 64  # above this k too many logits beat a k-th best seeded from the first columns
 
 
 class Accumulator(Protocol):
@@ -72,7 +73,7 @@ class SoftmaxStats:
             self.zj = z[:, self.j - start].astype(np.float64)
         am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
         cmax = z[np.arange(n), am].astype(np.float64)
-        self.finite &= np.isfinite(cmax)
+        self.finite &= np.isfinite(cmax) & np.isfinite(z.min(axis=1))  # NaN, +inf show in the max; -inf in the min
         better = cmax > self.m
         self.top[better] = am[better] + start
         m_new = np.maximum(self.m, cmax)
@@ -98,17 +99,26 @@ class TopK:
         self.finite = np.ones(n, dtype=bool)
 
     def update(self, z: np.ndarray, start: int) -> None:
-        self.finite &= np.isfinite(z.max(axis=1))  # max propagates NaN and shows +inf
-        if self.scores.shape[1] < self.k:  # not k candidates yet: the k best of the chunk's first columns
+        self.finite &= np.isfinite(z.max(axis=1)) & np.isfinite(z.min(axis=1))  # NaN, +inf in the max; -inf in the min
+        if self.k > THRESHOLD_MAX_K:  # a large k: partition every chunk
+            self._partition(z, start)
+        elif self.scores.shape[1] < self.k:  # not k candidates yet: the k best of the chunk's first columns
             head = z[:, :max(self.k, FIRST_COLUMNS)]
-            kk = min(self.k, head.shape[1])
-            part = np.argpartition(-head, kk - 1, axis=1)[:, :kk]  # [n, kk] unordered
-            self._merge(np.take_along_axis(head, part, axis=1), part.astype(np.int64) + start)
+            self._partition(head, start)
             if head.shape[1] < z.shape[1]:
                 self.update(z[:, head.shape[1]:], start + head.shape[1])
-            return
-        # Only logits above a row's current k-th best can enter, and they are few: one comparison
-        # pass replaces a partition of the whole chunk.
+        else:
+            self._above_kth(z, start)
+
+    def _partition(self, z: np.ndarray, start: int) -> None:
+        """Merge the k best of z [n, C] (argpartition: O(C) per row)."""
+        kk = min(self.k, z.shape[1])
+        part = np.argpartition(-z, kk - 1, axis=1)[:, :kk]  # [n, kk] unordered
+        self._merge(np.take_along_axis(z, part, axis=1), part.astype(np.int64) + start)
+
+    def _above_kth(self, z: np.ndarray, start: int) -> None:
+        """Merge the logits of z [n, C] above each row's current k-th best: few once k candidates
+        are known, so one comparison pass replaces a partition of the whole chunk."""
         flat = np.flatnonzero(z > self.scores.min(axis=1)[:, None])  # row-major: rows ascending
         if not flat.size:
             return
@@ -128,7 +138,8 @@ class TopK:
         self.ids = np.take_along_axis(ids, keep, axis=1)
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [n, k] float32, ids [n, k] int64), best first, ties by the smaller id."""
+        """(logits [n, k] float32, ids [n, k] int64), best first; equal logits among the k by the
+        smaller id (which of several classes tied at the k-th place is kept is not defined)."""
         if not len(self.scores):
             return self.scores, self.ids
         order = np.lexsort((self.ids, -self.scores), axis=1)

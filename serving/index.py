@@ -56,7 +56,7 @@ RECALL_QUERIES = 256
 MIN_SPEEDUP = 2.0  # an approximate index slower than this against exact (batched) is dropped
 RECALL_MARGIN = 0.01  # tuning aims this far above the target: fresh queries scatter around the tuning recall
 BIAS_AXIS_SHARE = 0.4  # s·sd(b) as a share of the rows' spread, sqrt(E|W_j - mean W|^2)
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4  # 4: nlist at most 2048, recall target 0.97
 _CHUNK_ROWS = 65_536
 _GPU_MAX_K = 2048
 

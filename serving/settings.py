@@ -34,9 +34,6 @@ class Settings(BaseSettings):
     # --- batching (serving/batcher.py)
     max_batch: int = Field(64, ge=1, description="inputs per backbone call")
     max_delay_ms: float = Field(2.0, ge=0, description="how long the first queued input waits for others to join its batch")
-    inline_batch_us: float = Field(0.0, ge=0, description=(
-        "compute a batch on the event loop instead of the worker thread when recent batches of its size took "
-        "less than this (microseconds); 0: always the worker thread"))
     adaptive_delay: bool = Field(True, description="skip the max_delay wait when no other request is on its way "
                                  "(every request inside the server already waits in the batcher): no added latency at low load")
     queue_size: int = Field(1024, ge=1, description="queued INPUTS (not requests) before new requests get 429; an empty queue always admits one request")

@@ -220,42 +220,16 @@ def test_http_deadline_gives_504(app_factory):
     assert_envelope(asyncio.run(_with_app(app, call)), 504, "deadline_exceeded")
 
 
-@pytest.mark.parametrize("inline_s,expect_loop_thread", [(0.0, False), (10.0, True)])
-def test_cheap_batches_run_on_the_loop_only_when_inline_is_enabled(inline_s, expect_loop_thread):
-    import threading
-
-    threads = []
-
-    def compute(jobs):
-        threads.append(threading.current_thread())
-        return [j.x * 2 for j in jobs]
-
-    async def main():
-        b = Batcher(compute, max_batch=8, max_delay_ms=0, inline_s=inline_s)
-        b.start()
-        outs = [await b.submit(np.full((1, 2), float(i))) for i in range(3)]
-        await b.stop()
-        return outs
-
-    outs = run(main())
-    assert [o.tolist() for o in outs] == [[[0.0, 0.0]], [[2.0, 2.0]], [[4.0, 4.0]]]
-    assert threads[0] is not threading.main_thread()  # the first batch: no cost measured yet
-    assert all((t is threading.main_thread()) == expect_loop_thread for t in threads[1:])
-
-
-@pytest.mark.parametrize("patience,shared_before,batches", [
-    (0.0, True, [[1], [1]]),  # no patience: max_delay (0) decides
-    (5.0, True, [[1, 1]]),  # patience after a shared batch: the batch waits for its mate
-    (5.0, False, [[1], [1]]),  # a lone client (last batch had one request): no wait at all
+@pytest.mark.parametrize("patience,in_server,batches", [
+    (0.0, 2, [[1], [1]]),  # no patience: max_delay (0) decides
+    (5.0, 2, [[1, 1]]),  # two requests were in the server at once: the batch waits for the second
+    (5.0, 1, [[1], [1]]),  # a lone client: no wait at all
 ])
-def test_a_patient_job_waits_for_batch_mates_only_under_concurrent_load(patience, shared_before, batches):
+def test_a_patient_job_waits_for_as_many_requests_as_were_in_the_server(patience, in_server, batches):
     async def main():
         rec = Recorder()
-        b = Batcher(rec, max_batch=2, max_delay_ms=0)
+        b = Batcher(rec, max_batch=8, max_delay_ms=0, in_flight=lambda: in_server)
         b.start()
-        before = [b.submit(np.ones((1, 2))) for _ in range(2 if shared_before else 1)]
-        await asyncio.gather(*before)
-        rec.batches.clear()
         first = asyncio.ensure_future(b.submit(np.ones((1, 2)), patience=patience))
         await asyncio.sleep(0.05)  # far past max_delay: only patience keeps the batch open
         second = await b.submit(np.ones((1, 2)))
@@ -265,3 +239,18 @@ def test_a_patient_job_waits_for_batch_mates_only_under_concurrent_load(patience
 
     got, second = run(main())
     assert got == batches and second.tolist() == [[2.0, 2.0]]
+
+
+def test_a_patient_batch_goes_as_soon_as_the_expected_requests_are_there():
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=8, max_delay_ms=0, in_flight=lambda: 2)
+        b.start()
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(b.submit(np.ones((1, 2)), patience=30.0), b.submit(np.ones((1, 2))))
+        waited = asyncio.get_running_loop().time() - t0
+        await b.stop()
+        return rec.batches, waited
+
+    got, waited = run(main())
+    assert got == [[1, 1]] and waited < 30.0  # both there: no wait for the patience to run out

@@ -51,12 +51,31 @@ def test_streamed_topk_equals_a_full_sort(k, rows):
     np.testing.assert_allclose(scores, np.take_along_axis(z64, truth, 1), rtol=1e-5, atol=1e-5)
 
 
-def test_topk_keeps_the_smaller_id_among_equal_logits():
-    W = np.ones((300, 4), np.float32)  # every class has the same logit
-    b = np.zeros(300, np.float32)
-    acc = head_scan.TopK(2, 5)
-    head_scan.scan(W, b, np.ones((2, 4), np.float32), [(slice(None), acc)], 50)
-    np.testing.assert_array_equal(acc.result()[1], [[0, 1, 2, 3, 4]] * 2)
+def test_topk_orders_equal_logits_by_id():
+    rng = np.random.default_rng(3)
+    W = rng.integers(0, 3, (3000, 1)).astype(np.float32)  # logits in {0, 1, 2}: ties everywhere
+    b = np.zeros(3000, np.float32)
+    acc = head_scan.TopK(2, 40)
+    head_scan.scan(W, b, np.ones((2, 1), np.float32), [(slice(None), acc)], 500)
+    scores, ids = acc.result()
+    assert (scores == 2).all() and len(set(ids[0])) == 40 and (W[ids[0], 0] == 2).all()
+    np.testing.assert_array_equal(ids, np.sort(ids, axis=1))  # equal logits: smaller id first
+
+
+@pytest.mark.parametrize("k", [65, 300])
+def test_a_large_k_partitions_every_chunk_and_still_equals_a_full_sort(k):
+    W, b, h, z64 = _head(D=2000)
+    acc = head_scan.TopK(len(h), k)
+    head_scan.scan(W, b, h, [(slice(None), acc)], 333)
+    np.testing.assert_array_equal(acc.result()[1], np.argsort(-z64, axis=1, kind="stable")[:, :k])
+
+
+def test_a_minus_infinite_logit_is_not_finite_output():
+    z = np.zeros((2, 10), np.float32)
+    z[1, 4] = -np.inf
+    for acc in (head_scan.SoftmaxStats(2, 0), head_scan.TopK(2, 3), head_scan.AllLogits(2, 10)):
+        head_scan.feed(z.copy(), [(slice(None), acc)])
+        np.testing.assert_array_equal(acc.finite, [True, False])
 
 
 def test_all_logits_equal_the_dense_matrix_and_jobs_get_their_own_rows():

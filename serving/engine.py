@@ -74,6 +74,7 @@ class Engine:
         self.input_size = int(np.prod(self.input_shape))
         self.num_classes = int(bundle.num_classes)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
+        self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -94,6 +95,8 @@ class Engine:
         await self.batcher.run_sync(self.runtime.embed, x)
         self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
         self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
+        if self.index is not None:  # an exact class index passes over the head the same way
+            self.index.gemm = self._gemm()
         log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
                  self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
         if self.index is not None:
@@ -107,20 +110,22 @@ class Engine:
         x = rng.standard_normal((n,) + self.input_shape).astype(np.float32)
         timings = {}
 
-        def numpy_path():
-            head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x),
-                           [(slice(0, n), head_scan.SoftmaxStats(n, 0))])
+        def scan_path(gemm):
+            def run():
+                head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x),
+                               [(slice(0, n), head_scan.SoftmaxStats(n, 0))], gemm=gemm)
+            return run
 
         def onnx_path():
             head_scan.feed(self.runtime.full_logits(x), [(slice(0, n), head_scan.SoftmaxStats(n, 0))])
 
-        paths = [("numpy", numpy_path)]
+        paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
         if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
                                                     self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES):
             paths.append(("onnx", onnx_path))
         if self.settings.softmax_impl != "auto":
             paths = [p for p in paths if p[0] == self.settings.softmax_impl]
-        elif len(paths) == 1:
+        elif len(paths) == 2:
             log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
                      self.num_classes * self.bundle.embed_dim)
         for name, fn in paths:
@@ -147,7 +152,7 @@ class Engine:
         x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
         offsets = np.cumsum([0] + [j.n for j in jobs])
         scans = [i for i, j in enumerate(jobs) if j.kind == "logits"]
-        need_h = self.softmax_impl == "numpy" or len(scans) < len(jobs)
+        need_h = self.softmax_impl != "onnx" or len(scans) < len(jobs)
         h = self.runtime.embed(x) if need_h else None  # [M, d]
         accumulated = self._scan_head(jobs, scans, offsets, x, h)
         found = self._index_search(jobs, offsets, h)
@@ -165,6 +170,10 @@ class Engine:
                 results.append(JobFailed(exc))
         return results
 
+    def _gemm(self) -> head_scan.Gemm:
+        """The chunk GEMM chosen at warm-up: onnxruntime's (ort) or numpy's."""
+        return self._ort_gemm if self.softmax_impl == "ort" else head_scan.numpy_gemm
+
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
@@ -178,8 +187,9 @@ class Engine:
             accumulated[i] = jobs[i].accumulator(jobs[i].n)
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
-        if self.softmax_impl == "numpy":
-            head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts)
+        if self.softmax_impl != "onnx":
+            head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
+                           gemm=self._gemm())
         else:
             head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts)
         return accumulated
@@ -292,7 +302,8 @@ class Engine:
                 return entries(ids[:, :k], finite_output(logits[:, :k]))
 
             reduce.k = k  # _index_search searches the whole batch with the largest k
-            results = await self.batcher.submit(x, "index", reduce, self._timeout())
+            patience = self.scan_patience if self.index.reads_every_row else 0.0  # exact fallback: a full pass too
+            results = await self.batcher.submit(x, "index", reduce, self._timeout(), patience=patience)
         return {"k": k, "mode": mode, "results": results}
 
     async def single_logits(self, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

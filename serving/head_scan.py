@@ -9,9 +9,12 @@ top-k the k best so far, for the full logits its own [n, D] output.
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import numpy as np
+
+# z = h @ w.T + b for one chunk: h [M, d], w [C, d] (a view of the head), b [C], out [M, C] (may be used)
+Gemm = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 CHUNK_VALUES = 8 * 1024 * 1024  # logits per chunk buffer (32 MiB of float32), whatever the batch
 MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
@@ -29,23 +32,53 @@ def chunk_rows(batch: int, num_classes: int, values: int = CHUNK_VALUES) -> int:
     return int(min(num_classes, max(MIN_CHUNK_ROWS, values // max(batch, 1))))
 
 
+def numpy_gemm(h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The chunk's logits by numpy (OpenBLAS), written into `out`: W.T is a view of the mmap."""
+    np.matmul(h, w.T, out=out)
+    out += b
+    return out
+
+
+class OrtGemm:
+    """The chunk's logits by onnxruntime's Gemm (MLAS), the head rows passed as an input (no copy):
+    at small batches about twice numpy's OpenBLAS on this machine (docs/results/scale.md)."""
+
+    def __init__(self, embed_dim: int, threads: int = 1):
+        from onnx import TensorProto, helper
+
+        from serving.bundle.session import ort_session
+
+        node = helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1)
+        graph = helper.make_graph([node], "head_chunk", [
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, ["M", embed_dim]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, ["C", embed_dim]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["C"])],
+            [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", "C"])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8  # readable by every onnxruntime the project supports
+        self.session = ort_session(model.SerializeToString(), threads=threads, spin=False)
+
+    def __call__(self, h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+        (z,) = self.session.run(["z"], {"h": h, "w": np.asarray(w), "b": np.asarray(b)})
+        return z
+
+
 def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
-         rows: int | None = None) -> None:
+         rows: int | None = None, gemm: Optional[Gemm] = None) -> None:
     """Logits h @ W.T + b chunk by chunk; each accumulator gets its rows of every chunk.
 
     weight [D, d] (memory-mapped: only views are taken), bias [D], h [M, d] float32;
-    parts: (rows of h, accumulator), rows disjoint.
+    parts: (rows of h, accumulator), rows disjoint; gemm: numpy_gemm unless given.
     """
     parts = list(parts)
+    gemm = gemm or numpy_gemm
     h = np.ascontiguousarray(h, dtype=np.float32)
     num_classes = weight.shape[0]
     rows = rows or chunk_rows(h.shape[0], num_classes)
-    buf = np.empty((h.shape[0], rows), dtype=np.float32)  # [M, C], reused by every chunk
+    buf = np.empty((h.shape[0], rows), dtype=np.float32)  # [M, C], reused by every chunk (numpy_gemm)
     for start in range(0, num_classes, rows):
         stop = min(start + rows, num_classes)
-        z = buf[:, :stop - start]
-        np.matmul(h, weight[start:stop].T, out=z)  # [M, C]: the GEMM, W.T a view of the mmap
-        z += bias[start:stop]
+        z = gemm(h, weight[start:stop], bias[start:stop], buf[:, :stop - start])  # [M, C]
         for sl, acc in parts:
             acc.update(z[sl], start)
 

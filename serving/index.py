@@ -68,7 +68,7 @@ def _clip_k(k: int, num_classes: int) -> int:
 
 
 def exact_topk(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, k: int,
-               chunk_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               chunk_rows: int | None = None, gemm: head_scan.Gemm | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k in one chunked pass over the head (serving/head_scan.py), so a memory-mapped head
     is never copied whole.
 
@@ -79,7 +79,7 @@ def exact_topk(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, k: int,
     k = _clip_k(k, weight.shape[0])
     acc = head_scan.TopK(h.shape[0], k)
     if h.shape[0]:
-        head_scan.scan(weight, bias, h, [(slice(None), acc)], chunk_rows)
+        head_scan.scan(weight, bias, h, [(slice(None), acc)], chunk_rows, gemm)
     return acc.result()
 
 
@@ -216,6 +216,7 @@ class ClassIndex:
         self.index = index
         self.device = device
         self.loaded_from_cache = loaded_from_cache
+        self.gemm = None  # the chunk GEMM of exact searches (head_scan; the engine sets the one it measured fastest)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
@@ -338,6 +339,12 @@ class ClassIndex:
         return self.meta.kind
 
     @property
+    def reads_every_row(self) -> bool:
+        """Whether a search is a pass over the whole head (exact, or flat on CPU): its cost hardly
+        depends on the batch, so batches are worth filling."""
+        return self.meta.kind == "exact" or (self.meta.kind == "flat" and self.device == "cpu")
+
+    @property
     def recall_at_k(self) -> float | None:
         return self.meta.recall_at_k
 
@@ -354,7 +361,7 @@ class ClassIndex:
         if self.meta.kind == "exact" or (self.meta.kind == "flat" and self.device == "cpu") \
                 or (self.device != "cpu" and k + 16 > _GPU_MAX_K):
             # a margin of candidates so float32 near-ties at rank k are settled by the exact re-score
-            _, cand = exact_topk(self.weight, self.bias, h, min(k + 16, self.meta.num_classes))
+            _, cand = exact_topk(self.weight, self.bias, h, min(k + 16, self.meta.num_classes), gemm=self.gemm)
         else:
             r = min(max(k + 16, 2 * k, self.meta.rerank), self.meta.num_classes)
             if self.device != "cpu":

@@ -66,8 +66,9 @@ class Settings(BaseSettings):
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    softmax_impl: Literal["auto", "numpy", "onnx"] = Field(
-        "auto", description="full-softmax head: numpy BLAS on embeddings or full.onnx; auto = the faster at warm-up")
+    softmax_impl: Literal["auto", "numpy", "ort", "onnx"] = Field(
+        "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
+        "numpy's GEMM or onnxruntime's, or full.onnx; auto = the fastest at warm-up")
     warmup: bool = True
 
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

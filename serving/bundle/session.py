@@ -8,9 +8,9 @@ from typing import Sequence
 CPU = ["CPUExecutionProvider"]
 
 
-def ort_session(path: Path | str, threads: int = 1, providers: Sequence[str] = CPU, prepack: bool = True,
+def ort_session(path: Path | str | bytes, threads: int = 1, providers: Sequence[str] = CPU, prepack: bool = True,
                 spin: bool = True, optimize: bool = True):
-    """An InferenceSession on `path` (external data resolved next to it).
+    """An InferenceSession on `path` (external data resolved next to it), or on a serialized model.
 
     `prepack=False` makes the Gemm read (memory-mapped) weights as they are instead of keeping a
     pre-packed copy: right for a graph run a few times (verify's samples), wrong for serving.
@@ -29,4 +29,5 @@ def ort_session(path: Path | str, threads: int = 1, providers: Sequence[str] = C
         opts.add_session_config_entry("session.disable_prepacking", "1")
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), sess_options=opts, providers=list(providers))
+    model = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(model, sess_options=opts, providers=list(providers))

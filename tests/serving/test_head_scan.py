@@ -98,6 +98,14 @@ def test_a_non_finite_embedding_marks_only_its_row(bad):
         np.testing.assert_array_equal(acc.finite, np.arange(len(h)) != 3)
 
 
+@pytest.mark.parametrize("rows", [64, None])
+def test_the_onnxruntime_gemm_gives_the_same_logits_as_float64(rows):
+    W, b, h, z64 = _head(n=7)
+    acc = head_scan.AllLogits(len(h), len(W))
+    head_scan.scan(W, b, h, [(slice(None), acc)], rows, gemm=head_scan.OrtGemm(W.shape[1], threads=2))
+    np.testing.assert_allclose(acc.result(), z64, rtol=1e-5, atol=1e-5)
+
+
 def test_feed_takes_logits_computed_elsewhere_as_one_chunk():
     W, b, h, z64 = _head()
     acc = head_scan.TopK(len(h), 3)

@@ -23,7 +23,7 @@ def test_health_and_model(client, bundle):
     assert info["calibration"]["per_class"]["count"] == bundle.num_classes
     assert info["calibration"]["global"]["threshold"] == pytest.approx(bundle.global_threshold)
     assert info["index"]["kind"] and "recall_at_k" in info["index"]
-    assert info["softmax_impl"] in ("numpy", "onnx")
+    assert info["softmax_impl"] in ("numpy", "ort", "onnx")
 
 
 @pytest.mark.parametrize("ref", ["7", "name"])
@@ -73,6 +73,17 @@ def test_softmax_matches_numpy(client, bundle, offline, inputs):
     np.testing.assert_allclose([r["probability"] for r in body["results"]], p[:, j], rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose([r["logit"] for r in body["results"]], z[:, j], rtol=1e-5, atol=1e-4)
     assert [r["is_top1"] for r in body["results"]] == list(z.argmax(axis=1) == j)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "ort", "onnx"])
+def test_every_softmax_impl_answers_softmax_and_exact_topk_as_offline_math(client_factory, offline, inputs, impl):
+    client = client_factory(softmax_impl=impl)
+    assert client.get("/v1/model").json()["softmax_impl"] == impl
+    z = offline.logits(inputs)
+    body = client.post("/v1/classes/3/softmax", json={"inputs": inputs.tolist()}).json()
+    np.testing.assert_allclose([r["probability"] for r in body["results"]], _softmax64(z)[:, 3], rtol=1e-4, atol=1e-7)
+    top = client.post("/v1/topk", json={"inputs": inputs.tolist(), "k": 4, "mode": "exact"}).json()
+    assert [[e["class_id"] for e in row] for row in top["results"]] == np.argsort(-z, axis=1)[:, :4].tolist()
 
 
 def test_softmax_is_top1_true_for_the_argmax_class(client, offline, inputs):

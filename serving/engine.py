@@ -73,6 +73,7 @@ class Engine:
         self.input_shape = tuple(int(s) for s in bundle.input_shape)
         self.input_size = int(np.prod(self.input_shape))
         self.num_classes = int(bundle.num_classes)
+        self._weight = np.asarray(bundle.weight)  # the mmap as a plain ndarray view: no memmap wrapper per gather
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
         self.softmax_timing: dict[str, float] = {}
@@ -95,8 +96,6 @@ class Engine:
         await self.batcher.run_sync(self.runtime.embed, x)
         self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
         self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
-        if self.index is not None:  # an exact class index passes over the head the same way
-            self.index.gemm = self._gemm()
         log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
                  self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
         if self.index is not None:
@@ -288,7 +287,7 @@ class Engine:
             return [[{"class_id": int(c), "class_name": str(names[c]), "logit": float(v)}
                      for c, v in zip(row_ids, row_z) if c >= 0] for row_ids, row_z in zip(ids, logits)]
 
-        if mode == "exact":
+        if mode == "exact" or self.index is None or self.index.reads_every_row:  # exact index: the same pass
             def reduce(acc: head_scan.TopK):  # streamed over all D logits
                 require_finite(acc.finite)
                 logits, ids = acc.result()
@@ -302,15 +301,15 @@ class Engine:
                 return entries(ids[:, :k], finite_output(logits[:, :k]))
 
             reduce.k = k  # _index_search searches the whole batch with the largest k
-            patience = self.scan_patience if self.index.reads_every_row else 0.0  # exact fallback: a full pass too
-            results = await self.batcher.submit(x, "index", reduce, self._timeout(), patience=patience)
+            results = await self.batcher.submit(x, "index", reduce, self._timeout())
         return {"k": k, "mode": mode, "results": results}
 
     async def single_logits(self, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool)."""
-        rows = np.asarray(self.bundle.weight[ids], dtype=np.float64)  # [N, d]: N rows of the head, not D
+        rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
         b = self.bundle.bias[ids].astype(np.float64)
-        thr = np.array([self.threshold_of(int(j)) for j in ids])
+        thr = self.bundle.thresholds[ids].astype(np.float64)
+        thr[~np.isfinite(thr)] = float(self.bundle.global_threshold)  # threshold_of's rule
 
         def reduce(h: np.ndarray):  # h [N, d]
             z = finite_output(np.einsum("nd,nd->n", h.astype(np.float64), rows) + b)

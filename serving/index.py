@@ -216,7 +216,6 @@ class ClassIndex:
         self.index = index
         self.device = device
         self.loaded_from_cache = loaded_from_cache
-        self.gemm = None  # the chunk GEMM of exact searches (head_scan; the engine sets the one it measured fastest)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
@@ -340,8 +339,8 @@ class ClassIndex:
 
     @property
     def reads_every_row(self) -> bool:
-        """Whether a search is a pass over the whole head (exact, or flat on CPU): its cost hardly
-        depends on the batch, so batches are worth filling."""
+        """Whether a search is a pass over the whole head (exact, or flat on CPU): the engine then
+        answers index top-k with its own pass (serving/head_scan.py), batched with exact top-k."""
         return self.meta.kind == "exact" or (self.meta.kind == "flat" and self.device == "cpu")
 
     @property
@@ -361,7 +360,7 @@ class ClassIndex:
         if self.meta.kind == "exact" or (self.meta.kind == "flat" and self.device == "cpu") \
                 or (self.device != "cpu" and k + 16 > _GPU_MAX_K):
             # a margin of candidates so float32 near-ties at rank k are settled by the exact re-score
-            _, cand = exact_topk(self.weight, self.bias, h, min(k + 16, self.meta.num_classes), gemm=self.gemm)
+            _, cand = exact_topk(self.weight, self.bias, h, min(k + 16, self.meta.num_classes))
         else:
             r = min(max(k + 16, 2 * k, self.meta.rerank), self.meta.num_classes)
             if self.device != "cpu":

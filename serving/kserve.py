@@ -377,7 +377,7 @@ def _json_values(t: dict, dt: str, count: int, bools_possible: bool) -> np.ndarr
         raise InvalidInput(f"input {name!r} has no data", code="missing_input")
     kind = "float" if dt in _FLOATS else "int" if dt in _INTS else "bool"
     arr = read.tensor_values(t["data"], name, kind, bools_possible)
-    if kind == "int":
+    if kind == "int" and arr.dtype != _DTYPES[dt]:  # an int64 array already fits INT64
         info = np.iinfo(_DTYPES[dt])
         if arr.size and (arr.min() < info.min or arr.max() > info.max):
             raise InvalidInput(f"input {name!r}: values outside the range of {dt}", code="validation_error")
@@ -402,6 +402,8 @@ def _input_batch(engine, tensors) -> np.ndarray:
     if arr[0].size != engine.input_size:
         raise InvalidInput(f"'input' examples must have shape {list(engine.input_shape)} "
                            f"({engine.input_size} values); got {list(arr.shape[1:])}", code="shape_mismatch")
+    if arr.dtype == np.float32:  # found finite when decoded
+        return arr.reshape((n,) + engine.input_shape)
     with np.errstate(over="ignore"):
         x = arr.astype(np.float32).reshape((n,) + engine.input_shape)
     if not np.isfinite(x).all():

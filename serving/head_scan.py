@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Optional, Protocol
 
 import numpy as np
 
-# z = h @ w.T + b for one chunk: h [M, d], w [C, d] (a view of the head), b [C], out [M, C] (may be used)
+# z = h @ w.T + b for one chunk: h [M, d], w [C, d] (a view of the head), b [C], written into out [M, C]
 Gemm = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 CHUNK_VALUES = 8 * 1024 * 1024  # logits per chunk buffer (32 MiB of float32), whatever the batch
@@ -56,11 +56,19 @@ class OrtGemm:
             [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", "C"])])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         model.ir_version = 8  # readable by every onnxruntime the project supports
-        self.session = ort_session(model.SerializeToString(), threads=threads, spin=False)
+        # no arena: it would keep a [batch, chunk] output block for good (a chunk is up to 32 MiB)
+        self.session = ort_session(model.SerializeToString(), threads=threads, spin=False, arena=False)
 
     def __call__(self, h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-        (z,) = self.session.run(["z"], {"h": h, "w": np.asarray(w), "b": np.asarray(b)})
-        return z
+        """Writes into `out` (C-contiguous): onnxruntime allocates nothing per chunk, so no 32 MiB
+        blocks pile up in the allocator."""
+        io = self.session.io_binding()
+        io.bind_cpu_input("h", h)
+        io.bind_cpu_input("w", np.ascontiguousarray(w))  # the mmap rows: already contiguous, no copy
+        io.bind_cpu_input("b", np.ascontiguousarray(b))
+        io.bind_output("z", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self.session.run_with_iobinding(io)
+        return out
 
 
 def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
@@ -75,10 +83,11 @@ def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tu
     h = np.ascontiguousarray(h, dtype=np.float32)
     num_classes = weight.shape[0]
     rows = rows or chunk_rows(h.shape[0], num_classes)
-    buf = np.empty((h.shape[0], rows), dtype=np.float32)  # [M, C], reused by every chunk (numpy_gemm)
+    buf = np.empty(h.shape[0] * rows, dtype=np.float32)  # reused by every chunk
     for start in range(0, num_classes, rows):
         stop = min(start + rows, num_classes)
-        z = gemm(h, weight[start:stop], bias[start:stop], buf[:, :stop - start])  # [M, C]
+        out = buf[:h.shape[0] * (stop - start)].reshape(h.shape[0], stop - start)  # [M, C], C-contiguous
+        z = gemm(h, weight[start:stop], bias[start:stop], out)
         for sl, acc in parts:
             acc.update(z[sl], start)
 

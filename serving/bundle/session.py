@@ -9,12 +9,13 @@ CPU = ["CPUExecutionProvider"]
 
 
 def ort_session(path: Path | str | bytes, threads: int = 1, providers: Sequence[str] = CPU, prepack: bool = True,
-                spin: bool = True, optimize: bool = True):
+                spin: bool = True, optimize: bool = True, arena: bool = True):
     """An InferenceSession on `path` (external data resolved next to it), or on a serialized model.
 
     `prepack=False` makes the Gemm read (memory-mapped) weights as they are instead of keeping a
     pre-packed copy: right for a graph run a few times (verify's samples), wrong for serving.
     `spin=False` stops idle intra-op threads from spinning on cores others need.
+    `arena=False` returns each run's buffers instead of keeping the largest ever asked for.
     """
     import onnxruntime as ort
 
@@ -23,6 +24,7 @@ def ort_session(path: Path | str | bytes, threads: int = 1, providers: Sequence[
     opts.intra_op_num_threads = int(threads)
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.enable_cpu_mem_arena = bool(arena)
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if not prepack:

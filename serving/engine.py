@@ -76,6 +76,7 @@ class Engine:
         self._weight = np.asarray(bundle.weight)  # the mmap as a plain ndarray view: no memmap wrapper per gather
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
+        self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 32 MiB malloc per batch
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -173,6 +174,14 @@ class Engine:
         """The chunk GEMM chosen at warm-up: onnxruntime's (ort) or numpy's."""
         return self._ort_gemm if self.softmax_impl == "ort" else head_scan.numpy_gemm
 
+    def _chunk_buffer(self, m: int) -> np.ndarray:
+        """The flat scratch array of the pass for m inputs, grown when needed and then kept (batches
+        run one at a time in the worker thread)."""
+        need = m * head_scan.chunk_rows(m, self.num_classes)
+        if self._scan_buf is None or self._scan_buf.size < need:
+            self._scan_buf = np.empty(need, dtype=np.float32)
+        return self._scan_buf
+
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
@@ -188,7 +197,7 @@ class Engine:
             start += jobs[i].n
         if self.softmax_impl != "onnx":
             head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
-                           gemm=self._gemm())
+                           gemm=self._gemm(), buf=self._chunk_buffer(len(rows)))
         else:
             head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts)
         return accumulated

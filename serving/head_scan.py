@@ -72,18 +72,20 @@ class OrtGemm:
 
 
 def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
-         rows: int | None = None, gemm: Optional[Gemm] = None) -> None:
+         rows: int | None = None, gemm: Optional[Gemm] = None, buf: Optional[np.ndarray] = None) -> None:
     """Logits h @ W.T + b chunk by chunk; each accumulator gets its rows of every chunk.
 
     weight [D, d] (memory-mapped: only views are taken), bias [D], h [M, d] float32;
-    parts: (rows of h, accumulator), rows disjoint; gemm: numpy_gemm unless given.
+    parts: (rows of h, accumulator), rows disjoint; gemm: numpy_gemm unless given; buf: a flat
+    float32 scratch array the caller keeps between calls (used when it holds M x rows values).
     """
     parts = list(parts)
     gemm = gemm or numpy_gemm
     h = np.ascontiguousarray(h, dtype=np.float32)
     num_classes = weight.shape[0]
     rows = rows or chunk_rows(h.shape[0], num_classes)
-    buf = np.empty(h.shape[0] * rows, dtype=np.float32)  # reused by every chunk
+    if buf is None or buf.size < h.shape[0] * rows:
+        buf = np.empty(h.shape[0] * rows, dtype=np.float32)  # reused by every chunk
     for start in range(0, num_classes, rows):
         stop = min(start + rows, num_classes)
         out = buf[:h.shape[0] * (stop - start)].reshape(h.shape[0], stop - start)  # [M, C], C-contiguous

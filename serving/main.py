@@ -71,8 +71,26 @@ def _http_protocol(settings: Settings, metrics):
     return guarded_protocol(settings.header_timeout_s, settings.max_header_bytes, refused)
 
 
+MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks come from mmap and go back to the OS when freed
+
+
+def bound_allocator_slack() -> None:
+    """Fix glibc's mmap threshold: by default it rises to the largest block ever freed, so after a
+    few 32 MiB batch buffers those come from the heap and their pages stay with the process
+    (about 40 MiB at D = 10^6, docs/results/scale.md). No-op where mallopt is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        log.debug("mallopt unavailable: allocator thresholds left as they are")
+
+
 def run_server(overrides: dict) -> None:
     settings = Settings(**overrides)
+    bound_allocator_slack()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is not news

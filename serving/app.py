@@ -20,6 +20,7 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from serving.body_routes import BodyRoutes
 from serving.errors import BodyLimitMiddleware, NotReady, OrjsonResponse, install_error_handlers
 from serving.metrics import Metrics, MetricsMiddleware
 from serving.schemas import describe_model_inputs
@@ -213,7 +214,10 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
                 await asyncio.to_thread(state.gallery.close)
             log.info("stopped")
 
+    # FastAPI's native OpenTelemetry hooks are off: slc's metrics are Prometheus (/metrics), and
+    # the hooks look up the global providers on every request.
     app = FastAPI(title="slc", version="1", lifespan=lifespan, default_response_class=OrjsonResponse,
+                  telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Single-logit classification: one logit per query (docs/api.md).")
     app.state.slc = state
 
@@ -240,7 +244,9 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
     app.include_router(metrics_router)
     app.include_router(demo_router)
     install_error_handlers(app, on_error=metrics.reject)
-    # Outermost first in the request path: metrics sees every status, including 413s.
+    # The request path, outermost first: metrics (sees every status, 413s included), the body
+    # limit, then the body routes (serving/body_routes.py), then FastAPI for everything else.
+    app.add_middleware(BodyRoutes, routers=[v1, v2])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject,
                        timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -53,10 +54,54 @@ class Job:
         return int(self.x.shape[0])
 
 
+class Worker:
+    """One thread that runs calls in order: a SimpleQueue in, `call_soon_threadsafe` out. The hop is
+    paid on every batch; this one costs the event loop about half of a ThreadPoolExecutor's future chain."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((loop, future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        self._calls.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            loop, future, fn, args = call
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # the caller's to handle, as an executor would pass it on
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop closed while this ran: nobody waits for it
+                pass
+
+
+def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
+    if future.done():  # cancelled: its request gave up
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class Batcher:
     def __init__(self, compute: Callable[[list[Job]], list[Any]], *, max_batch: int = 64, max_delay_ms: float = 2.0,
-                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None):
+                 queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None,
+                 inline_max_s: float = 0.0):
         self.compute = compute
+        self.inline_max_s = inline_max_s
+        self._embed_cost: dict[int, float] = {}  # batch size -> seconds of a backbone-only batch (moving average)
         # Requests inside the HTTP layer (serving/metrics.py). When every one of them already
         # holds a job here, nobody is on the way to join the batch and waiting would only add
         # latency, so the batch goes at once; None: always wait up to max_delay.
@@ -72,7 +117,7 @@ class Batcher:
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
         # One thread: model calls are serialised, ORT's intra-op pool uses the cores.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slc-batch")
+        self._worker = Worker("slc-batch")
         self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
         self._peak, self._peak_since = 0, -math.inf  # most requests in the server at once, this second
 
@@ -88,7 +133,7 @@ class Batcher:
             self._wakeup.set()
         if self._task is not None:
             await self._task
-        self._executor.shutdown(wait=True)
+        self._worker.shutdown()
 
     @property
     def pending_inputs(self) -> int:
@@ -96,12 +141,14 @@ class Batcher:
 
     def run_sync(self, fn: Callable, *args) -> "asyncio.Future":
         """Run fn in the batch worker thread (warm-up, calibration of the softmax path)."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return self._worker.run(fn, *args)
 
     # ---- request side
     async def submit(self, x: np.ndarray, kind: str = "embed", reduce=None, timeout: Optional[float] = None,
                      accumulator=None, patience: float = 0.0) -> Any:
-        """Queue x [n, ...]; returns reduce(rows) (or the rows). Raises Overloaded, DeadlineExceeded."""
+        """Queue x [n, ...]; returns reduce(rows) (or the rows). Raises Overloaded, or DeadlineExceeded
+        when the job is still queued `timeout` s from now. The caller bounds its own wait (the
+        routes' request deadline): a timer per request here would be paid twice."""
         if self._task is None or self._stopping:
             from serving.errors import NotReady
 
@@ -121,11 +168,7 @@ class Batcher:
         self._gauge()
         self._wakeup.set()
         try:
-            if timeout is None:
-                return await job.future
-            return await asyncio.wait_for(job.future, timeout)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
+            return await job.future  # cancelled with the request: _take skips the job
         finally:
             self._held -= 1
 
@@ -169,29 +212,48 @@ class Batcher:
             batch, size = self._take()
             if not batch:
                 continue
-            started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, self.compute, batch)
+                if self._inline(batch, size):
+                    results, elapsed = self._timed_compute(batch)
+                else:
+                    results, elapsed = await self._worker.run(self._timed_compute, batch)
             except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
                 log.exception("batch of %d inputs failed", size)
                 for job in batch:
                     if not job.future.done():
                         job.future.set_exception(exc)
                 continue
-            elapsed = time.perf_counter() - started
-            if elapsed > 0:
-                rate = size / elapsed
-                self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
-            if self.metrics is not None:
-                self.metrics.batch_size.observe(size)
-                self.metrics.batch_requests.observe(len(batch))
-                self.metrics.batch_seconds.observe(elapsed)
+            self._note_cost(batch, size, elapsed)
             for job, result in zip(batch, results):
                 if not job.future.done():
                     if isinstance(result, JobFailed):
                         job.future.set_exception(result.error)
                     else:
                         job.future.set_result(result)
+
+    def _timed_compute(self, batch: list[Job]) -> tuple[list[Any], float]:
+        started = time.perf_counter()
+        results = self.compute(batch)
+        return results, time.perf_counter() - started
+
+    def _inline(self, batch: list[Job], size: int) -> bool:
+        """Compute on the event loop itself when the batch is backbone-only and its measured cost is
+        under `inline_max_s`: the hop to the worker and back costs the loop more than such a batch,
+        and the loop would sit idle meanwhile. Never a pass over the head or an index search."""
+        cost = self._embed_cost.get(size)
+        return cost is not None and cost <= self.inline_max_s and all(job.kind == "embed" for job in batch)
+
+    def _note_cost(self, batch: list[Job], size: int, elapsed: float) -> None:
+        if elapsed > 0:
+            rate = size / elapsed
+            self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+        if all(job.kind == "embed" for job in batch):
+            old = self._embed_cost.get(size)
+            self._embed_cost[size] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(size)
+            self.metrics.batch_requests.observe(len(batch))
+            self.metrics.batch_seconds.observe(elapsed)
 
     async def _wait_for_batch_mates(self, loop) -> None:
         """Wait for more inputs until the batch is full or the oldest input's delay is used up.

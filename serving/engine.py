@@ -73,14 +73,18 @@ class Engine:
         self.input_shape = tuple(int(s) for s in bundle.input_shape)
         self.input_size = int(np.prod(self.input_shape))
         self.num_classes = int(bundle.num_classes)
-        self._weight = np.asarray(bundle.weight)  # the mmap as a plain ndarray view: no memmap wrapper per gather
+        # the per-class arrays as plain ndarray views (the head stays mapped): indexing a np.memmap
+        # runs Python code per access, and detect reads five of them per request
+        self._weight = np.asarray(bundle.weight)
+        self._bias, self._thresholds = np.asarray(bundle.bias), np.asarray(bundle.thresholds)
+        self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
         self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 32 MiB malloc per batch
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
-                               queue_size=settings.queue_size, metrics=metrics,
+                               queue_size=settings.queue_size, metrics=metrics, inline_max_s=settings.inline_max_ms / 1000,
                                in_flight=(lambda: metrics.in_flight) if metrics is not None and settings.adaptive_delay else None)
 
     # ------------------------------------------------------------------ lifecycle
@@ -93,10 +97,13 @@ class Engine:
     async def warm_up(self) -> None:
         """Touch every path once (ORT allocations, mmap pages) and choose the softmax head."""
         x = np.zeros((min(self.settings.max_batch, 8),) + self.input_shape, np.float32)
+        small = await self.batcher.run_sync(self.runtime.choose_small_batches)
         await self.batcher.run_sync(self.runtime.embed, x[:1])
         await self.batcher.run_sync(self.runtime.embed, x)
         self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
         self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
+        if small:
+            log.info("backbone: one-thread session for batches of up to %d inputs (faster than the pool there)", small)
         log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
                  self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
         if self.index is not None:
@@ -252,7 +259,7 @@ class Engine:
         return read_examples(inputs, self.input_shape, self.settings.max_inputs, bools_possible, what)
 
     def threshold_of(self, j: int) -> float:
-        t = float(self.bundle.thresholds[j])
+        t = float(self._thresholds[j])
         return t if math.isfinite(t) else float(self.bundle.global_threshold)
 
     def _timeout(self) -> float:
@@ -263,9 +270,9 @@ class Engine:
         j = cls.id
         thr = self.threshold_of(j) if threshold is None else float(threshold)
         # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
-        w = np.array(self.bundle.weight[j], dtype=np.float64)
-        b = float(self.bundle.bias[j])
-        pa, pb = float(self.bundle.platt_a[j]), float(self.bundle.platt_b[j])
+        w = np.array(self._weight[j], dtype=np.float64)
+        b = float(self._bias[j])
+        pa, pb = float(self._platt_a[j]), float(self._platt_b[j])
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ w + b)  # [n]
@@ -316,8 +323,8 @@ class Engine:
     async def single_logits(self, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool)."""
         rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
-        b = self.bundle.bias[ids].astype(np.float64)
-        thr = self.bundle.thresholds[ids].astype(np.float64)
+        b = self._bias[ids].astype(np.float64)
+        thr = self._thresholds[ids].astype(np.float64)
         thr[~np.isfinite(thr)] = float(self.bundle.global_threshold)  # threshold_of's rule
 
         def reduce(h: np.ndarray):  # h [N, d]
@@ -369,8 +376,8 @@ class Engine:
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> dict:
         j = cls.id
         thr = self.threshold_of(j) if threshold is None else float(threshold)
-        w = np.array(self.bundle.weight[j], dtype=np.float32)  # [d]
-        hits = await self._gallery("search", w, float(self.bundle.bias[j]), thr, limit)
+        w = np.array(self._weight[j], dtype=np.float32)  # [d]
+        hits = await self._gallery("search", w, float(self._bias[j]), thr, limit)
         return {"class_id": j, "class_name": cls.name, "threshold": thr,
                 "results": [{"id": i, "logit": float(z), "metadata": m} for i, z, m in hits]}
 

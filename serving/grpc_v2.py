@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.errors import ApiError, InvalidInput
+from serving.errors import ApiError, DeadlineExceeded, InvalidInput
 from serving.kserve import _DTYPES, _FLOATS, _INTS, SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,13 @@ def build_service(state):
     async def guarded(method: str, context, work):
         t0 = time.perf_counter()
         status = 200
+        timeout = state.settings.request_timeout_s
         try:
-            return await work()
+            try:  # the request deadline, as the HTTP routes have it (queue and compute included)
+                async with asyncio.timeout(timeout):
+                    return await work()
+            except TimeoutError:
+                raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
             status = 499
             raise
@@ -114,9 +119,7 @@ def build_service(state):
                 await context.abort(grpc.StatusCode.INTERNAL, "internal error")
             raise
         finally:
-            label = f"grpc:{method}"
-            state.metrics.requests.labels(label, "POST", str(status)).inc()
-            state.metrics.latency.labels(label, "POST", str(status)).observe(time.perf_counter() - t0)
+            state.metrics.observe_request(f"grpc:{method}", "POST", str(status), time.perf_counter() - t0)
 
     def tensor_meta(items: list[dict]) -> list:
         return [pb.ModelMetadataResponse.TensorMetadata(name=t["name"], datatype=t["datatype"], shape=t["shape"])

@@ -1,80 +1,30 @@
 """The /v1 routes (docs/api.md): parse, resolve the class, hand over to the engine, answer.
 
 Every POST with a body (detect, softmax, topk, gallery writes, class search) is read by its
-handler straight from ASGI (`body_route` below) and checked by serving/inputs.py: the size while
+handler straight from ASGI (`body_route`, serving/body_routes.py) and checked by serving/inputs.py: the size while
 reading, the parse in C, the counts, then one vectorised conversion of the examples; no value is
 coerced and no per-value Python runs on an ordinary request. pydantic models still describe each
 body in the OpenAPI schema; FastAPI's own handler answers the other methods.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import secrets
-from dataclasses import dataclass, field
 from urllib.parse import unquote_plus
 from typing import Any, Callable, Optional
 
 import numpy as np
 import orjson
 from fastapi import APIRouter, Body, Depends, Path, Request
-from fastapi.routing import APIRoute
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from serving import images, inputs as read
-from serving.errors import DeadlineExceeded, InvalidInput, NotReady, OrjsonResponse, Unauthorized
+from serving.body_routes import app_state, body_route
+from serving.errors import InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.inputs import UnsupportedMediaType
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
                              GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
                              SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
-
-
-class FastJSONRoute(APIRoute):
-    """APIRoute whose POST body, when the route registered a body handler (`body_route`), is read
-    and answered by that handler, straight on ASGI; errors still reach the app's handlers."""
-
-    async def handle(self, scope, receive, send) -> None:
-        fn = _BODY_HANDLERS.get(self.endpoint)  # per request: handlers register after their route
-        if fn is None or scope["method"] not in ("POST", "PUT"):
-            return await super().handle(scope, receive, send)
-        body = await _read_body(receive)  # size and read-time limits: BodyLimitMiddleware
-        timeout = app_state(scope).settings.request_timeout_s
-        try:  # the deadline: from here, queue and compute included
-            async with asyncio.timeout(timeout):
-                status, payload = await fn(scope, body)
-        except TimeoutError:
-            raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
-        if isinstance(payload, RawAnswer):
-            body, headers = payload.body, [(b"content-type", payload.content_type), *payload.headers]
-        else:
-            body = b"" if payload is None else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-            headers = [(b"content-type", b"application/json")] if payload is not None else []
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-
-_BODY_HANDLERS: dict[Callable, Callable] = {}
-
-
-@dataclass
-class RawAnswer:
-    """A body handler's answer that is not JSON (the v2 binary tensor extension)."""
-
-    body: bytes
-    content_type: bytes
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-def body_route(endpoint: Callable):
-    """Register `fn(scope, body) -> (status, payload)` as the POST handler of `endpoint`'s route
-    (payload: a JSON-able object, a RawAnswer, or None for no body)."""
-    def register(fn: Callable) -> Callable:
-        _BODY_HANDLERS[endpoint] = fn
-        return fn
-
-    return register
 
 
 def _is_json(scope) -> bool:
@@ -83,22 +33,6 @@ def _is_json(scope) -> bool:
         if name == b"content-type":
             return value.split(b";", 1)[0].strip().lower() == b"application/json"
     return False
-
-
-async def _read_body(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()  # BodyLimitMiddleware's receive raises 413 past the limit
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def app_state(scope):
-    """The server's state object (serving/app.py) from an ASGI scope."""
-    return scope["app"].state.slc
 
 
 def _read_object(scope, body: bytes, optional: bool = False) -> dict:
@@ -153,7 +87,7 @@ def check_api_key(expected: Optional[str], given: Optional[str], auth: str) -> N
 
 ClassPath = Path(..., alias="class", description="class name from the manifest, else integer id")
 
-router = APIRouter(prefix="/v1", route_class=FastJSONRoute)
+router = APIRouter(prefix="/v1")
 
 
 @router.get("/health/live", response_model=Health, tags=["health"])

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
 from serving import inputs as read
-from serving.http import RawAnswer, app_state, body_route, error_responses, ready_engine, server_state, FastJSONRoute
+from serving.body_routes import RawAnswer, app_state, body_route
+from serving.http import error_responses, ready_engine, server_state
 
 _DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
            "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -92,7 +93,7 @@ class Readiness(BaseModel):
     ready: Literal[True]
 
 
-router = APIRouter(prefix="/v2", tags=["kserve v2"], route_class=FastJSONRoute)
+router = APIRouter(prefix="/v2", tags=["kserve v2"])
 
 
 def _package_version() -> str:

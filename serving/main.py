@@ -103,7 +103,8 @@ def run_server(overrides: dict) -> None:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1, loop="auto",
+    # proxy_headers off: nothing in slc reads the client address, and the layer runs on every request
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1, loop="auto", proxy_headers=False,
                             http=_http_protocol(settings, app.state.slc.metrics),
                             lifespan="on", log_level=settings.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=int(settings.request_timeout_s + 5))

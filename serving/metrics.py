@@ -35,6 +35,16 @@ class Metrics:
                                   registry=r)
         self.ready = Gauge("slc_ready", "1 when the server answers inference requests", registry=r)
         self.in_flight = 0  # HTTP requests inside the app right now (the batcher reads it)
+        self._series: dict[tuple[str, str, str], tuple] = {}
+
+    def observe_request(self, endpoint: str, method: str, status: str, seconds: float) -> None:
+        """Count and time one request; the labelled series are looked up once per label set."""
+        key = (endpoint, method, status)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = (self.requests.labels(*key), self.latency.labels(*key))
+        series[0].inc()
+        series[1].observe(seconds)
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
@@ -69,6 +79,4 @@ class MetricsMiddleware:
             self.metrics.in_flight -= 1
             route = scope.get("route")
             endpoint = getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
-            labels = (endpoint, scope.get("method", ""), str(status))
-            self.metrics.requests.labels(*labels).inc()
-            self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)
+            self.metrics.observe_request(endpoint, scope.get("method", ""), str(status), time.perf_counter() - start)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -47,6 +48,19 @@ def _providers_for(device: str) -> list[str]:
     return CPU
 
 
+SMALL_SESSION_MAX_BYTES = 64 << 20  # a second, one-thread backbone session only below this graph size
+
+
+def _best_time(session, output: str, feed: dict, runs: int = 5) -> float:
+    session.run([output], feed)  # first run allocates
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        session.run([output], feed)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 class Runtime:
     """ORT sessions sized to the machine: intra-op threads = `threads`, one inter-op thread.
 
@@ -65,6 +79,8 @@ class Runtime:
             raise RuntimeError(f"device=cuda but onnxruntime could not use CUDA (session runs on {self.providers}); "
                                "check the CUDA/cuDNN libraries or use --device auto")
         self._full: Optional[ort.InferenceSession] = None
+        self._small: Optional[ort.InferenceSession] = None  # one thread, for small batches (choose_small_batches)
+        self.small_batch_max = 0
         self._backbone_in = self.backbone.get_inputs()[0].name
         self._backbone_out = self.backbone.get_outputs()[0].name
         log.info("onnxruntime %s: providers in use %s (device=%s, intra-op threads=%d)",
@@ -100,8 +116,27 @@ class Runtime:
 
     def embed(self, x: np.ndarray) -> np.ndarray:
         """x [N, *input_shape] float32 -> h [N, d] float32."""
-        (h,) = self.backbone.run([self._backbone_out], {self._backbone_in: x})
+        session = self._small if x.shape[0] <= self.small_batch_max else self.backbone
+        (h,) = session.run([self._backbone_out], {self._backbone_in: x})
         return h
+
+    def choose_small_batches(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), timer=None) -> int:
+        """Keep a one-thread backbone session for the batch sizes it runs faster than the pool does
+        (waking the other threads costs more than a small batch's work), timed here, best of 5.
+        Only on the CPU, with more than one thread, and for a backbone small enough to hold twice."""
+        path = Path(self.bundle.graph_path("backbone"))
+        if self.threads == 1 or self.uses_cuda or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
+            return 0
+        small = ort_session(path, threads=1, providers=CPU, spin=False)
+        best = 0
+        for n in sizes:
+            x = {self._backbone_in: np.zeros((n, *self.bundle.input_shape), np.float32)}
+            one, pool = ((timer or _best_time)(s, self._backbone_out, x) for s in (small, self.backbone))
+            if one >= pool:
+                break
+            best = n
+        self._small, self.small_batch_max = (small, best) if best else (None, 0)
+        return best
 
     def full_logits(self, x: np.ndarray) -> np.ndarray:
         """x [N, *input_shape] float32 -> logits [N, D] float32 through full.onnx."""

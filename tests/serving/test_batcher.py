@@ -254,3 +254,97 @@ def test_a_patient_batch_goes_as_soon_as_the_expected_requests_are_there():
 
     got, waited = run(main())
     assert got == [[1, 1]] and waited < 30.0  # both there: no wait for the patience to run out
+
+
+class ThreadRecorder(Recorder):
+    """Recorder that also notes which thread computed each batch."""
+
+    def __init__(self, sleep: float = 0.0):
+        super().__init__(sleep)
+        self.threads: list[str] = []
+
+    def __call__(self, jobs):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(jobs)
+
+
+def _one_at_a_time(batcher: Batcher, kind: str, count: int):
+    async def main():
+        batcher.start()
+        outs = [await batcher.submit(np.full((1, 2), float(i)), kind) for i in range(count)]
+        await batcher.stop()
+        return outs
+
+    return run(main())
+
+
+def test_a_cheap_backbone_batch_runs_on_the_event_loop_once_measured():
+    rec = ThreadRecorder()
+    outs = _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=1.0), "embed", 4)
+    assert rec.threads[0] == "slc-batch"  # not measured yet: the worker measures it
+    assert rec.threads[1:] == ["MainThread"] * 3
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full((1, 2), 2.0 * i))
+
+
+@pytest.mark.parametrize("kind", ["logits", "index"])
+def test_a_pass_over_the_head_or_an_index_search_never_runs_on_the_event_loop(kind):
+    rec = ThreadRecorder()
+    _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=1.0), kind, 3)
+    assert rec.threads == ["slc-batch"] * 3
+
+
+def test_a_backbone_batch_costlier_than_the_inline_bound_stays_on_the_worker():
+    rec = ThreadRecorder(sleep=0.005)
+    _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=0.001), "embed", 3)
+    assert rec.threads == ["slc-batch"] * 3
+
+
+def test_inline_bound_zero_means_always_the_worker():
+    rec = ThreadRecorder()
+    _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=0.0), "embed", 3)
+    assert rec.threads == ["slc-batch"] * 3
+
+
+def test_an_inline_batch_that_fails_fails_its_requests_and_keeps_serving():
+    calls = []
+
+    def compute(jobs):
+        calls.append(len(jobs))
+        if len(calls) == 2:  # the second batch, the first one computed inline
+            raise RuntimeError("boom")
+        return [j.x for j in jobs]
+
+    async def main():
+        b = Batcher(compute, max_delay_ms=0, inline_max_s=1.0)
+        b.start()
+        first = await b.submit(np.ones((1, 1)))
+        second = await asyncio.gather(b.submit(np.ones((1, 1))), return_exceptions=True)
+        third = await b.submit(np.full((1, 1), 3.0))
+        await b.stop()
+        return first, second[0], third
+
+    first, second, third = run(main())
+    assert first.shape == (1, 1) and isinstance(second, RuntimeError) and float(third[0, 0]) == 3.0
+
+
+def test_the_worker_passes_results_and_errors_back_in_order():
+    from serving.batcher import Worker
+
+    async def main():
+        w = Worker("test-worker")
+        try:
+            ok = await asyncio.gather(*(w.run(lambda i=i: i * i) for i in range(20)))
+            with pytest.raises(ZeroDivisionError):
+                await w.run(lambda: 1 / 0)
+            cancelled = w.run(__import__("time").sleep, 0.05)
+            cancelled.cancel()  # nobody waits any more: the result is dropped, the worker goes on
+            after = await w.run(lambda: "after")
+        finally:
+            w.shutdown()
+        return ok, after
+
+    ok, after = run(main())
+    assert ok == [i * i for i in range(20)] and after == "after"

@@ -1,0 +1,125 @@
+"""POST/PUT bodies answered straight on ASGI (detect, softmax, top-k, v2 infer, gallery writes).
+
+A route registers `fn(scope, body) -> (status, payload)` with `@body_route(endpoint)`. The
+`BodyRoutes` middleware, the innermost of the server's own (inside the metrics and body-limit
+ones), matches such a request against the routers' routes and answers it there: FastAPI's
+exception middleware, router, dependency solving and route wrappers are not on this path (on a
+detect request they cost about as much as detect's own work). Errors still go through the app's
+exception handlers, so the envelope is the same; every other request goes on to FastAPI. The
+endpoints' own signatures only describe the bodies in OpenAPI.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+from starlette.routing import Match
+
+from serving.errors import DeadlineExceeded
+
+_BODY_HANDLERS: dict[Callable, Callable] = {}
+BODY_METHODS = ("POST", "PUT")
+
+
+@dataclass
+class RawAnswer:
+    """A body handler's answer that is not JSON (the v2 binary tensor extension)."""
+
+    body: bytes
+    content_type: bytes
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+def body_route(endpoint: Callable):
+    """Register `fn(scope, body) -> (status, payload)` as the POST/PUT handler of `endpoint`'s route
+    (payload: a JSON-able object, a RawAnswer, or None for no body)."""
+    def register(fn: Callable) -> Callable:
+        _BODY_HANDLERS[endpoint] = fn
+        return fn
+
+    return register
+
+
+def app_state(scope):
+    """The server's state object (serving/app.py) from an ASGI scope."""
+    return scope["app"].state.slc
+
+
+class BodyRoutes:
+    """Pure ASGI: answer POST/PUT requests of routes with a body handler (see the module docstring)."""
+
+    def __init__(self, app, routers: Sequence):
+        self.app = app
+        self.routers = routers
+        self._routes: list | None = None  # built on the first request, when every route is registered
+
+    def _candidates(self) -> list:
+        if self._routes is None:
+            self._routes = [r for router in self.routers for r in router.routes
+                            if set(BODY_METHODS) & set(getattr(r, "methods", None) or ())]
+        return self._routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] in BODY_METHODS:
+            for route in self._candidates():
+                match, child = route.matches(scope)
+                if match is Match.FULL:
+                    handler = _BODY_HANDLERS.get(route.endpoint)
+                    if handler is not None:
+                        scope.update(child)
+                        return await self._answer(handler, scope, receive, send)
+                    break
+        await self.app(scope, receive, send)
+
+    async def _answer(self, handler: Callable, scope, receive, send) -> None:
+        try:
+            status, body, headers = await _run(handler, scope, receive)
+        except Exception as exc:  # the app's handlers make the envelope (an unknown error: 500, logged)
+            on_error = _exception_handler(scope["app"], exc)
+            if on_error is None:
+                raise
+            response = await on_error(Request(scope, receive), exc)
+            return await response(scope, receive, send)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _run(handler: Callable, scope, receive) -> tuple[int, bytes, list]:
+    """Read the body, answer within the request deadline (queue and compute included), encode."""
+    body = await _read_body(receive)  # size and read-time limits: BodyLimitMiddleware
+    timeout = app_state(scope).settings.request_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            status, payload = await handler(scope, body)
+    except TimeoutError:
+        raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None
+    if isinstance(payload, RawAnswer):
+        out, headers = payload.body, [(b"content-type", payload.content_type), *payload.headers]
+    else:
+        out = b"" if payload is None else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = [(b"content-type", b"application/json")] if payload is not None else []
+    headers.append((b"content-length", str(len(out)).encode()))
+    return status, out, headers
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()  # BodyLimitMiddleware's receive raises 413 past the limit
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _exception_handler(app, exc: Exception):
+    """The handler the app registered for the closest class of `exc` (as Starlette looks it up)."""
+    handlers = app.exception_handlers
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return handlers[cls]
+    return None

@@ -90,3 +90,20 @@ def test_errors_are_grpc_status_codes_naming_the_envelope_code(served, bundle, i
     assert err.value.status() == f"StatusCode.{code}" and err.value.message().startswith(f"{envelope}: ")
     metrics = httpx.get(f"{url}/metrics").text
     assert 'endpoint="grpc:ModelInfer"' in metrics
+
+
+def test_a_request_past_its_deadline_is_deadline_exceeded(live_server, bundle, inputs):
+    """The HTTP routes' request deadline holds over gRPC too (queue and compute included)."""
+    from tritonclient.utils import InferenceServerException
+
+    port = free_port()
+    live_server(grpc_port=port, request_timeout_s=0.05, max_delay_ms=400, adaptive_delay=False)
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(bundle.name, _inputs(inputs[:1], np.array([0], dtype=np.int64)))
+    finally:
+        client.close()
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    # answered at the deadline, not when the batch queue dropped the request 400 ms later
+    assert err.value.message().startswith("deadline_exceeded: request not answered within its deadline of 0.05 s")

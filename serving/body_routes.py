@@ -57,14 +57,18 @@ class BodyRoutes:
         self._routes: list | None = None  # built on the first request, when every route is registered
 
     def _candidates(self) -> list:
+        """(static start of the path, route) of every POST/PUT route, in the routers' order."""
         if self._routes is None:
-            self._routes = [r for router in self.routers for r in router.routes
+            self._routes = [(r.path.split("{", 1)[0], r) for router in self.routers for r in router.routes
                             if set(BODY_METHODS) & set(getattr(r, "methods", None) or ())]
         return self._routes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] in BODY_METHODS:
-            for route in self._candidates():
+            path = scope["path"]
+            for start, route in self._candidates():
+                if start not in path:  # a string test before the route's regex (`in`: a root_path may lead)
+                    continue
                 match, child = route.matches(scope)
                 if match is Match.FULL:
                     handler = _BODY_HANDLERS.get(route.endpoint)

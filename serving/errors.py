@@ -174,10 +174,20 @@ def _allowed_methods(request: Request) -> list[str]:
     from starlette.routing import Match
 
     methods: set[str] = set()
-    for route in request.app.router.routes:
+    for route in _leaf_routes(request.app.router.routes):
         if getattr(route, "methods", None) and route.matches({**request.scope, "method": "GET"})[0] != Match.NONE:
             methods |= set(route.methods)
     return sorted(methods)
+
+
+def _leaf_routes(routes):
+    """Every route, included routers walked into (FastAPI keeps an included router as one entry)."""
+    for route in routes:
+        inner = getattr(route, "routes", None) or getattr(getattr(route, "original_router", None), "routes", None)
+        if inner:
+            yield from _leaf_routes(inner)
+        else:
+            yield route
 
 
 class _BodyTooLarge(StarletteHTTPException):

@@ -2,7 +2,9 @@
 
 A request's inputs wait in a bounded queue (counted in inputs) until either `max_batch`
 inputs are waiting or the oldest has waited `max_delay_ms`; then the batch runs in one
-worker thread, so the event loop never blocks on onnxruntime or BLAS. A full queue refuses
+worker thread, so the event loop never blocks on onnxruntime or BLAS (except for a batch that
+only needs the backbone and whose measured cost is under `inline_max_s`: it runs on the loop,
+as the hop to the thread and back costs the loop more than such a batch). A full queue refuses
 at once (Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits
 is answered 504 and never computed.
 

@@ -173,6 +173,12 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         row["wrk_live"] = lt.wrk_ceiling(srv.url, concurrency, 3.0)
         m = measure_server(srv.url, rotation, concurrency, duration, single=single, grpc_port=srv.grpc_port)
         row["slc"] = {"closed": m["closed"], "single_connection": m["single_connection"]}
+        # the one-logit protocols alone on one connection: in the full rotation each endpoint follows
+        # a different one (v2 comes after topk index) and pays for what that one evicted from the caches
+        protocols = ["detect", "v2", "v2_binary"] + ["grpc"] * grpc
+        one = lt.run_loadtest(srv.url, protocols, concurrency=1, duration=duration, warmup=1.0, interleave="request",
+                              progress=True, grpc_port=srv.grpc_port)
+        row["slc"]["protocols_single"] = _summary(one.report)
         full = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
         row["softmax_saturated"] = {"concurrency": SATURATE, **_summary(full.report)["softmax"]}
         row["recall"] = topk_recall(srv.url)

@@ -45,6 +45,8 @@ def test_scale_bench_end_to_end_small(tmp_path, monkeypatch):
         for ep in ("detect", "softmax", "topk_exact", "topk_index", "live") + protocols:
             assert r["slc"]["closed"][ep]["errors"] == {}, (r["classes"], ep)
             assert r["slc"]["closed"][ep]["requests"] > 0, (r["classes"], ep)
+        for ep in ("detect",) + protocols:  # the protocols' own one-connection run
+            assert r["slc"]["protocols_single"][ep]["errors"] == {} and r["slc"]["protocols_single"][ep]["requests"] > 0
         assert r["softmax_saturated"]["errors"] == {} and r["softmax_saturated"]["requests"] > 0
         assert r["peer"]["closed"]["softmax"]["errors"] == {}
         assert r["memory"]["loaded_rss"] > 0

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -81,6 +82,8 @@ class Engine:
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
         self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 32 MiB malloc per batch
+        # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
+        self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -93,6 +96,8 @@ class Engine:
 
     async def stop(self) -> None:
         await self.batcher.stop()
+        if self._scan_pool is not None:
+            self._scan_pool.shutdown(wait=True)
 
     async def warm_up(self) -> None:
         """Touch every path once (ORT allocations, mmap pages) and choose the softmax head."""
@@ -119,12 +124,15 @@ class Engine:
 
         def scan_path(gemm):
             def run():
-                head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x),
-                               [(slice(0, n), head_scan.SoftmaxStats(n, 0))], gemm=gemm)
+                head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(), gemm=gemm,
+                               pool=self._scan_pool)
             return run
 
+        def per_input():  # one request per input, as under load
+            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0)) for i in range(n)]
+
         def onnx_path():
-            head_scan.feed(self.runtime.full_logits(x), [(slice(0, n), head_scan.SoftmaxStats(n, 0))])
+            head_scan.feed(self.runtime.full_logits(x), per_input())
 
         paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
         if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
@@ -204,7 +212,7 @@ class Engine:
             start += jobs[i].n
         if self.softmax_impl != "onnx":
             head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
-                           gemm=self._gemm(), buf=self._chunk_buffer(len(rows)))
+                           gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)
         else:
             head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts)
         return accumulated

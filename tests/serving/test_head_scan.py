@@ -118,3 +118,36 @@ def test_a_chunk_holds_a_bounded_number_of_logits():
     assert head_scan.chunk_rows(1, 10**6) == 10**6  # one input: one chunk of all classes
     assert head_scan.chunk_rows(10**6, 10**6) == head_scan.MIN_CHUNK_ROWS
     assert head_scan.chunk_rows(8, 100) == 100
+
+
+@pytest.mark.parametrize("sizes", [[1] * 9, [4, 1, 1], [1, 7], [3]])
+def test_two_threads_over_the_accumulators_give_every_job_the_dense_answer(sizes):
+    """The pass's statistics split over a second thread: each job still gets exactly its own rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = sum(sizes)
+    W, b, h, z64 = _head(D=3000, n=n)
+    starts = np.cumsum([0] + sizes)
+    kinds = [lambda m, i=i: (head_scan.SoftmaxStats(m, 11 * i), head_scan.TopK(m, 5), head_scan.AllLogits(m, len(W)))[i % 3]
+             for i in range(len(sizes))]
+    parts = [(slice(starts[i], starts[i + 1]), kinds[i](sizes[i])) for i in range(len(sizes))]
+    with ThreadPoolExecutor(1) as pool:
+        head_scan.scan(W, b, h, parts, 250, pool=pool)
+    for i, (sl, acc) in enumerate(parts):
+        z = z64[sl]
+        if i % 3 == 0:
+            e = np.exp(z - z.max(1, keepdims=True))
+            np.testing.assert_allclose(acc.result()[0], e[:, 11 * i] / e.sum(1), rtol=1e-5)
+        elif i % 3 == 1:
+            np.testing.assert_array_equal(acc.result()[1], np.argsort(-z, axis=1)[:, :5])
+        else:
+            np.testing.assert_allclose(acc.result(), z, rtol=1e-5, atol=1e-5)
+
+
+def test_the_accumulators_are_cut_in_two_by_rows():
+    parts = [(slice(0, 6), "a"), (slice(6, 7), "b"), (slice(7, 8), "c"), (slice(8, 12), "d")]
+    first, second = head_scan._halves(parts)
+    assert [p[1] for p in first] == ["a"] and [p[1] for p in second] == ["b", "c", "d"]
+    assert head_scan._halves(parts[:1]) is None
+    first, second = head_scan._halves([(slice(i, i + 1), i) for i in range(5)])
+    assert len(first) == 3 and len(second) == 2

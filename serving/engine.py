@@ -132,7 +132,7 @@ class Engine:
             return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0)) for i in range(n)]
 
         def onnx_path():
-            head_scan.feed(self.runtime.full_logits(x), per_input())
+            head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)
 
         paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
         if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
@@ -214,7 +214,7 @@ class Engine:
             head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
                            gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)
         else:
-            head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts)
+            head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts, pool=self._scan_pool)
         return accumulated
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:

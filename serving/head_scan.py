@@ -125,10 +125,18 @@ def _halves(parts: list[tuple[slice, Accumulator]]) -> Optional[tuple[list, list
     return parts[:cut], parts[cut:]
 
 
-def feed(z: np.ndarray, parts: Iterable[tuple[slice, Accumulator]]) -> None:
-    """Logits computed elsewhere (full.onnx) [M, D], as one chunk."""
-    for sl, acc in parts:
-        acc.update(z[sl], 0)
+def feed(z: np.ndarray, parts: Iterable[tuple[slice, Accumulator]], pool: Optional[Executor] = None) -> None:
+    """Logits computed elsewhere (full.onnx) [M, D], as one chunk (`pool`: as in scan)."""
+    parts = list(parts)
+    halves = _halves(parts) if pool is not None else None
+    if halves is None:
+        _update(parts, z, 0)
+        return
+    other = pool.submit(_update, halves[1], z, 0)
+    try:
+        _update(halves[0], z, 0)
+    finally:
+        other.result()
 
 
 class SoftmaxStats:

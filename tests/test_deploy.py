@@ -201,3 +201,36 @@ def test_dockerfiles_copy_what_exists_and_run_the_server(dockerfile):
 def test_the_build_context_leaves_out_the_venvs_and_git():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", ".venv-*", "tests"} <= set(ignored)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_the_healthcheck_probes_the_port_the_server_listens_on(dockerfile):
+    """The HEALTHCHECK command, run as the image would, passes against a ready server on SLC_PORT and
+    fails when nothing listens there (it once always probed 8000)."""
+    import json
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    text = (DEPLOY / dockerfile).read_text()
+    cmd = json.loads(re.search(r"^\s+CMD (\[.*\])\s*$", text, flags=re.M).group(1))
+    assert cmd[:2] == ["python", "-c"]
+
+    class Ready(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/v1/health/ready" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        probe = lambda env_port: subprocess.run([sys.executable, "-c", cmd[2]], capture_output=True,  # noqa: E731
+                                                env={"SLC_PORT": str(env_port)}, timeout=30).returncode
+        assert probe(port) == 0
+    finally:
+        server.shutdown()
+    assert probe(port) != 0  # the same port, nobody listening

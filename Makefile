@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]" "torch==2.13.0"
 ifneq ($(GPU),)
 	$(BIN)/pip uninstall -q -y onnxruntime faiss-cpu
-	$(BIN)/pip install -q --force-reinstall --no-deps onnxruntime-gpu faiss-gpu
+	$(BIN)/pip install -q --force-reinstall --no-deps "onnxruntime-gpu>=1.20,<1.27" "faiss-gpu>=1.9"
 endif
 	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; print('setup ok: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, onnxruntime.get_available_providers(), '| faiss', faiss.__version__)"
 	touch $(STAMP)

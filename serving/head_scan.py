@@ -17,7 +17,7 @@ import numpy as np
 # z = h @ w.T + b for one chunk: h [M, d], w [C, d] (a view of the head), b [C], written into out [M, C]
 Gemm = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
-CHUNK_VALUES = 8 * 1024 * 1024  # logits per chunk buffer (32 MiB of float32), whatever the batch
+CHUNK_VALUES = 4 * 1024 * 1024  # logits per chunk buffer (16 MiB of float32), whatever the batch
 MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
 FIRST_COLUMNS = 1024  # top-k: partitioned to seed the running k-th best; the rest is compared to it
 THRESHOLD_MAX_K = 64  # above this k too many logits beat a k-th best seeded from the first columns
@@ -29,8 +29,11 @@ class Accumulator(Protocol):
 
 
 def chunk_rows(batch: int, num_classes: int, values: int = CHUNK_VALUES) -> int:
-    """Classes per chunk so that [batch, chunk] holds about `values` logits."""
-    return int(min(num_classes, max(MIN_CHUNK_ROWS, values // max(batch, 1))))
+    """Classes per chunk so that [batch, chunk] holds at most about `values` logits, the chunks of
+    a pass about equal (no thin last chunk)."""
+    rows = int(min(num_classes, max(MIN_CHUNK_ROWS, values // max(batch, 1))))
+    chunks = -(-num_classes // rows)
+    return max(min(rows, MIN_CHUNK_ROWS), -(-num_classes // chunks))
 
 
 def numpy_gemm(h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:

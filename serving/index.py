@@ -8,9 +8,11 @@ query [h, 1]. Kinds:
             after each call and starve the server's event loop).
 - ``exact`` numpy matmul over the memory-mapped head in chunks (no copy; the reference and
             the fallback when no index is wanted).
-- ``ivf``   inner-product ``IndexIVFScalarQuantizer`` over [W_j, s·b_j] (4-bit codes: an eighth
-            of the head's memory; the candidates are re-scored exactly, which is why 4-bit codes
-            suffice: docs/results/memory-1m.md), queried with [h, 1/s] (same inner product). The bias matters:
+- ``ivf``   cells over [W_j, s·b_j] queried with [h, 1/s] (same inner product). By default a cell
+            holds class ids only and a search scores the probed cells' rows exactly from the
+            memory-mapped head (serving/head_lists.py: 4 bytes per class, no copy of the rows);
+            ``codes=sq4`` keeps faiss's ``IndexIVFScalarQuantizer`` with 4-bit codes instead (an
+            eighth of the head's memory, a faster scan; candidates re-scored exactly). The bias matters:
             with b_j spread like the W_j·h (trained and synthetic heads alike) the top logits
             belong to high-bias rows of *many* directions, so cells by direction alone (spherical
             k-means) must probe most lists. Cells therefore come from L2 k-means on [W_j, s·b_j]
@@ -40,14 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
 from serving import head_scan
+from serving.head_lists import HeadLists
 from serving.bundle.files import atomic_replace
 from serving.bundle.session import ort_session
 
 log = logging.getLogger(__name__)
+# faiss is imported where an index needs it (about 13 MiB of the server's memory): a server whose
+# cached index is cells of class ids (or exact) never loads it.
 
 EXACT_MAX_CLASSES = 50_000
 RECALL_K = 10
@@ -56,7 +60,7 @@ RECALL_QUERIES = 256
 MIN_SPEEDUP = 2.0  # an approximate index slower than this against exact (batched) is dropped
 RECALL_MARGIN = 0.01  # tuning aims this far above the target: fresh queries scatter around the tuning recall
 BIAS_AXIS_SHARE = 0.4  # s·sd(b) as a share of the rows' spread, sqrt(E|W_j - mean W|^2)
-CACHE_FORMAT = 4  # 4: nlist at most 2048, recall target 0.97
+CACHE_FORMAT = 5  # 5: cells of class ids (codes none) by default
 _CHUNK_ROWS = 65_536
 _GPU_MAX_K = 2048
 
@@ -251,8 +255,10 @@ class ClassIndex:
             return cls(weight, bias, meta, None, "cpu")
         if kind == "flat":  # cheap to build: not cached
             meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact")
-            if _gpu_count() == 0 or device == "cpu":  # on CPU, search() uses numpy over the mmap head: no copy
+            if device == "cpu" or _gpu_count() == 0:  # on CPU, search() uses numpy over the mmap head: no copy
                 return cls(weight, bias, meta, None, "cpu")
+            import faiss
+
             t0 = time.perf_counter()
             index = faiss.IndexFlatIP(embed_dim + 1)
             for start in range(0, num_classes, _CHUNK_ROWS):
@@ -275,7 +281,8 @@ class ClassIndex:
             if index is not None:
                 _set_search_params(index, meta)
                 index, dev = _to_device(index, device, meta)
-            log.info("class index %s loaded from %s (recall@%d %.3f)", kind, index_path, RECALL_K, meta.recall_at_k or -1)
+            where = _lists_path(index_path) if isinstance(index, HeadLists) else index_path
+            log.info("class index %s loaded from %s (recall@%d %.3f)", kind, where, RECALL_K, meta.recall_at_k or -1)
             return cls(weight, bias, meta, index, dev, loaded_from_cache=True)
 
         t0 = time.perf_counter()
@@ -301,7 +308,7 @@ class ClassIndex:
         aim = min(target + float(params.get("recall_margin", RECALL_MARGIN)), 1.0)
         if meta.kind == "ivf":
             name, fixed = "nprobe", params.get("nprobe")
-            values = [int(fixed)] if fixed else [v for v in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+            values = [int(fixed)] if fixed else [v for v in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
                                                   if v <= meta.nlist] or [meta.nlist]
         else:
             name, fixed = "ef_search", params.get("ef_search")
@@ -362,11 +369,7 @@ class ClassIndex:
             # a margin of candidates so float32 near-ties at rank k are settled by the exact re-score
             _, cand = exact_topk(self.weight, self.bias, h, min(k + 16, self.meta.num_classes))
         else:
-            r = min(max(k + 16, 2 * k, self.meta.rerank), self.meta.num_classes)
-            if self.device != "cpu":
-                r = min(r, _GPU_MAX_K)  # faiss GPU selects at most 2048 per query
-            _, cand = self.index.search(_query_rows(h, self.meta.kind, self.meta.bias_scale or 1.0), r)
-            cand = cand.astype(np.int64, copy=False)
+            cand = self._candidates(h, k)
         logits = rescore(self.weight, self.bias, h, cand)  # [N, R]
         order = np.lexsort((cand, -logits), axis=1)[:, :k]
         top_logits, top_ids = np.take_along_axis(logits, order, 1), np.take_along_axis(cand, order, 1)
@@ -375,6 +378,16 @@ class ClassIndex:
             ex_logits, ex_ids = ClassIndex(self.weight, self.bias, _Meta("exact", "", *self.weight.shape)).search(h[short], k)
             top_logits[short], top_ids[short] = ex_logits, ex_ids
         return top_logits, top_ids
+
+    def _candidates(self, h: np.ndarray, k: int) -> np.ndarray:
+        """Candidate ids [N, R] of the ivf / hnsw index (-1: none), R >= k, re-scored by search()."""
+        if isinstance(self.index, HeadLists):  # scored exactly already: a margin for float32 near-ties
+            return self.index.search(self.weight, self.bias, h, min(k + 16, self.meta.num_classes))[1]
+        r = min(max(k + 16, 2 * k, self.meta.rerank), self.meta.num_classes)
+        if self.device != "cpu":
+            r = min(r, _GPU_MAX_K)  # faiss GPU selects at most 2048 per query
+        _, cand = self.index.search(_query_rows(h, self.meta.kind, self.meta.bias_scale or 1.0), r)
+        return cand.astype(np.int64, copy=False)
 
     def info(self) -> dict:
         m = self.meta
@@ -400,6 +413,8 @@ def _recall(got: np.ndarray, truth: np.ndarray) -> float:
 
 def _build(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict) -> Any:
     """Train and fill an ivf or hnsw index over the augmented rows, reading the head in chunks."""
+    import faiss
+
     dim = meta.embed_dim + 2
     num = meta.num_classes
     rng = np.random.default_rng(int(params.get("seed", 0)))
@@ -427,14 +442,18 @@ def _bias_scale(weight: np.ndarray, bias: np.ndarray, sample: np.ndarray) -> flo
 def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, rng: np.random.Generator) -> Any:
     """IVF over [W_j, s·b_j]: L2 k-means cells, rows added to their nearest centroid, cells probed by
     [mean W of the cell, s · max b in the cell] (see the module docstring)."""
+    import faiss
+
     num, d = meta.num_classes, meta.embed_dim
     meta.nlist = min(int(params.get("nlist", default_nlist(num))), max(1, num // 39))
-    meta.rerank = int(params.get("rerank", 6 * RECALL_K))
+    meta.codes = str(params.get("codes", "none"))
+    if meta.codes not in ("none", "flat", "sq4", "sq6", "sq8"):
+        raise ValueError(f"codes must be none, flat, sq4, sq6 or sq8, got {meta.codes!r}")
+    meta.rerank = 0 if meta.codes == "none" else int(params.get("rerank", 6 * RECALL_K))
     train_size = min(num, int(params.get("train_size", 32 * meta.nlist)))
     sample = np.sort(rng.choice(num, size=train_size, replace=False))
     s = float(params.get("bias_scale", 0) or _bias_scale(weight, bias, sample))
     meta.bias_scale = s
-    meta.codes = str(params.get("codes", "sq4"))
 
     def rows(ids_or_slice) -> np.ndarray:  # [n, d + 1] float32: [W_j, s·b_j]
         w = weight[ids_or_slice]
@@ -463,9 +482,11 @@ def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, 
     probe = centroids.copy()
     filled = np.isfinite(cell_max_b)
     probe[filled, d] = cell_max_b[filled]  # empty cells keep their centroid: never read anyway
+    if meta.codes == "none":
+        return HeadLists.from_assignment(assign, probe, s)
     quantizer = faiss.IndexFlatIP(d + 1)
     quantizer.add(probe)
-    codes = str(params.get("codes", "sq4"))
+    codes = meta.codes
     if codes == "flat":
         index = faiss.IndexIVFFlat(quantizer, d + 1, meta.nlist, faiss.METRIC_INNER_PRODUCT)
     else:
@@ -502,6 +523,10 @@ class _Progress:
 
 def _index_bytes(index: Any) -> int:
     """Bytes of codes and ids held by an IVF index (its share of the server's memory)."""
+    if isinstance(index, HeadLists):
+        return index.nbytes
+    import faiss
+
     try:
         ivf = faiss.extract_index_ivf(index)
         return int(ivf.ntotal) * (int(ivf.code_size) + 8) + int(ivf.nlist) * int(ivf.d) * 4
@@ -510,6 +535,11 @@ def _index_bytes(index: Any) -> int:
 
 
 def _set_search_params(index: Any, meta: _Meta) -> None:
+    if isinstance(index, HeadLists):
+        index.nprobe = max(1, meta.nprobe)
+        return
+    import faiss
+
     if meta.kind == "ivf" and meta.nprobe:
         faiss.extract_index_ivf(index).nprobe = meta.nprobe
     if meta.kind == "hnsw" and meta.ef_search:
@@ -517,6 +547,8 @@ def _set_search_params(index: Any, meta: _Meta) -> None:
 
 
 def _gpu_count() -> int:
+    import faiss
+
     try:
         return faiss.get_num_gpus()
     except AttributeError:  # a CPU-only faiss build
@@ -524,10 +556,15 @@ def _gpu_count() -> int:
 
 
 def _to_device(index: Any, device: str, meta: _Meta | None = None) -> tuple[Any, str]:
-    """Move the index to GPU 0 when asked (cuda/auto) and one is there; HNSW has no GPU version and stays on CPU."""
+    """Move the index to GPU 0 when asked (cuda/auto) and one is there; HNSW has no GPU version and
+    cells of class ids read the head in host memory: both stay on CPU."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device == "cpu" or isinstance(index, faiss.IndexHNSW):
+    if device == "cpu" or isinstance(index, HeadLists):
+        return index, "cpu"
+    import faiss
+
+    if isinstance(index, faiss.IndexHNSW):
         return index, "cpu"
     if _gpu_count() == 0:
         if device == "cuda":
@@ -555,8 +592,13 @@ def _load_cached(index_path: Path, meta_path: Path, digest: str, kind: str, num_
             return None
         if meta.kind == "exact":  # built once, found not worth it: remembered, not rebuilt
             return None, meta
+        if meta.codes == "none":
+            path = _lists_path(index_path)
+            return (HeadLists.load(path, num_classes, embed_dim), meta) if path.is_file() else None
         if not index_path.is_file():
             return None
+        import faiss
+
         return faiss.read_index(str(index_path)), meta
     except Exception as exc:  # noqa: BLE001 - a broken cache entry is rebuilt, never fatal
         log.warning("ignoring broken class index cache %s: %s", index_path, exc)
@@ -566,8 +608,19 @@ def _load_cached(index_path: Path, meta_path: Path, digest: str, kind: str, num_
 def _save_cached(index: Any, meta: _Meta, index_path: Path, meta_path: Path) -> None:
     try:
         # the index first: a meta file without its index is never read as a complete entry
-        if index is not None:
+        if isinstance(index, HeadLists):
+            atomic_replace(_lists_path(index_path), index.save)
+        elif index is not None:
+            import faiss
+
             atomic_replace(index_path, lambda p: faiss.write_index(index, p))
         atomic_replace(meta_path, lambda p: Path(p).write_text(json.dumps(meta.__dict__, indent=1)))
+        stale = index_path if isinstance(index, HeadLists) else _lists_path(index_path)
+        stale.unlink(missing_ok=True)  # this entry's other form, left by an earlier build
     except OSError as exc:  # a read-only cache dir costs a rebuild next time, nothing more
         log.warning("cannot cache the class index in %s: %s", index_path.parent, exc)
+
+
+def _lists_path(index_path: Path) -> Path:
+    """Where cells of class ids are cached: beside the faiss file name, as .npz."""
+    return index_path.with_name(index_path.stem + ".npz")

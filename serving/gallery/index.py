@@ -14,7 +14,6 @@ Not thread-safe: the gallery holds its lock around every call.
 """
 from __future__ import annotations
 
-import faiss
 import numpy as np
 
 _BATCH = 65_536
@@ -25,12 +24,12 @@ class VectorIndex:
 
     def __init__(self, embed_dim: int):
         self.embed_dim = int(embed_dim)
-        self._index = faiss.IndexIDMap(faiss.IndexFlatIP(self.embed_dim + 1))
+        self._index = None  # faiss's IndexIDMap(IndexFlatIP), made at the first add: an empty gallery never imports faiss
         self._max_norm = 0.0  # an upper bound of |[h, 1]| over indexed items, for the error margin
 
     @property
     def ntotal(self) -> int:
-        return int(self._index.ntotal)
+        return 0 if self._index is None else int(self._index.ntotal)
 
     def vector(self, embedding: np.ndarray) -> np.ndarray:
         """[h, 1] float32 [d + 1] of an embedding [d] (ValueError on a wrong shape)."""
@@ -45,6 +44,10 @@ class VectorIndex:
         """Add vectors [n, d + 1] under row numbers nums [n] (not already present)."""
         if len(nums) == 0:
             return
+        if self._index is None:
+            import faiss
+
+            self._index = faiss.IndexIDMap(faiss.IndexFlatIP(self.embed_dim + 1))
         self._index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), np.asarray(nums, dtype=np.int64))
         norms = np.sqrt(np.einsum("ij,ij->i", vecs.astype(np.float64), vecs.astype(np.float64)))
         self._max_norm = max(self._max_norm, float(norms.max(initial=0.0)))
@@ -52,11 +55,15 @@ class VectorIndex:
     def remove(self, nums) -> None:
         """Remove row numbers (absent ones are ignored). O(items in the index)."""
         nums = np.asarray(list(nums), dtype=np.int64)
-        if len(nums):
+        if len(nums) and self._index is not None:
+            import faiss
+
             self._index.remove_ids(faiss.IDSelectorBatch(nums))
 
     def _vectors_at(self, positions: np.ndarray) -> np.ndarray:
         """Stored vectors [len(positions), d+1] at storage positions of the flat index (a view, no copy of all)."""
+        import faiss
+
         flat = faiss.downcast_index(self._index.index)
         xb = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
         return xb[positions]
@@ -75,7 +82,7 @@ class VectorIndex:
         if not np.isfinite(q).all():
             raise ValueError("class row has NaN or inf")
         empty = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        if limit == 0 or self._index.ntotal == 0:
+        if limit == 0 or self.ntotal == 0:
             return empty
         q64 = q.astype(np.float64)
         n = self.embed_dim + 1
@@ -91,6 +98,8 @@ class VectorIndex:
             logits[start:start + len(chunk)] = self._vectors_at(chunk).astype(np.float64) @ q64
         keep = logits.astype(np.float64) >= threshold
         positions, logits = positions[keep], logits[keep]
+        import faiss
+
         nums = faiss.vector_to_array(self._index.id_map)[positions]
         order = np.lexsort((nums, -logits))
         if limit is not None:

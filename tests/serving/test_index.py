@@ -75,10 +75,12 @@ def test_k_is_clipped_and_shapes_checked(tmp_path):
         index.search(h, 0)
 
 
-def test_ivf_recall_and_exact_scores(tmp_path):
+@pytest.mark.parametrize("codes", ["none", "sq4"])
+def test_ivf_recall_and_exact_scores(tmp_path, codes):
     bundle = make_bundle(tmp_path, 20_000, 32, clustered=True)
-    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0, recall_target=0.98)
-    assert index.kind == "ivf"
+    index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0, recall_target=0.98,
+                            codes=codes)
+    assert index.kind == "ivf" and index.info()["codes"] == codes
     assert index.recall_at_k >= 0.98
     h = np.random.default_rng(5).standard_normal((200, 32)).astype(np.float32)  # fresh queries, not the tuning set
     logits, ids = index.search(h, 10)
@@ -108,7 +110,7 @@ def test_cache_reuse_loads_without_rebuilding(tmp_path):
     first = ClassIndex.open(bundle, cache, device="cpu", kind="ivf", min_speedup=0)
     assert ClassIndex.builds == builds + 1 and not first.info()["loaded_from_cache"]
     files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
-    assert any(name.endswith(".faiss") for name in files) and not any(".tmp" in name for name in files)
+    assert any(name.endswith(".npz") for name in files) and not any(".tmp" in name for name in files)
 
     second = ClassIndex.open(bundle, cache, device="cpu", kind="ivf", min_speedup=0)
     assert ClassIndex.builds == builds + 1 and second.info()["loaded_from_cache"]
@@ -255,3 +257,60 @@ def test_an_automatic_choice_tries_hnsw_when_ivf_is_not_worth_it(monkeypatch):
     small = types.SimpleNamespace(weight=np.zeros((10, 2), np.float32))
     outcome = {None: "flat"}
     assert index_mod.ClassIndex.open(small, None).meta.kind == "flat" and asked == [None]
+
+
+def test_ivf_without_codes_holds_ids_not_rows(tmp_path):
+    """The default ivf keeps 4 bytes per class and its probe vectors: no copy of the rows."""
+    bundle = make_bundle(tmp_path, 20_000, 32, clustered=True)
+    lists = ClassIndex.open(bundle, tmp_path / "a", device="cpu", kind="ivf", min_speedup=0)
+    sq4 = ClassIndex.open(bundle, tmp_path / "b", device="cpu", kind="ivf", min_speedup=0, codes="sq4")
+    nlist = lists.info()["nlist"]
+    assert lists.info()["codes"] == "none"
+    assert lists.info()["index_mb"] * 2**20 <= 20_000 * 4 + (nlist + 1) * 8 + nlist * 33 * 4 + 2**20 * 0.05
+    assert lists.info()["index_mb"] < sq4.info()["index_mb"]
+
+
+def test_head_lists_score_the_probed_cells_exactly(tmp_path):
+    """Against brute force over the classes of the probed cells (float64): the r best of them."""
+    from serving.head_lists import HeadLists
+
+    bundle = make_bundle(tmp_path, 3000, 12, clustered=True)
+    rng = np.random.default_rng(7)
+    assign = rng.integers(0, 40, 3000)
+    lists = HeadLists.from_assignment(assign, rng.standard_normal((40, 13)).astype(np.float32), bias_scale=2.0)
+    lists.nprobe = 3
+    h = rng.standard_normal((25, 12)).astype(np.float32)
+    logits, ids = lists.search(bundle.weight, bundle.bias, h, r=7)
+    w, b = np.asarray(bundle.weight, np.float64), np.asarray(bundle.bias, np.float64)
+    for i, cells in enumerate(lists.cells(h)):
+        members = np.flatnonzero(np.isin(assign, cells))
+        z = w[members] @ h[i].astype(np.float64) + b[members]
+        want = members[np.argsort(-z, kind="stable")[:7]]
+        assert set(ids[i]) == set(want)
+        np.testing.assert_allclose(logits[i], w[ids[i]] @ h[i].astype(np.float64) + b[ids[i]], rtol=1e-5, atol=1e-5)
+    q = np.column_stack([h, np.full(25, 0.5, np.float32)]).astype(np.float64)  # [h, 1/s]
+    best_cells = np.argsort(-(q @ lists.probe.T.astype(np.float64)), axis=1)[:, :3]
+    assert all(set(a) == set(b) for a, b in zip(lists.cells(h), best_cells))
+
+
+def test_head_lists_pad_when_the_probed_cells_are_small(tmp_path):
+    from serving.head_lists import HeadLists
+
+    bundle = make_bundle(tmp_path, 50, 4, clustered=False)
+    lists = HeadLists.from_assignment(np.arange(50) % 10, np.eye(10, 5, dtype=np.float32), bias_scale=1.0)
+    logits, ids = lists.search(bundle.weight, bundle.bias, np.ones((2, 4), np.float32), r=8)  # one cell: 5 classes
+    assert (ids[:, 5:] == -1).all() and np.isneginf(logits[:, 5:]).all() and (ids[:, :5] >= 0).all()
+
+
+def test_a_damaged_lists_cache_is_rebuilt(tmp_path):
+    bundle = make_bundle(tmp_path, 5000, 16, clustered=True)
+    cache = tmp_path / "cache"
+    first = ClassIndex.open(bundle, cache, device="cpu", kind="ivf", min_speedup=0)
+    (npz,) = cache.glob("*.npz")
+    npz.write_bytes(npz.read_bytes()[:100])
+    builds = ClassIndex.builds
+    again = ClassIndex.open(bundle, cache, device="cpu", kind="ivf", min_speedup=0)
+    assert ClassIndex.builds == builds + 1 and not again.info()["loaded_from_cache"]
+    h = np.random.default_rng(3).standard_normal((20, 16)).astype(np.float32)
+    for a, b in zip(first.search(h, 5), again.search(h, 5)):
+        np.testing.assert_array_equal(a, b)

@@ -17,7 +17,7 @@ import numpy as np
 # z = h @ w.T + b for one chunk: h [M, d], w [C, d] (a view of the head), b [C], written into out [M, C]
 Gemm = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
-CHUNK_VALUES = 4 * 1024 * 1024  # logits per chunk buffer (16 MiB of float32), whatever the batch
+CHUNK_VALUES = 2 * 1024 * 1024  # logits per chunk buffer (8 MiB of float32), whatever the batch
 MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
 FIRST_COLUMNS = 1024  # top-k: partitioned to seed the running k-th best; the rest is compared to it
 THRESHOLD_MAX_K = 64  # above this k too many logits beat a k-th best seeded from the first columns
@@ -89,6 +89,7 @@ def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tu
     """
     parts = list(parts)
     halves = _halves(parts) if pool is not None else None
+    parts, halves, done = _merged(parts, halves)
     gemm = gemm or numpy_gemm
     h = np.ascontiguousarray(h, dtype=np.float32)
     num_classes = weight.shape[0]
@@ -107,6 +108,7 @@ def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tu
                 _update(halves[0], z, start)
             finally:  # the buffer is rewritten by the next chunk: never before the other half is done
                 other.result()
+    done()
 
 
 def _update(parts: list[tuple[slice, Accumulator]], z: np.ndarray, start: int) -> None:
@@ -132,21 +134,67 @@ def feed(z: np.ndarray, parts: Iterable[tuple[slice, Accumulator]], pool: Option
     """Logits computed elsewhere (full.onnx) [M, D], as one chunk (`pool`: as in scan)."""
     parts = list(parts)
     halves = _halves(parts) if pool is not None else None
+    parts, halves, done = _merged(parts, halves)
     if halves is None:
         _update(parts, z, 0)
-        return
-    other = pool.submit(_update, halves[1], z, 0)
-    try:
-        _update(halves[0], z, 0)
-    finally:
-        other.result()
+    else:
+        other = pool.submit(_update, halves[1], z, 0)
+        try:
+            _update(halves[0], z, 0)
+        finally:
+            other.result()
+    done()
+
+
+def _merged(parts: list, halves: Optional[tuple[list, list]]) -> tuple[list, Optional[tuple[list, list]], Callable[[], None]]:
+    """(parts, halves) with every run of adjacent SoftmaxStats (one request each, typically) in one
+    accumulator over the run's rows: one set of numpy calls per chunk for the run instead of one per
+    request. done() hands each request's accumulator its rows of the run's state after the pass."""
+    runs: list[tuple[list, SoftmaxStats, int]] = []
+
+    def merge(group: list) -> list:
+        out, i = [], 0
+        while i < len(group):
+            k = i
+            while (k + 1 < len(group) and _softmax_rows(group[i]) and _softmax_rows(group[k + 1])
+                   and group[k + 1][0].start == group[k][0].stop):
+                k += 1
+            if k == i:
+                out.append(group[i])
+            else:
+                run = group[i:k + 1]
+                rows = slice(run[0][0].start, run[-1][0].stop)
+                j = np.concatenate([np.broadcast_to(acc.j, (sl.stop - sl.start,)) for sl, acc in run])
+                acc = SoftmaxStats(rows.stop - rows.start, j)
+                out.append((rows, acc))
+                runs.append((run, acc, rows.start))
+            i = k + 1
+        return out
+
+    if halves is None:
+        parts = merge(parts)
+    else:
+        halves = (merge(halves[0]), merge(halves[1]))
+        parts = halves[0] + halves[1]
+
+    def done() -> None:
+        for run, acc, base in runs:
+            for sl, own in run:
+                own.take(acc, slice(sl.start - base, sl.stop - base))
+
+    return parts, halves, done
+
+
+def _softmax_rows(part: tuple[slice, Accumulator]) -> bool:
+    sl, acc = part
+    return type(acc) is SoftmaxStats and isinstance(sl.start, int) and isinstance(sl.stop, int) and sl.step in (None, 1)
 
 
 class SoftmaxStats:
     """Per row: softmax probability of class j, its logit and whether it is the top-1, streamed."""
 
-    def __init__(self, n: int, j: int):
-        self.j = j
+    def __init__(self, n: int, j: int | np.ndarray):
+        self.j = j if np.ndim(j) == 0 else np.asarray(j, dtype=np.int64)  # the class, or one per row [n]
         self.m = np.full(n, -np.inf)  # running max, float64 [n]
         self.s = np.zeros(n)  # running sum of exp(z - m), float64 [n]
         self.zj = np.zeros(n)
@@ -155,8 +203,12 @@ class SoftmaxStats:
 
     def update(self, z: np.ndarray, start: int) -> None:
         n, c = z.shape
-        if start <= self.j < start + c:
-            self.zj = z[:, self.j - start].astype(np.float64)
+        if np.ndim(self.j) == 0:
+            if start <= self.j < start + c:
+                self.zj = z[:, self.j - start].astype(np.float64)
+        else:
+            rows = np.flatnonzero((self.j >= start) & (self.j < start + c))
+            self.zj[rows] = z[rows, self.j[rows] - start]
         am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
         cmax = z[np.arange(n), am].astype(np.float64)
         self.finite &= np.isfinite(cmax) & np.isfinite(z.min(axis=1))  # NaN, +inf show in the max; -inf in the min
@@ -168,6 +220,11 @@ class SoftmaxStats:
             np.exp(z, out=z)  # in place: the chunk buffer is this job's rows only
             self.s = self.s * np.exp(self.m - m_new) + z.sum(axis=1)  # float32 pairwise sum per chunk
         self.m = m_new
+
+    def take(self, other: "SoftmaxStats", rows: slice) -> None:
+        """This accumulator's state from rows of one that accumulated for several requests."""
+        for name in ("m", "s", "zj", "top", "finite"):
+            setattr(self, name, getattr(other, name)[rows].copy())
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(probability [n], logit of j [n], is_top1 [n]), all float64 / bool."""

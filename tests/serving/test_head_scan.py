@@ -151,3 +151,51 @@ def test_the_accumulators_are_cut_in_two_by_rows():
     assert head_scan._halves(parts[:1]) is None
     first, second = head_scan._halves([(slice(i, i + 1), i) for i in range(5)])
     assert len(first) == 3 and len(second) == 2
+
+
+@pytest.mark.parametrize("threads", [False, True])
+@pytest.mark.parametrize("how", ["scan", "feed"])
+def test_adjacent_softmax_requests_share_one_accumulator_and_each_gets_its_rows(threads, how):
+    """Runs of one-row softmax requests (the full-softmax load) are accumulated together; every
+    request still gets the dense answer for its own class, around requests of other kinds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = [1] * 5 + [2] + [1] * 4 + [3, 1, 1]
+    n = sum(sizes)
+    W, b, h, z64 = _head(D=2000, n=n, seed=4)
+    starts = np.cumsum([0] + sizes)
+    classes = [(37 * i) % 2000 for i in range(len(sizes))]
+    classes[3] = int(z64[starts[3]].argmax())  # one request asks for its top-1 class
+    parts = [(slice(starts[i], starts[i + 1]),
+              head_scan.TopK(sizes[i], 4) if i in (6, 10) else head_scan.SoftmaxStats(sizes[i], classes[i]))
+             for i in range(len(sizes))]
+    with ThreadPoolExecutor(1) as pool:
+        p = pool if threads else None
+        if how == "scan":
+            head_scan.scan(W, b, h, parts, 300, pool=p)
+        else:
+            head_scan.feed((h.astype(np.float64) @ W.T.astype(np.float64) + b).astype(np.float32), parts, pool=p)
+    for i, (sl, acc) in enumerate(parts):
+        z = z64[sl]
+        if isinstance(acc, head_scan.TopK):
+            np.testing.assert_array_equal(acc.result()[1], np.argsort(-z, axis=1)[:, :4])
+            continue
+        e = np.exp(z - z.max(1, keepdims=True))
+        prob, zj, top1 = acc.result()
+        assert prob.shape == (sizes[i],)
+        np.testing.assert_allclose(prob, e[:, classes[i]] / e.sum(1), rtol=1e-5)
+        np.testing.assert_allclose(zj, z[:, classes[i]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(top1, z.argmax(1) == classes[i])
+        assert acc.finite.all()
+    assert parts[3][1].result()[2].all()
+
+
+def test_a_merged_run_keeps_each_requests_non_finite_rows_its_own():
+    """Class 17's logit overflows to +inf for input 0 and to -inf for input 1 only."""
+    W, b, h, _ = _head(D=500, n=4, seed=5)
+    W[17] = 0.0
+    W[17, 0] = 3e38
+    h[:, 0] = [2.0, -2.0, 0.0, 0.5]
+    parts = [(slice(i, i + 1), head_scan.SoftmaxStats(1, 3)) for i in range(4)]
+    head_scan.scan(W, b, h, parts, 100)
+    assert [bool(acc.finite[0]) for _, acc in parts] == [False, False, True, True]

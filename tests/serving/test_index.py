@@ -314,3 +314,31 @@ def test_a_damaged_lists_cache_is_rebuilt(tmp_path):
     h = np.random.default_rng(3).standard_normal((20, 16)).astype(np.float32)
     for a, b in zip(first.search(h, 5), again.search(h, 5)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_cached_lists_index_and_an_empty_gallery_never_import_faiss(tmp_path):
+    """faiss costs the server about 13 MiB: a process that opens a cached ivf of class ids (and an
+    empty gallery) must not load it; building the index does."""
+    import subprocess
+    import sys
+
+    bundle = make_bundle(tmp_path, 5000, 16, clustered=True)
+    ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0)
+    code = f"""
+import sys, types, numpy as np
+from serving.index import ClassIndex
+from serving.gallery.index import VectorIndex
+p = {str(bundle.path)!r}
+b = types.SimpleNamespace(path=None, weight=np.load(p + "/head_weight.npy", mmap_mode="r"),
+                          bias=np.load(p + "/head_bias.npy", mmap_mode="r"), digest={bundle.digest!r})
+index = ClassIndex.open(b, {str(tmp_path / 'cache')!r}, device="auto", kind="ivf", min_speedup=0)
+assert index.info()["loaded_from_cache"] and index.kind == "ivf"
+index.search(np.ones((3, 16), np.float32), 5)
+g = VectorIndex(16)
+assert g.ntotal == 0 and len(g.search(np.ones(16), 0.0, 0.0, None)[0]) == 0
+print("faiss" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -30,6 +30,9 @@ from serving.errors import DeadlineExceeded, Overloaded
 
 log = logging.getLogger(__name__)
 
+INLINE_PROBE_EVERY = 32  # worker batches of one size between two measurements of it on the loop
+INLINE_PROBE_SPAN = 4.0  # only sizes whose cost is within this factor of the inline bound are probed
+
 
 @dataclass
 class JobFailed:
@@ -104,6 +107,8 @@ class Batcher:
         self.compute = compute
         self.inline_max_s = inline_max_s
         self._embed_cost: dict[int, float] = {}  # batch size -> seconds of a backbone-only batch (moving average)
+        self._inline_cost: dict[int, float] = {}  # the same, measured on the event loop only
+        self._probes: dict[int, int] = {}  # batch size -> worker batches since its last inline probe
         # Requests inside the HTTP layer (serving/metrics.py). When every one of them already
         # holds a job here, nobody is on the way to join the batch and waiting would only add
         # latency, so the batch goes at once; None: always wait up to max_delay.
@@ -217,6 +222,7 @@ class Batcher:
             try:
                 if self._inline(batch, size):
                     results, elapsed = self._timed_compute(batch)
+                    self._note_inline_cost(size, elapsed)
                 else:
                     results, elapsed = await self._worker.run(self._timed_compute, batch)
             except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
@@ -242,8 +248,25 @@ class Batcher:
         """Compute on the event loop itself when the batch is backbone-only and its measured cost is
         under `inline_max_s`: the hop to the worker and back costs the loop more than such a batch,
         and the loop would sit idle meanwhile. Never a pass over the head or an index search."""
-        cost = self._embed_cost.get(size)
-        return cost is not None and cost <= self.inline_max_s and all(job.kind == "embed" for job in batch)
+        if self.inline_max_s <= 0 or not all(job.kind == "embed" for job in batch):
+            return False
+        cost = self._inline_cost.get(size, self._embed_cost.get(size))
+        if cost is None:  # never measured: the worker measures it
+            return False
+        if cost <= self.inline_max_s:
+            return True
+        # measured on the worker while the loop took the other core, a cost can read above the bound
+        # and would never be measured on the loop again: once in INLINE_PROBE_EVERY batches of that
+        # size, a batch not far above the bound is computed on the loop to measure it there
+        self._probes[size] = self._probes.get(size, 0) + 1
+        if cost <= INLINE_PROBE_SPAN * self.inline_max_s and self._probes[size] >= INLINE_PROBE_EVERY:
+            self._probes[size] = 0
+            return True
+        return False
+
+    def _note_inline_cost(self, size: int, elapsed: float) -> None:
+        old = self._inline_cost.get(size)
+        self._inline_cost[size] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
 
     def _note_cost(self, batch: list[Job], size: int, elapsed: float) -> None:
         if elapsed > 0:

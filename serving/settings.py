@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     softmax_impl: Literal["auto", "numpy", "ort", "onnx"] = Field(
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
         "numpy's GEMM or onnxruntime's, or full.onnx; auto = the fastest at warm-up")
-    inline_max_ms: float = Field(0.25, ge=0, description=(
+    inline_max_ms: float = Field(0.5, ge=0, description=(
         "a backbone-only batch (detect, v2, gallery writes) whose measured cost is under this runs on the event "
         "loop instead of the worker thread, whose hop costs more; 0: always the worker"))
     warmup: bool = True

@@ -77,7 +77,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
 @click.option("--rows", type=click.Choice(["gaussian", "clustered"]), default="gaussian", show_default=True)
 @click.option("--kind", type=click.Choice(["exact", "flat", "ivf", "hnsw"]), help="[default: the server's choice for this D]")
 @click.option("--param", "params", multiple=True, callback=key_values,
-              help="k=v build parameter (nlist, rerank, codes, ...), repeatable")
+              help="k=v build parameter (nlist, nprobe, codes=none|sq4|sq8|flat, rerank, ...), repeatable")
 @click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--work", default="/tmp/slc-index-bench", show_default=True,
               help="where the head and the index cache are kept between runs", **OUT)

@@ -348,3 +348,36 @@ def test_the_worker_passes_results_and_errors_back_in_order():
 
     ok, after = run(main())
     assert ok == [i * i for i in range(20)] and after == "after"
+
+
+def test_a_size_measured_dear_on_the_worker_is_measured_again_on_the_loop():
+    """A cost read high on the worker (the loop busy on the other core) must not keep a cheap batch
+    off the loop for good: a batch of that size is probed on the loop and its loop cost rules."""
+    import serving.batcher as batcher_mod
+
+    calls = []
+
+    class Skewed(ThreadRecorder):
+        def __call__(self, jobs):  # dear on the worker, cheap on the loop
+            import threading
+            import time as _time
+
+            calls.append(threading.current_thread().name)
+            if threading.current_thread().name != "MainThread":
+                _time.sleep(0.003)
+            return super().__call__(jobs)
+
+    rec = Skewed()
+    count = batcher_mod.INLINE_PROBE_EVERY + 6
+    _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=0.001), "embed", count)
+    first_probe = calls.index("MainThread")
+    assert calls[:first_probe] == ["slc-batch"] * first_probe and first_probe == batcher_mod.INLINE_PROBE_EVERY  # batch 0 measures; the probe comes INLINE_PROBE_EVERY batches later
+    assert calls[first_probe:] == ["MainThread"] * (count - first_probe)  # measured cheap there: stays
+
+
+def test_a_size_far_above_the_bound_is_never_probed_on_the_loop():
+    rec = ThreadRecorder(sleep=0.02)
+    import serving.batcher as batcher_mod
+
+    _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=0.001), "embed", batcher_mod.INLINE_PROBE_EVERY + 3)
+    assert set(rec.threads) == {"slc-batch"}

@@ -49,7 +49,9 @@ def parse_object(body: bytes) -> dict:
 
 def has_bool_token(body: bytes) -> bool:
     """Whether a JSON true/false may be in the body (a cheap scan; strings can cause a false yes)."""
-    return (b"true" in body or b"false" in body) and _BOOL_TOKEN.search(body) is not None
+    # one-byte tests first (memchr): a body of numbers under keys such as "inputs" has no r or l
+    return (((b"r" in body and b"true" in body) or (b"l" in body and b"false" in body))
+            and _BOOL_TOKEN.search(body) is not None)
 
 
 MAX_METADATA_DEPTH = 64

@@ -188,3 +188,17 @@ def test_limits_and_readiness_keep_the_envelope(bundle_path, tmp_path):
             assert_envelope(c.post(ROUTES["detect"], content=small, headers=CT), 503, "not_ready")
         finally:
             state.ready = True
+
+
+@pytest.mark.parametrize("body, found", [
+    (b'{"inputs": [[1.5, true, 2]]}', True),
+    (b'{"inputs": [[false]]}', True),
+    (b'{"inputs":[[1,2],[3,true]]}', True),
+    (b'{"inputs": [[1.5, 2.0, 3]]}', False),
+    (b'{"inputs": [[1.5]], "name": "true"}', False),  # a string, not a boolean
+    (b'{"inputs": [[0.1, 0.2]], "class": "roller"}', False),  # r and l present, no boolean
+])
+def test_the_boolean_scan_finds_json_booleans_and_only_them(body, found):
+    from serving.inputs import has_bool_token
+
+    assert has_bool_token(body) is found

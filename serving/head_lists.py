@@ -135,7 +135,6 @@ class HeadLists:
         return self._pool
 
 
-
 def one_thread_matmul(a: np.ndarray, b: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """a[rows] @ b ([M, K] x [K, N] -> [M, N] float32) in pieces of at most PIECE_MACS multiply-adds,
     each too small for BLAS to split over its threads (see PIECE_MACS); rows: a gather of a's rows

@@ -146,7 +146,8 @@ def feed(z: np.ndarray, parts: Iterable[tuple[slice, Accumulator]], pool: Option
     done()
 
 
-def _merged(parts: list, halves: Optional[tuple[list, list]]) -> tuple[list, Optional[tuple[list, list]], Callable[[], None]]:
+def _merged(parts: list, halves: Optional[tuple[list, list]]
+            ) -> tuple[list, Optional[tuple[list, list]], Callable[[], None]]:
     """(parts, halves) with every run of adjacent SoftmaxStats (one request each, typically) in one
     accumulator over the run's rows: one set of numpy calls per chunk for the run instead of one per
     request. done() hands each request's accumulator its rows of the run's state after the pass."""

@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from serving import head_scan
-from serving.head_lists import HeadLists
 from serving.bundle.files import atomic_replace
 from serving.bundle.session import ort_session
+from serving.head_lists import HeadLists
 
 log = logging.getLogger(__name__)
 # faiss is imported where an index needs it (about 13 MiB of the server's memory): a server whose
@@ -308,8 +308,8 @@ class ClassIndex:
         aim = min(target + float(params.get("recall_margin", RECALL_MARGIN)), 1.0)
         if meta.kind == "ivf":
             name, fixed = "nprobe", params.get("nprobe")
-            values = [int(fixed)] if fixed else [v for v in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-                                                  if v <= meta.nlist] or [meta.nlist]
+            steps = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+            values = [int(fixed)] if fixed else [v for v in steps if v <= meta.nlist] or [meta.nlist]
         else:
             name, fixed = "ef_search", params.get("ef_search")
             values = [int(fixed)] if fixed else [16, 32, 64, 128, 256, 512, 1024]

@@ -98,6 +98,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._tail = b""
         self._in_headers = True
         self._header_timer: Optional[asyncio.TimerHandle] = None
+        self._timer_after_response = False  # next request's header bytes came while one was in flight
+        self._partial_headers = False  # a request has begun (its first byte parsed) and its headers are not complete
         self._arm_header_timer()
 
     def _arm_header_timer(self) -> None:
@@ -137,16 +139,36 @@ class GuardedProtocol(HttpToolsProtocol):
                 return
             self._tail = data[-3:]
         super().data_received(data)
-        if self._in_headers and self._header_timer is None and not self.transport.is_closing():
-            self._arm_header_timer()  # headers still incomplete after this chunk: they have header_timeout_s
+        if self._partial_headers and self._header_timer is None and not self.transport.is_closing():
+            # headers still incomplete after this chunk: they have header_timeout_s, counted once no
+            # request is in flight (a slow answer is not the client's delay). Between requests
+            # with no byte sent, the connection is idle: uvicorn's keep-alive timeout closes it.
+            if self._request_in_flight():
+                self._timer_after_response = True
+            else:
+                self._arm_header_timer()
+
+    def _request_in_flight(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._timer_after_response and self._in_headers and self._header_timer is None \
+                and not self.transport.is_closing():
+            self._arm_header_timer()
+        self._timer_after_response = False
 
     def on_message_complete(self) -> None:
         # the request is fully received (body included): what arrives next is the next request's headers
         self._in_headers, self._header_bytes, self._tail = True, 0, b""
         super().on_message_complete()
 
+    def on_message_begin(self) -> None:
+        self._partial_headers = True
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
-        self._in_headers = False
+        self._in_headers, self._partial_headers = False, False
         self._disarm()
         super().on_headers_complete()
 

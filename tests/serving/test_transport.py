@@ -109,6 +109,31 @@ def test_an_ordinary_keep_alive_client_is_unaffected(server):
             time.sleep(0.3)  # idle between requests is the keep-alive timeout's business, not the header timer's
 
 
+def test_a_keep_alive_connection_idle_longer_than_the_header_timeout_is_not_refused(server):
+    """No byte of a next request: the connection is idle, not slow (the header timeout is 0.5 s;
+    the idle connection is the keep-alive timeout's to close, 5 s)."""
+    _, port = server
+    request = b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with _connect(port) as s:
+        s.sendall(request)
+        assert _read_one(s)[0] == 200
+        time.sleep(1.2)
+        s.sendall(request)
+        status, body = _read_one(s)
+    assert status == 200, body
+
+
+def test_headers_that_stall_on_a_kept_alive_connection_get_408(server):
+    """After an answered request, a next request whose headers stop half-way is timed as the first."""
+    _, port = server
+    with _connect(port) as s:
+        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_one(s)[0] == 200
+        s.sendall(b"GET /v1/health/live HTTP/1.1\r\nHo")
+        status, headers, body = _response(s)
+    _envelope(status, headers, body, 408, "request_timeout")  # the keep-alive timeout would close without a word
+
+
 def test_drain_delay_keeps_accepting_while_readiness_is_503(bundle_path, tmp_path):
     port = free_port()
     proc = serve_process(bundle_path, tmp_path, port, SLC_DRAIN_DELAY_S="3")

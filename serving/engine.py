@@ -81,7 +81,7 @@ class Engine:
         self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
-        self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 32 MiB malloc per batch
+        self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 8 MiB malloc per batch
         # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
         self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
         self.softmax_timing: dict[str, float] = {}

@@ -60,11 +60,11 @@ class OrtGemm:
             [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", "C"])])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         model.ir_version = 8  # readable by every onnxruntime the project supports
-        # no arena: it would keep a [batch, chunk] output block for good (a chunk is up to 32 MiB)
+        # no arena: it would keep a [batch, chunk] output block for good (a chunk is up to 8 MiB)
         self.session = ort_session(model.SerializeToString(), threads=threads, spin=False, arena=False)
 
     def __call__(self, h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Writes into `out` (C-contiguous): onnxruntime allocates nothing per chunk, so no 32 MiB
+        """Writes into `out` (C-contiguous): onnxruntime allocates nothing per chunk, so no 8 MiB
         blocks pile up in the allocator."""
         io = self.session.io_binding()
         io.bind_cpu_input("h", h)

@@ -10,7 +10,6 @@ endpoints' own signatures only describe the bodies in OpenAPI.
 """
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -18,6 +17,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Match
 
+from serving.deadlines import within
 from serving.errors import DeadlineExceeded
 
 _BODY_HANDLERS: dict[Callable, Callable] = {}
@@ -96,7 +96,7 @@ async def _run(handler: Callable, scope, receive) -> tuple[int, bytes, list]:
     body = await _read_body(receive)  # size and read-time limits: BodyLimitMiddleware
     timeout = app_state(scope).settings.request_timeout_s
     try:
-        async with asyncio.timeout(timeout):
+        with within(timeout):
             status, payload = await handler(scope, body)
     except TimeoutError:
         raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None

@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from serving.deadlines import Deadline
+
 log = logging.getLogger(__name__)
 
 
@@ -236,7 +238,7 @@ class BodyLimitMiddleware:
             if deadline is None:
                 deadline = loop.time() + self.timeout_s
             try:
-                async with asyncio.timeout_at(deadline):
+                with Deadline(deadline):
                     message = await receive()
             except TimeoutError:
                 raise _BodyTooSlow(self.timeout_s) from None

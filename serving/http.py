@@ -18,7 +18,7 @@ import orjson
 from fastapi import APIRouter, Body, Depends, Path, Request
 from starlette.responses import Response
 
-from serving import images, inputs as read
+from serving import fast_json, images, inputs as read
 from serving.body_routes import app_state, body_route
 from serving.errors import InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.inputs import UnsupportedMediaType
@@ -154,9 +154,12 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
     read.check_structure(body, max_values=n * math.prod(shape) + 8, max_lists=1 + n * lists_per_example,
                          max_objects=1)
-    obj = _read_object(scope, body)
+    fast = fast_json.query(body, shape, n) if _is_json(scope) else None  # plain bodies: no float objects
+    obj = fast if fast is not None else _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
     p = params(obj)
+    if fast is not None:
+        return engine, p, fast["inputs"]
     return engine, p, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
 
 

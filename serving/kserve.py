@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
-from serving import inputs as read
+from serving import fast_json, inputs as read
 from serving.body_routes import RawAnswer, app_state, body_route
 from serving.http import error_responses, ready_engine, server_state
 
@@ -204,8 +204,10 @@ async def _infer_body(scope, body: bytes):
     kind = model_kind(engine, params["model"])
     body, binary = _split_binary(_header(scope, b"inference-header-content-length"), body)
     _check_structure(engine, body)
-    req = parse_infer_request(read.parse_object(body))
-    tensors = _decode_inputs(req["inputs"], binary, read.has_bool_token(body))
+    fast = fast_json.infer(body)  # float data as arrays, no float objects; None: the strict reader
+    obj, bools = fast if fast is not None else (read.parse_object(body), read.has_bool_token(body))
+    req = parse_infer_request(obj)
+    tensors = _decode_inputs(req["inputs"], binary, bools)
     outputs = await run_model(engine, kind, tensors)
     return 200, _answer(params["model"], req, outputs)
 
@@ -309,9 +311,10 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
     if cid_type not in _INTS or cid_arr.size != x.shape[0]:
         raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
     flat = cid_arr.reshape(-1)
-    bad = flat[(flat < 0) | (flat >= engine.num_classes)]  # in the tensor's own dtype: no wrap-around
-    if bad.size:
-        raise NotFound(f"unknown class id {int(bad[0])} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
+    ids = flat.tolist()  # Python ints (N <= max_inputs): no wrap-around of the tensor's own dtype
+    bad = [i for i in ids if not 0 <= i < engine.num_classes]
+    if bad:
+        raise NotFound(f"unknown class id {bad[0]} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
     logit, match = await engine.single_logits(x, flat.astype(np.int64))
     return {"logit": ("FP32", logit), "match": ("BOOL", match)}
 

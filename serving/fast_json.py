@@ -1,0 +1,142 @@
+"""Arrays of numbers read out of JSON bodies without a Python float per value.
+
+orjson makes one Python float per number and numpy then reads them back one by one: for the
+784 values of one default-model example that is the largest part of a detect request's own
+work on the event loop. simdjson (C++) parses the body and copies an array of numbers straight
+into a float64 buffer.
+
+A fast path only: it answers a body whose examples are plainly flat arrays of numbers and whose
+objects have unique keys, and says None for anything else (booleans, strings or null among the
+numbers, nesting, ragged examples, duplicate keys, a byte-order mark, magnitudes from 2^53 up, any
+parse error). Such a body then goes through the strict reader (serving/inputs.py), which names
+the error; a body both can read gives the same float32 values either way
+(tests/serving/test_fast_json.py checks this against the strict reader, on fuzzed bodies too).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+import simdjson
+
+_BOM = b"\xef\xbb\xbf"  # orjson refuses it, simdjson would skip it
+EXACT = 2.0 ** 53  # beyond: an integer literal's float32 rounding may differ between the two readers
+_ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError, KeyError, IndexError)
+_FLOAT_TYPES = ("FP16", "FP32", "FP64")
+
+
+def query(body: bytes, shape: tuple[int, ...], max_inputs: int) -> Optional[dict]:
+    """A /v1 query body {"inputs": [[flat example], ...], other scalar fields} -> its fields, with
+    "inputs" as float32 [N, *shape]; None when the strict reader must read it."""
+    if body.startswith(_BOM):
+        return None
+    try:
+        return _query(simdjson.Parser().parse(body), body, shape, max_inputs)
+    except _ERRORS:
+        return None
+
+
+def _query(doc: Any, body: bytes, shape: tuple[int, ...], max_inputs: int) -> Optional[dict]:
+    keys = _unique_keys(doc)
+    if keys is None:
+        return None
+    fields = {key: doc[key] for key in keys}  # (items() would turn arrays into lists)
+    if any(type(v) in (simdjson.Array, simdjson.Object) for k, v in fields.items() if k != "inputs"):
+        return None
+    examples = fields.get("inputs")
+    n, size = (len(examples), math.prod(shape)) if type(examples) is simdjson.Array else (0, 0)
+    # 1 + n brackets in the whole body: no array inside an example, none elsewhere
+    if not 1 <= n <= max_inputs or body.count(b"[") != 1 + n:
+        return None
+    if any(type(ex) is not simdjson.Array or len(ex) != size for ex in examples):
+        return None
+    values = _numbers(examples, n * size)
+    if values is None:
+        return None
+    fields["inputs"] = values.reshape((n, *shape)).astype(np.float32)
+    return fields
+
+
+def infer(body: bytes) -> Optional[tuple[dict, bool]]:
+    """A KServe v2 infer JSON body as orjson reads it, except that the `data` of an FP16/FP32/FP64
+    tensor given flat is a float64 array (float32 for FP32), and whether a JSON boolean is in
+    it anywhere; None when the strict reader must read it."""
+    if body.startswith(_BOM):
+        return None
+    try:
+        return _infer(simdjson.Parser().parse(body), body)
+    except _ERRORS:
+        return None
+
+
+def _infer(doc: Any, body: bytes) -> Optional[tuple[dict, bool]]:
+    keys = _unique_keys(doc)
+    tensors = doc.get("inputs") if keys is not None else None
+    if type(tensors) is not simdjson.Array:
+        return None
+    out = {key: _plain(doc[key]) if key != "inputs" else [] for key in keys}  # the document's order
+    for t in tensors:
+        keys = _unique_keys(t)
+        if keys is None:
+            return None
+        tensor = {key: _plain(t[key]) for key in keys if key != "data"}
+        data = t.get("data")
+        datatype = tensor.get("datatype")
+        if type(data) is simdjson.Array and type(datatype) is str and datatype.upper() in _FLOAT_TYPES:
+            values = _numbers(data, len(data))  # flat: checked by the bracket count below
+            if values is None:
+                return None
+            tensor["data"] = values.astype(np.float32) if datatype.upper() == "FP32" else values
+        elif "data" in keys:
+            tensor["data"] = _plain(data)
+        out["inputs"].append(tensor)
+    lists, bools = _census(out)
+    # every '[' of the body is an array seen here: none nested in a data array, none inside a string
+    return (out, bools) if body.count(b"[") == lists else None
+
+
+def _numbers(array: Any, count: int) -> Optional[np.ndarray]:
+    """float64 [count] of an array of numbers (simdjson flattens nested arrays: callers rule them out);
+    None unless every magnitude is below 2^53."""
+    values = np.frombuffer(array.as_buffer(of_type="d"), dtype=np.float64)
+    # one BLAS call: any |v| >= 2^53 makes the sum >= 2^106 (a large sum without one only means the strict path)
+    if values.size != count or not float(values @ values) < EXACT * EXACT:
+        return None
+    return values
+
+
+def _unique_keys(obj: Any) -> Optional[list[str]]:
+    """The keys of a simdjson object; None when it is not one or a key repeats (simdjson's obj[key]
+    is the first of duplicate keys, orjson keeps the last: leave those to orjson)."""
+    if type(obj) is not simdjson.Object:
+        return None
+    keys = list(obj.keys())
+    return keys if len(set(keys)) == len(keys) else None
+
+
+def _plain(value: Any) -> Any:
+    """A simdjson value as Python objects (duplicate keys: the last wins, as in orjson)."""
+    if type(value) is simdjson.Array:
+        return value.as_list()
+    if type(value) is simdjson.Object:
+        return value.as_dict()
+    return value
+
+
+def _census(value: Any) -> tuple[int, bool]:
+    """(how many lists a plain JSON value holds, itself included, a data array counting as one;
+    whether a boolean is among its values)."""
+    lists, bools, stack = 0, False, [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is list:
+            lists += 1
+            stack.extend(v)
+        elif type(v) is dict:
+            stack.extend(v.values())
+        elif type(v) is np.ndarray:
+            lists += 1
+        elif type(v) is bool:
+            bools = True
+    return lists, bools

@@ -333,10 +333,11 @@ class Engine:
         rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
         b = self._bias[ids].astype(np.float64)
         thr = self._thresholds[ids].astype(np.float64)
-        thr[~np.isfinite(thr)] = float(self.bundle.global_threshold)  # threshold_of's rule
+        if not np.isfinite(thr).all():
+            thr[~np.isfinite(thr)] = float(self.bundle.global_threshold)  # threshold_of's rule
 
         def reduce(h: np.ndarray):  # h [N, d]
-            z = finite_output(np.einsum("nd,nd->n", h.astype(np.float64), rows) + b)
+            z = finite_output(np.vecdot(h.astype(np.float64), rows) + b)
             return z.astype(np.float32), z >= thr
 
         return await self.batcher.submit(x, "embed", reduce, self._timeout())

@@ -130,13 +130,14 @@ def _census(value: Any) -> tuple[int, bool]:
     lists, bools, stack = 0, False, [value]
     while stack:
         v = stack.pop()
-        if type(v) is list:
+        kind = type(v)
+        if kind is list:
             lists += 1
-            stack.extend(v)
-        elif type(v) is dict:
-            stack.extend(v.values())
-        elif type(v) is np.ndarray:
+            stack += v
+        elif kind is dict:
+            stack += v.values()
+        elif kind is np.ndarray:
             lists += 1
-        elif type(v) is bool:
+        elif kind is bool:
             bools = True
     return lists, bools

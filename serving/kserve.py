@@ -353,7 +353,7 @@ def _decode_one(t: dict, binary: bytes, offset: int, bools_possible: bool) -> tu
     dt = t["datatype"].upper()
     if dt not in _DTYPES:
         raise InvalidInput(f"input {name!r}: datatype {t['datatype']!r} is not supported", code="unsupported_datatype")
-    if any(s < 0 for s in shape):
+    if min(shape, default=0) < 0:
         raise InvalidInput(f"input {name!r}: negative dimension in shape {shape}", code="shape_mismatch")
     count = math.prod(shape)  # Python ints: no overflow
     size = (t.get("parameters") or {}).get("binary_data_size")

@@ -76,24 +76,32 @@ def _infer(doc: Any, body: bytes) -> Optional[tuple[dict, bool]]:
     if type(tensors) is not simdjson.Array:
         return None
     out = {key: _plain(doc[key]) if key != "inputs" else [] for key in keys}  # the document's order
+    lists, bools = _census([v for k, v in out.items() if k != "inputs"])  # (this list counts 1, as "inputs")
     for t in tensors:
-        keys = _unique_keys(t)
-        if keys is None:
+        tensor = _tensor(t)
+        if tensor is None:
             return None
-        tensor = {key: _plain(t[key]) for key in keys if key != "data"}
-        data = t.get("data")
-        datatype = tensor.get("datatype")
-        if type(data) is simdjson.Array and type(datatype) is str and datatype.upper() in _FLOAT_TYPES:
-            values = _numbers(data, len(data))  # flat: checked by the bracket count below
-            if values is None:
-                return None
-            tensor["data"] = values.astype(np.float32) if datatype.upper() == "FP32" else values
-        elif "data" in keys:
-            tensor["data"] = _plain(data)
+        more, bools_here = _census(list(tensor.values()))
+        lists, bools = lists + more - 1, bools or bools_here  # (- the list made here)
         out["inputs"].append(tensor)
-    lists, bools = _census(out)
     # every '[' of the body is an array seen here: none nested in a data array, none inside a string
     return (out, bools) if body.count(b"[") == lists else None
+
+
+def _tensor(t: Any) -> Optional[dict]:
+    """One input tensor as orjson reads it, float data as an array when given flat (float32 for FP32)."""
+    if type(t) is not simdjson.Object:
+        return None
+    datatype, data = t.get("datatype"), t.get("data")
+    if type(data) is not simdjson.Array or type(datatype) is not str or datatype.upper() not in _FLOAT_TYPES:
+        return t.as_dict()  # no float data to read (duplicate keys: the last wins, as in orjson)
+    keys = _unique_keys(t)  # get() above read the first of duplicates
+    values = _numbers(data, len(data)) if keys is not None else None  # flat: checked by the bracket count
+    if values is None:
+        return None
+    tensor = {key: _plain(t[key]) for key in keys if key != "data"}
+    tensor["data"] = values.astype(np.float32) if datatype.upper() == "FP32" else values
+    return tensor
 
 
 def _numbers(array: Any, count: int) -> Optional[np.ndarray]:
@@ -136,7 +144,7 @@ def _census(value: Any) -> tuple[int, bool]:
             stack += v
         elif kind is dict:
             stack += v.values()
-        elif kind is np.ndarray:
+        elif kind is np.ndarray:  # float data read here: stands for its one array
             lists += 1
         elif kind is bool:
             bools = True

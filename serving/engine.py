@@ -78,6 +78,7 @@ class Engine:
         # runs Python code per access, and detect reads five of them per request
         self._weight = np.asarray(bundle.weight)
         self._bias, self._thresholds = np.asarray(bundle.bias), np.asarray(bundle.thresholds)
+        self._thresholds_finite = bool(np.isfinite(self._thresholds).all())  # else a class falls back to the global one
         self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
@@ -333,7 +334,7 @@ class Engine:
         rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
         b = self._bias[ids].astype(np.float64)
         thr = self._thresholds[ids].astype(np.float64)
-        if not np.isfinite(thr).all():
+        if not self._thresholds_finite:
             thr[~np.isfinite(thr)] = float(self.bundle.global_threshold)  # threshold_of's rule
 
         def reduce(h: np.ndarray):  # h [N, d]

@@ -216,3 +216,39 @@ def test_infer_reports_a_boolean_anywhere_outside_float_data():
     assert fast_json.infer(V2_PLAIN[0])[1] is False
     assert fast_json.infer(V2_PLAIN[3])[1] is True  # the class_id's true
     assert fast_json.infer(_v2(b"[0, " + ROW + b"]", b', "parameters": {"x": false}'))[1] is True
+
+
+# ----------------------------------------------------------------------------- over HTTP
+def _spy(monkeypatch, name: str) -> list:
+    """Record what fast_json.<name> returned to the routes (None: the strict reader took the body)."""
+    seen, real = [], getattr(fast_json, name)
+
+    def spy(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(fast_json, name, spy)
+    return seen
+
+
+def test_a_plain_detect_body_is_read_fast_and_answered_like_the_strict_reader(client, inputs, monkeypatch):
+    seen = _spy(monkeypatch, "query")
+    rows = orjson.dumps(inputs.tolist())
+    fast = client.post("/v1/classes/3/detect", content=b'{"inputs": ' + rows + b"}", headers={"Content-Type": "application/json"})
+    # a duplicate key: orjson keeps the last, the fast path declines it
+    strict = client.post("/v1/classes/3/detect", content=b'{"inputs": [[0]], "inputs": ' + rows + b"}",
+                         headers={"Content-Type": "application/json"})
+    assert seen[0] is not None and seen[1] is None
+    assert fast.status_code == strict.status_code == 200
+    assert fast.json() == strict.json()
+
+
+def test_a_plain_v2_body_is_read_fast_and_answered_like_the_strict_reader(client, bundle, inputs, monkeypatch):
+    seen = _spy(monkeypatch, "infer")
+    body = orjson.dumps(v2_json_body(inputs.astype(np.float64), 5))
+    fast = client.post(f"/v2/models/{bundle.name}/infer", content=body, headers={"Content-Type": "application/json"})
+    strict = client.post(f"/v2/models/{bundle.name}/infer", content=body[:-1] + b', "id": null, "id": null}',
+                         headers={"Content-Type": "application/json"})  # a duplicate key: strict reader
+    assert seen[0] is not None and seen[1] is None
+    assert fast.status_code == strict.status_code == 200
+    assert fast.json() == strict.json()

@@ -369,7 +369,7 @@ def _decode_one(t: dict, binary: bytes, offset: int, bools_possible: bool) -> tu
         arr = arr.reshape(shape)
     except ValueError:
         raise InvalidInput(f"input {name!r}: data does not fit shape {shape}", code="shape_mismatch") from None
-    finite = type(t.get("data")) is np.ndarray  # read by fast_json: numbers below 2^53 only
+    finite = size is None and type(t.get("data")) is np.ndarray  # JSON data fast_json read: numbers below 2^53
     if dt in _FLOATS and not finite and not np.isfinite(arr).all():
         raise InvalidInput(f"input {name!r}: NaN or infinite values", code="non_finite_value")
     return arr, dt, 0 if size is None else size

@@ -252,3 +252,17 @@ def test_a_plain_v2_body_is_read_fast_and_answered_like_the_strict_reader(client
     assert seen[0] is not None and seen[1] is None
     assert fast.status_code == strict.status_code == 200
     assert fast.json() == strict.json()
+
+
+def test_binary_tensor_data_is_checked_for_nan_even_beside_json_data(client, bundle):
+    from tests.serving.helpers import INPUT_DIM, assert_envelope
+
+    raw = np.zeros(INPUT_DIM, np.float32)
+    raw[3] = np.nan
+    head = orjson.dumps({"inputs": [
+        {"name": "input", "shape": [1, INPUT_DIM], "datatype": "FP32", "data": [0.0] * INPUT_DIM,  # read fast, and ignored
+         "parameters": {"binary_data_size": raw.nbytes}},
+        {"name": "class_id", "shape": [1], "datatype": "INT64", "data": [1]}]})
+    r = client.post(f"/v2/models/{bundle.name}/infer", content=head + raw.tobytes(),
+                    headers={"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))})
+    assert_envelope(r, 422, "non_finite_value")

@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import time
+import weakref
 
 import httpx
 import pytest
@@ -174,17 +175,30 @@ def _request(method: str, path: str, body: bytes = b"", extra: bytes = b"") -> b
     return head.encode() + extra + b"\r\n" + body
 
 
+_LEFTOVER: "weakref.WeakKeyDictionary[socket.socket, bytes]" = weakref.WeakKeyDictionary()
+
+
 def _read_one(sock: socket.socket, timeout: float = 20.0) -> tuple[int, bytes]:
-    """One response (Content-Length framed) from a kept-alive connection: (status, body)."""
+    """The next response (Content-Length framed) on a kept-alive connection: (status, body). Bytes
+    read past it (the next answer to pipelined requests can come in the same recv) are kept for
+    the next call."""
     sock.settimeout(timeout)
-    data = b""
+    data = _LEFTOVER.pop(sock, b"")
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        data += _recv(sock, data)
     head, _, rest = data.partition(b"\r\n\r\n")
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(rest) < length:
-        rest += sock.recv(65536)
+        rest += _recv(sock, data + rest)
+    _LEFTOVER[sock] = rest[length:]
     return int(head.split()[1]), rest[:length]
+
+
+def _recv(sock: socket.socket, so_far: bytes) -> bytes:
+    chunk = sock.recv(65536)
+    if not chunk:  # (recv returns b"" for ever once the server has closed: fail, do not spin)
+        raise ConnectionError(f"the server closed the connection mid-response; received {so_far[:300]!r}")
+    return chunk
 
 
 def test_a_body_still_arriving_after_an_early_answer_is_not_counted_as_headers(server):

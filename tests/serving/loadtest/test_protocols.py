@@ -146,13 +146,20 @@ def _send_raw(port: int, raw: bytes) -> tuple[int, dict, bytes]:
         s.sendall(raw)
         data = b""
         while b"\r\n\r\n" not in data:
-            data += s.recv(65536)
+            data += _recv(s)
         head, _, body = data.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
         while len(body) < int(headers["content-length"]):
-            body += s.recv(65536)
+            body += _recv(s)
     return int(lines[0].split()[1]), headers, body
+
+
+def _recv(s: socket.socket) -> bytes:
+    chunk = s.recv(65536)
+    if not chunk:  # a closed connection: fail rather than spin on b""
+        raise ConnectionError("the server closed the connection before its answer was complete")
+    return chunk
 
 
 def _logits(name: str, headers: dict, body: bytes) -> np.ndarray:

@@ -20,25 +20,25 @@ from typing import Any, Optional
 import numpy as np
 import simdjson
 
-_BOM = b"\xef\xbb\xbf"  # orjson refuses it, simdjson would skip it
+BOM = b"\xef\xbb\xbf"  # orjson refuses it, simdjson would skip it
 EXACT = 2.0 ** 53  # beyond: an integer literal's float32 rounding may differ between the two readers
-_ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError, KeyError, IndexError)
+ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError, KeyError, IndexError)
 _FLOAT_TYPES = ("FP16", "FP32", "FP64")
 
 
 def query(body: bytes, shape: tuple[int, ...], max_inputs: int) -> Optional[dict]:
     """A /v1 query body {"inputs": [[flat example], ...], other scalar fields} -> its fields, with
     "inputs" as float32 [N, *shape]; None when the strict reader must read it."""
-    if body.startswith(_BOM):
+    if body.startswith(BOM):
         return None
     try:
         return _query(simdjson.Parser().parse(body), body, shape, max_inputs)
-    except _ERRORS:
+    except ERRORS:
         return None
 
 
 def _query(doc: Any, body: bytes, shape: tuple[int, ...], max_inputs: int) -> Optional[dict]:
-    keys = _unique_keys(doc)
+    keys = unique_keys(doc)
     if keys is None:
         return None
     fields = {key: doc[key] for key in keys}  # (items() would turn arrays into lists)
@@ -51,7 +51,7 @@ def _query(doc: Any, body: bytes, shape: tuple[int, ...], max_inputs: int) -> Op
         return None
     if any(type(ex) is not simdjson.Array or len(ex) != size for ex in examples):
         return None
-    values = _numbers(examples, n * size)
+    values = numbers(examples, n * size)
     if values is None:
         return None
     fields["inputs"] = values.reshape((n, *shape)).astype(np.float32)
@@ -62,26 +62,26 @@ def infer(body: bytes) -> Optional[tuple[dict, bool]]:
     """A KServe v2 infer JSON body as orjson reads it, except that the `data` of an FP16/FP32/FP64
     tensor given flat is a float64 array (float32 for FP32), and whether a JSON boolean is in
     it anywhere; None when the strict reader must read it."""
-    if body.startswith(_BOM):
+    if body.startswith(BOM):
         return None
     try:
         return _infer(simdjson.Parser().parse(body), body)
-    except _ERRORS:
+    except ERRORS:
         return None
 
 
 def _infer(doc: Any, body: bytes) -> Optional[tuple[dict, bool]]:
-    keys = _unique_keys(doc)
+    keys = unique_keys(doc)
     tensors = doc.get("inputs") if keys is not None else None
     if type(tensors) is not simdjson.Array:
         return None
-    out = {key: _plain(doc[key]) if key != "inputs" else [] for key in keys}  # the document's order
-    lists, bools = _census([v for k, v in out.items() if k != "inputs"])  # (this list counts 1, as "inputs")
+    out = {key: plain(doc[key]) if key != "inputs" else [] for key in keys}  # the document's order
+    lists, bools = census([v for k, v in out.items() if k != "inputs"])  # (this list counts 1, as "inputs")
     for t in tensors:
         tensor = _tensor(t)
         if tensor is None:
             return None
-        more, bools_here = _census(list(tensor.values()))
+        more, bools_here = census(list(tensor.values()))
         lists, bools = lists + more - 1, bools or bools_here  # (- the list made here)
         out["inputs"].append(tensor)
     # every '[' of the body is an array seen here: none nested in a data array, none inside a string
@@ -95,16 +95,16 @@ def _tensor(t: Any) -> Optional[dict]:
     datatype, data = t.get("datatype"), t.get("data")
     if type(data) is not simdjson.Array or type(datatype) is not str or datatype.upper() not in _FLOAT_TYPES:
         return t.as_dict()  # no float data to read (duplicate keys: the last wins, as in orjson)
-    keys = _unique_keys(t)  # get() above read the first of duplicates
-    values = _numbers(data, len(data)) if keys is not None else None  # flat: checked by the bracket count
+    keys = unique_keys(t)  # get() above read the first of duplicates
+    values = numbers(data, len(data)) if keys is not None else None  # flat: checked by the bracket count
     if values is None:
         return None
-    tensor = {key: _plain(t[key]) for key in keys if key != "data"}
+    tensor = {key: plain(t[key]) for key in keys if key != "data"}
     tensor["data"] = values.astype(np.float32) if datatype.upper() == "FP32" else values
     return tensor
 
 
-def _numbers(array: Any, count: int) -> Optional[np.ndarray]:
+def numbers(array: Any, count: int) -> Optional[np.ndarray]:
     """float64 [count] of an array of numbers (simdjson flattens nested arrays: callers rule them out);
     None unless every magnitude is below 2^53."""
     values = np.frombuffer(array.as_buffer(of_type="d"), dtype=np.float64)
@@ -114,7 +114,7 @@ def _numbers(array: Any, count: int) -> Optional[np.ndarray]:
     return values
 
 
-def _unique_keys(obj: Any) -> Optional[list[str]]:
+def unique_keys(obj: Any) -> Optional[list[str]]:
     """The keys of a simdjson object; None when it is not one or a key repeats (simdjson's obj[key]
     is the first of duplicate keys, orjson keeps the last: leave those to orjson)."""
     if type(obj) is not simdjson.Object:
@@ -123,7 +123,7 @@ def _unique_keys(obj: Any) -> Optional[list[str]]:
     return keys if len(set(keys)) == len(keys) else None
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """A simdjson value as Python objects (duplicate keys: the last wins, as in orjson)."""
     if type(value) is simdjson.Array:
         return value.as_list()
@@ -132,7 +132,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _census(value: Any) -> tuple[int, bool]:
+def census(value: Any) -> tuple[int, bool]:
     """(how many lists a plain JSON value holds, itself included, a data array counting as one;
     whether a boolean is among its values)."""
     lists, bools, stack = 0, False, [value]

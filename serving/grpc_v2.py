@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from serving.errors import ApiError, DeadlineExceeded, InvalidInput
-from serving.kserve import _DTYPES, _FLOATS, _INTS, SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
+from serving.v2_tensors import DTYPES, FLOATS, INTS
+from serving.kserve import SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def decode_tensors(request, max_values: int = 1 << 28) -> dict[str, tuple[np.nda
     tensors = {}
     for i, t in enumerate(request.inputs):
         dt = t.datatype.upper()
-        if dt not in _DTYPES or dt == "FP16":
+        if dt not in DTYPES or dt == "FP16":
             raise InvalidInput(f"input {t.name!r}: datatype {t.datatype!r} is not supported", code="unsupported_datatype")
         shape = [int(s) for s in t.shape]
         if any(s < 0 for s in shape):
@@ -68,21 +69,21 @@ def decode_tensors(request, max_values: int = 1 << 28) -> dict[str, tuple[np.nda
             raise InvalidInput(f"input {t.name!r}: shape {shape} holds more values than a request may",
                                code="too_many_inputs")
         if raw:
-            itemsize = np.dtype(_DTYPES[dt]).itemsize
+            itemsize = np.dtype(DTYPES[dt]).itemsize
             if len(raw[i]) != count * itemsize:
                 raise InvalidInput(f"input {t.name!r}: {len(raw[i])} bytes for shape {shape} {dt}", code="shape_mismatch")
-            arr = np.frombuffer(raw[i], dtype=_DTYPES[dt])
+            arr = np.frombuffer(raw[i], dtype=DTYPES[dt])
         else:
             values = np.asarray(getattr(t.contents, _CONTENTS[dt]))
             if values.size != count:
                 raise InvalidInput(f"input {t.name!r}: {values.size} values for shape {shape}", code="shape_mismatch")
-            if dt in _INTS and values.size:
-                info = np.iinfo(_DTYPES[dt])
+            if dt in INTS and values.size:
+                info = np.iinfo(DTYPES[dt])
                 if values.min() < info.min or values.max() > info.max:
                     raise InvalidInput(f"input {t.name!r}: values outside the range of {dt}", code="validation_error")
-            arr = values.astype(_DTYPES[dt])
+            arr = values.astype(DTYPES[dt])
         arr = arr.reshape(shape)
-        if dt in _FLOATS and not np.isfinite(arr).all():
+        if dt in FLOATS and not np.isfinite(arr).all():
             raise InvalidInput(f"input {t.name!r}: NaN or infinite values", code="non_finite_value")
         tensors[t.name] = (arr, dt)
     return tensors

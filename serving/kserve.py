@@ -9,10 +9,10 @@ Binary extension (what tritonclient.http sends by default): a request whose head
 `Inference-Header-Content-Length: L` is set carries L bytes of JSON, then the raw tensors in
 input order (each input's `parameters.binary_data_size`); outputs asked with
 `parameters.binary_data: true` come back the same way. Errors keep the project's envelope.
+The body's tensors are read and checked in serving/v2_tensors.py.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -20,17 +20,10 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.errors import BadRequest, InvalidInput, NotFound, NotReady, OrjsonResponse
-from serving import fast_json, inputs as read
+from serving.errors import InvalidInput, NotFound, NotReady, OrjsonResponse
+from serving import v2_tensors as v2
 from serving.body_routes import RawAnswer, app_state, body_route
 from serving.http import error_responses, ready_engine, server_state
-
-_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-           "FP32": np.float32, "FP64": np.float64}
-_FLOATS = {"FP16", "FP32", "FP64"}
-_INTS = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
-
 
 class InferTensor(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -186,9 +179,10 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
     "schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
+# (the lower decorator registers first: the versioned path goes last, so the usual path matches at once)
+@router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
 @router.post("/models/{model}/infer", response_model=InferResponse, responses=error_responses(400, 404, 413, 422, 429, 503, 504),
              openapi_extra=_INFER_BODY)
-@router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
 async def infer(model: str, request: Request):
     """Describes the route in OpenAPI; `_infer_body` answers it."""
     raise AssertionError("answered by _infer_body")  # pragma: no cover - POST bodies never reach here
@@ -202,12 +196,8 @@ async def _infer_body(scope, body: bytes):
     params = scope["path_params"]
     _check_version_value(params.get("version"))
     kind = model_kind(engine, params["model"])
-    body, binary = _split_binary(_header(scope, b"inference-header-content-length"), body)
-    _check_structure(engine, body)
-    fast = fast_json.infer(body)  # float data as arrays, no float objects; None: the strict reader
-    obj, bools = fast if fast is not None else (read.parse_object(body), read.has_bool_token(body))
-    req = parse_infer_request(obj)
-    tensors = _decode_inputs(req["inputs"], binary, bools)
+    body, binary = v2.split_binary(_header(scope, b"inference-header-content-length"), body)
+    req, tensors = v2.read_infer(body, binary, engine.settings.max_inputs, engine.input_shape)
     outputs = await run_model(engine, kind, tensors)
     return 200, _answer(params["model"], req, outputs)
 
@@ -217,19 +207,6 @@ def _header(scope, name: bytes) -> Optional[bytes]:
         if key == name:
             return value
     return None
-
-
-def _split_binary(header_len: Optional[bytes], body: bytes) -> tuple[bytes, bytes]:
-    """(JSON header, raw tensors) of a binary-extension body; (body, b"") without the header."""
-    if header_len is None:
-        return body, b""
-    try:
-        n = int(header_len)
-    except ValueError:
-        raise BadRequest("Inference-Header-Content-Length must be an integer", code="malformed_request") from None
-    if not 0 <= n <= len(body):
-        raise BadRequest("Inference-Header-Content-Length is larger than the body", code="malformed_request")
-    return body[:n], body[n:]
 
 
 def _answer(model: str, req: dict, outputs: dict[str, tuple[str, np.ndarray]]):
@@ -259,45 +236,6 @@ def _answer(model: str, req: dict, outputs: dict[str, tuple[str, np.ndarray]]):
                      [(b"inference-header-content-length", str(len(head)).encode())])
 
 
-def _field(obj: dict, key: str, types: tuple, where: str, what: str, required: bool = False):
-    """obj[key] when its type is one of `types` (exactly: a bool is not an int), None when absent and allowed."""
-    value = obj.get(key)
-    if value is None:
-        if required:
-            raise InvalidInput(f"{where}{key}: field required", code="validation_error")
-        return None
-    if type(value) not in types:
-        raise InvalidInput(f"{where}{key}: must be {what}", code="validation_error")
-    return value
-
-
-def parse_infer_request(obj: dict) -> dict:
-    """The infer body's fields, typed as the InferRequest model says (strict: nothing coerced)."""
-    req = {"id": _field(obj, "id", (str,), "", "a string"),
-           "parameters": _field(obj, "parameters", (dict,), "", "an object"),
-           "inputs": _field(obj, "inputs", (list,), "", "a list of tensors", required=True),
-           "outputs": _field(obj, "outputs", (list,), "", "a list of {name, parameters?}")}
-    if not req["inputs"]:
-        raise InvalidInput("inputs: must hold at least one tensor", code="validation_error")
-    for i, t in enumerate(req["inputs"]):
-        where = f"inputs[{i}]."
-        if type(t) is not dict:
-            raise InvalidInput(f"inputs[{i}]: must be an object {{name, shape, datatype, data}}", code="validation_error")
-        _field(t, "name", (str,), where, "a string", required=True)
-        _field(t, "datatype", (str,), where, "a string", required=True)
-        _field(t, "parameters", (dict,), where, "an object")
-        shape = _field(t, "shape", (list,), where, "a list of integers", required=True)
-        if any(type(s) is not int for s in shape):
-            raise InvalidInput(f"{where}shape: must be a list of integers (got {shape!r:.80})", code="validation_error")
-    for i, o in enumerate(req["outputs"] or ()):
-        if type(o) is not dict:
-            raise InvalidInput(f"outputs[{i}]: must be an object {{name, parameters?}}", code="validation_error")
-        _field(o, "name", (str,), f"outputs[{i}].", "a string", required=True)
-        o.setdefault("parameters", None)
-        _field(o, "parameters", (dict,), f"outputs[{i}].", "an object")
-    return req
-
-
 async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]]) -> dict[str, tuple[str, np.ndarray]]:
     """The model `kind` ("single" or "full") on decoded input tensors -> {output name: (datatype, array)}.
     Shared by the HTTP route above and the gRPC service (serving/grpc_v2.py)."""
@@ -308,7 +246,7 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
     if cid is None:
         raise InvalidInput("model needs inputs 'input' and 'class_id'", code="missing_input")
     cid_arr, cid_type = cid
-    if cid_type not in _INTS or cid_arr.size != x.shape[0]:
+    if cid_type not in v2.INTS or cid_arr.size != x.shape[0]:
         raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
     flat = cid_arr.reshape(-1)
     ids = flat.tolist()  # Python ints (N <= max_inputs): no wrap-around of the tensor's own dtype
@@ -319,84 +257,11 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
     return {"logit": ("FP32", logit), "match": ("BOOL", match)}
 
 
-def _check_structure(engine, body: bytes) -> None:
-    """Bounds on the JSON header's raw bytes before it is parsed: the values of `input` and `class_id`
-    for max_inputs examples, with room for the rest of the request."""
-    n, shape = engine.settings.max_inputs, engine.input_shape
-    per_example = math.prod(shape)
-    read.check_structure(body, max_values=n * (per_example + 1) + 4096,
-                         max_lists=4096 + n * (1 + sum(math.prod(shape[:i]) for i in range(len(shape)))),
-                         max_objects=4096, what="inputs")
-
-
-def _decode_inputs(inputs: list[dict], binary: bytes, bools_possible: bool) -> dict[str, tuple[np.ndarray, str]]:
-    """Checked tensors {name: (array shaped as declared, datatype)} from parse_infer_request's inputs."""
-    tensors: dict[str, tuple[np.ndarray, str]] = {}
-    offset = 0
-    names = [t["name"] for t in inputs]
-    if unknown := [n for n in names if n not in ("input", "class_id")]:
-        raise InvalidInput(f"unknown input tensor {unknown[0]!r}; the models take 'input' (and 'class_id')",
-                           code="unknown_input")
-    if len(set(names)) != len(names):
-        raise InvalidInput("an input tensor is given twice", code="validation_error")
-    for t in inputs:
-        arr, dt, used = _decode_one(t, binary, offset, bools_possible)
-        offset += used
-        tensors[t["name"]] = (arr, dt)
-    return tensors
-
-
-def _decode_one(t: dict, binary: bytes, offset: int, bools_possible: bool) -> tuple[np.ndarray, str, int]:
-    """One input tensor -> (array shaped as declared, datatype, bytes of the binary part it used):
-    raw bytes at `offset` of the binary part when it has binary_data_size, else its JSON data."""
-    name, shape = t["name"], t["shape"]
-    dt = t["datatype"].upper()
-    if dt not in _DTYPES:
-        raise InvalidInput(f"input {name!r}: datatype {t['datatype']!r} is not supported", code="unsupported_datatype")
-    if min(shape, default=0) < 0:
-        raise InvalidInput(f"input {name!r}: negative dimension in shape {shape}", code="shape_mismatch")
-    count = math.prod(shape)  # Python ints: no overflow
-    size = (t.get("parameters") or {}).get("binary_data_size")
-    if size is not None:
-        if type(size) is not int or size < 0 or offset + size > len(binary):
-            raise BadRequest(f"input {name!r}: binary_data_size does not fit the body", code="malformed_request")
-        if size != count * np.dtype(_DTYPES[dt]).itemsize:
-            raise InvalidInput(f"input {name!r}: {size} bytes for shape {shape} {dt}", code="shape_mismatch")
-        arr = np.frombuffer(binary, dtype=_DTYPES[dt], count=count, offset=offset)
-    else:
-        arr = _json_values(t, dt, count, bools_possible)
-    try:
-        arr = arr.reshape(shape)
-    except ValueError:
-        raise InvalidInput(f"input {name!r}: data does not fit shape {shape}", code="shape_mismatch") from None
-    finite = size is None and type(t.get("data")) is np.ndarray  # JSON data fast_json read: numbers below 2^53
-    if dt in _FLOATS and not finite and not np.isfinite(arr).all():
-        raise InvalidInput(f"input {name!r}: NaN or infinite values", code="non_finite_value")
-    return arr, dt, 0 if size is None else size
-
-
-def _json_values(t: dict, dt: str, count: int, bools_possible: bool) -> np.ndarray:
-    """A tensor's JSON `data` (flat or nested) as a flat array of its datatype, nothing coerced."""
-    name = t["name"]
-    if t.get("data") is None:
-        raise InvalidInput(f"input {name!r} has no data", code="missing_input")
-    kind = "float" if dt in _FLOATS else "int" if dt in _INTS else "bool"
-    arr = read.tensor_values(t["data"], name, kind, bools_possible)
-    if kind == "int" and arr.dtype != _DTYPES[dt]:  # an int64 array already fits INT64
-        info = np.iinfo(_DTYPES[dt])
-        if arr.size and (arr.min() < info.min or arr.max() > info.max):
-            raise InvalidInput(f"input {name!r}: values outside the range of {dt}", code="validation_error")
-        arr = arr.astype(_DTYPES[dt])
-    if arr.size != count:
-        raise InvalidInput(f"input {name!r}: {arr.size} values for shape {t['shape']}", code="shape_mismatch")
-    return arr
-
-
 def _input_batch(engine, tensors) -> np.ndarray:
     if "input" not in tensors:
         raise InvalidInput("missing input tensor 'input'", code="missing_input")
     arr, dt = tensors["input"]
-    if dt not in _FLOATS:
+    if dt not in v2.FLOATS:
         raise InvalidInput(f"'input' must be FP32 (got {dt})", code="unsupported_datatype")
     if arr.ndim < 1 or arr.shape[0] < 1:
         raise InvalidInput("'input' needs a batch dimension N >= 1", code="shape_mismatch")

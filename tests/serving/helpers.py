@@ -203,3 +203,20 @@ def slc(*args: str) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
+
+
+def json_mutations(seed: int, bodies: list[bytes], count: int):
+    """Bodies with one to three random edits (a byte replaced by a JSON-ish one, deleted, or doubled)."""
+    rng = np.random.default_rng(seed)
+    alphabet = b'[]{},:"0123456789.eE+- \ntruefalsnl\\'
+    for _ in range(count):
+        b = bytearray(bodies[rng.integers(len(bodies))])
+        for _ in range(rng.integers(1, 4)):
+            i, op = int(rng.integers(len(b))), rng.integers(3)
+            if op == 0:
+                b[i] = alphabet[rng.integers(len(alphabet))]
+            elif op == 1:
+                del b[i]
+            else:
+                b.insert(i, b[i])
+        yield bytes(b)

@@ -16,7 +16,7 @@ import numpy as np
 import simdjson
 
 from serving import fast_json, inputs as read
-from serving.errors import BadRequest, InvalidInput
+from serving.errors import ApiError, BadRequest, InvalidInput
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -29,7 +29,7 @@ Tensors = dict[str, tuple[np.ndarray, str]]  # {name: (array shaped as declared,
 def read_infer(body: bytes, binary: bytes, max_inputs: int, input_shape: tuple[int, ...]) -> tuple[dict, Tensors]:
     """(request fields id / parameters / outputs, checked tensors) of an infer body's JSON part."""
     check_structure(body, max_inputs, input_shape)
-    common = read_common(body)
+    common = read_common(body, binary)
     if common is not None:
         return common
     fast = fast_json.infer(body)  # float data as arrays, no float objects; None: the strict reader
@@ -62,23 +62,25 @@ def check_structure(body: bytes, max_inputs: int, input_shape: tuple[int, ...]) 
 
 # ----------------------------------------------------------------------------- the usual body, one pass
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
-_TENSOR_KEYS = {"name", "shape", "datatype", "data"}
+_JSON_KEYS = {"name", "shape", "datatype", "data"}
+_BINARY_KEYS = {"name", "shape", "datatype", "parameters"}
 _INT_RANGES = {dt: (int(np.iinfo(DTYPES[dt]).min), int(np.iinfo(DTYPES[dt]).max)) for dt in INTS}
 
 
-def read_common(body: bytes) -> Optional[tuple[dict, Tensors]]:
+def read_common(body: bytes, binary: bytes = b"") -> Optional[tuple[dict, Tensors]]:
     """What `read_infer` answers for a body whose tensors are `input` (FP32) and `class_id` (an
     integer type), each exactly {name, shape, datatype, data} with flat data that fits its shape and
-    datatype; None for any other body, valid or not (the general readers then answer it)."""
+    datatype, or {name, shape, datatype, parameters: {binary_data_size}} with its bytes in `binary`;
+    None for any other body, valid or not (the general readers then answer it)."""
     if body.startswith(fast_json.BOM):
         return None
     try:
-        return _common(simdjson.Parser().parse(body), body)
-    except (*fast_json.ERRORS, InvalidInput):
+        return _common(simdjson.Parser().parse(body), body, binary)
+    except (*fast_json.ERRORS, ApiError):
         return None
 
 
-def _common(doc: Any, body: bytes) -> Optional[tuple[dict, Tensors]]:
+def _common(doc: Any, body: bytes, binary: bytes) -> Optional[tuple[dict, Tensors]]:
     keys = fast_json.unique_keys(doc)
     if keys is None or not _REQUEST_KEYS.issuperset(keys):
         return None
@@ -87,40 +89,55 @@ def _common(doc: Any, body: bytes) -> Optional[tuple[dict, Tensors]]:
         return None
     fields = {key: fast_json.plain(doc[key]) for key in keys if key != "inputs"}
     lists, _ = fast_json.census(list(fields.values()))  # (booleans there do not matter: data has none)
-    req = _request_fields(fields)  # (InvalidInput: None, and the general reader names it)
+    req = _request_fields(fields)  # (an error: None, and the general reader names it)
     tensors: Tensors = {}
+    offset = 0
     for t in given:
-        name, tensor = _common_tensor(t)
+        name, tensor, used = _common_tensor(t, binary, offset)
         if name in tensors:
             return None
         tensors[name] = tensor
-    # inputs, two shapes and two data arrays: any other '[' is nesting (or inside a string)
-    if body.count(b"[") != lists - 1 + 5 or set(tensors) != {"input", "class_id"}:
+        offset, lists = (offset, lists + 2) if used is None else (offset + used, lists + 1)
+    # inputs, the shapes and the data arrays: any other '[' is nesting (or inside a string)
+    if body.count(b"[") != lists or set(tensors) != {"input", "class_id"}:
         return None
     return req, tensors
 
 
-def _common_tensor(t: Any) -> tuple[str, tuple[np.ndarray, str]]:
-    """(name, (array, datatype)) of one usual tensor; raises KeyError for anything else."""
-    if type(t) is not simdjson.Object or len(t) != 4 or set(t.keys()) != _TENSOR_KEYS:  # (len: no repeated key)
+def _common_tensor(t: Any, binary: bytes, offset: int) -> tuple[str, tuple[np.ndarray, str], Optional[int]]:
+    """(name, (array, datatype), bytes of `binary` used or None for JSON data) of one usual tensor;
+    raises KeyError for anything else."""
+    if type(t) is not simdjson.Object or len(t) != 4:  # (len: no repeated key)
         raise KeyError
-    name, datatype, shape, data = t["name"], t["datatype"], t["shape"], t["data"]
+    keys = set(t.keys())
+    name, datatype, shape = t["name"], t["datatype"], t["shape"]
     if type(name) is not str or type(datatype) is not str or type(shape) is not simdjson.Array:
         raise KeyError
-    shape, dt, count = shape.as_list(), datatype.upper(), len(data)  # (len: TypeError unless an array)
+    shape, dt = shape.as_list(), datatype.upper()
+    if keys == _BINARY_KEYS:  # the general decoder, on the one kind of parameters it reads
+        params = t["parameters"]
+        if type(params) is not simdjson.Object or list(params.keys()) != ["binary_data_size"]:
+            raise KeyError
+        plain = {"name": name, "shape": shape, "datatype": datatype, "parameters": params.as_dict()}
+        arr, dt, used = _decode_one(plain, binary, offset, False)
+        return name, (arr, dt), used
+    if keys != _JSON_KEYS:
+        raise KeyError
+    data = t["data"]
+    count = len(data)  # (TypeError unless an array)
     if not all([type(s) is int and s >= 0 for s in shape]) or math.prod(shape) != count:
         raise KeyError
     if name == "input" and dt == "FP32":
         values = fast_json.numbers(data, count)
         if values is None:
             raise KeyError
-        return name, (values.astype(np.float32).reshape(shape), dt)
+        return name, (values.astype(np.float32).reshape(shape), dt), None
     if name == "class_id" and dt in INTS:
         ids = data.as_list()
         low, high = _INT_RANGES[dt]
         if not all([type(i) is int and low <= i <= high for i in ids]):
             raise KeyError
-        return name, (np.array(ids, dtype=DTYPES[dt]).reshape(shape), dt)
+        return name, (np.array(ids, dtype=DTYPES[dt]).reshape(shape), dt), None
     raise KeyError
 
 

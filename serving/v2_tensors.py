@@ -88,19 +88,24 @@ def _common(doc: Any, body: bytes, binary: bytes) -> Optional[tuple[dict, Tensor
     if type(given) is not simdjson.Array or len(given) != 2:
         return None
     fields = {key: fast_json.plain(doc[key]) for key in keys if key != "inputs"}
-    lists, _ = fast_json.census(list(fields.values()))  # (booleans there do not matter: data has none)
     req = _request_fields(fields)  # (an error: None, and the general reader names it)
     tensors: Tensors = {}
-    offset = 0
+    offset, json_data, json_input = 0, 0, False
     for t in given:
         name, tensor, used = _common_tensor(t, binary, offset)
         if name in tensors:
             return None
         tensors[name] = tensor
-        offset, lists = (offset, lists + 2) if used is None else (offset + used, lists + 1)
-    # inputs, the shapes and the data arrays: any other '[' is nesting (or inside a string)
-    if body.count(b"[") != lists or set(tensors) != {"input", "class_id"}:
+        if used is None:
+            json_data, json_input = json_data + 1, json_input or name == "input"
+        else:
+            offset += used
+    if set(tensors) != {"input", "class_id"}:
         return None
+    if json_input:  # numbers() flattens nested arrays: every '[' must be the inputs, a shape or a data array
+        lists, _ = fast_json.census(list(fields.values()))  # (the list made here stands for `inputs`)
+        if body.count(b"[") != lists + 2 + json_data:
+            return None
     return req, tensors
 
 

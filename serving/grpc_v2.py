@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.deadlines import within
 from serving.errors import ApiError, DeadlineExceeded, InvalidInput
 from serving.v2_tensors import DTYPES, FLOATS, INTS
 from serving.kserve import SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
@@ -102,7 +103,7 @@ def build_service(state):
         timeout = state.settings.request_timeout_s
         try:
             try:  # the request deadline, as the HTTP routes have it (queue and compute included)
-                async with asyncio.timeout(timeout):
+                with within(timeout):
                     return await work()
             except TimeoutError:
                 raise DeadlineExceeded(f"request not answered within its deadline of {timeout:g} s") from None

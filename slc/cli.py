@@ -27,12 +27,13 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
     "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work) and Triton model repositories."),
     "loadtest": ("serving.loadtest.cli:loadtest", "Load a running server; writes report.json, report.md, latency.png."),
-    "bench": (None, "Benchmarks written to docs/results (scale, index, losses)."),
+    "bench": (None, "Benchmarks written to docs/results (scale, routes, index, losses, ...)."),
 }
 BENCH: dict[str, tuple[Optional[str], str]] = {
     "scale": ("serving.bench.cli:scale", "Single-logit vs full softmax serving as the number of classes grows."),
     "index": ("serving.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
     "soak": ("serving.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
+    "routes": ("serving.bench.cli:routes", "CPU per request on each route, the app called in-process (no HTTP noise)."),
     "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
     "agreement": ("serving.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),

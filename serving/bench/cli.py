@@ -1,4 +1,4 @@
-"""`slc bench scale` and `slc bench index` (the trainer's `slc bench losses` lives in trainer/cli.py)."""
+"""`slc bench scale`, `routes`, `index` and the others (the trainer's `slc bench losses` lives in trainer/cli.py)."""
 from __future__ import annotations
 
 import json
@@ -242,3 +242,32 @@ def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: P
     (out / f"agreement-{r['bundle']}.md").write_text(markdown(r, command))
     click.echo(f"{r['bundle']}: HTTP top-1 {r['http_accuracy']:.4f} (offline {r['offline_accuracy']}); detect equal on "
                f"{r['classes_equal']}/{r['classes_clear']} classes -> {out / ('agreement-' + r['bundle'] + '.md')}")
+
+
+@click.command()
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
+              help="[default: the synthetic D = 10 bundle of `slc bench scale`]")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True, help="rounds over the routes")
+@click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True, help="requests per route and round")
+@click.option("--out", default="docs/results", show_default=True, help="where routes.{json,md} go", **OUT)
+def routes(bundle_dir: Optional[Path], rounds: int, requests: int, out: Path) -> None:
+    """CPU per request on each route (live, detect, v2 JSON and binary, softmax), the app called
+    in-process one request at a time: route against route without HTTP or load-client noise."""
+    from rich.progress import Progress
+
+    from serving.bench.routes import ROUTES, measure_routes, routes_markdown
+    from serving.bench.run import cached_bundle
+
+    bundle = bundle_dir or cached_bundle(10, 256)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("routes", total=rounds * len(ROUTES))
+        r = measure_routes(bundle, ROUTES, rounds, requests, progress=lambda: bar.advance(task))
+    command = "slc bench routes" + (f" --bundle {bundle_dir}" if bundle_dir else "") + \
+        f" --rounds {rounds} --requests {requests}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routes.json").write_text(json.dumps({**r, "command": command}, indent=2) + "\n")
+    (out / "routes.md").write_text(routes_markdown(r, command))
+    best = r["best_us"]
+    click.echo(routes_markdown(r, command))
+    click.echo(f"detect {best['detect']:.0f} µs, v2 JSON {best['v2']:.0f} µs ({best['v2'] / best['detect']:.2f}×), "
+               f"v2 binary {best['v2_binary']:.0f} µs per request -> {out / 'routes.md'}")

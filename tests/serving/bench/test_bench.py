@@ -123,3 +123,42 @@ def test_fuzz_verdict_on_a_real_server(bundle_path, tmp_path):
         res = run_fuzz(srv.url, 20, 1, tmp_path)
     assert res["operations"]["tested"] >= 15 and res["test_cases"]["generated"] > 100
     assert res["passed"], (res["verdict"], res["output_tail"][-2000:])
+
+
+def test_routes_bench_drives_each_route_and_gets_the_answers_a_client_gets(bundle_path, tmp_path, client_factory):
+    """`slc bench routes` times real answers: its first answer on each route equals what an HTTP
+    client gets for the same request from another app on the same bundle."""
+    from serving.bench.routes import ROUTES, measure_routes, requests_for, routes_markdown
+
+    ticks = []
+    r = measure_routes(bundle_path, ROUTES, rounds=2, requests=3, progress=lambda: ticks.append(1))
+    assert len(ticks) == 2 * len(ROUTES) and set(r["best_us"]) == set(ROUTES)
+    assert all(len(v) == 2 and min(v) > 0 for v in r["all_us"].values())
+    client = client_factory()
+    for route, (method, path, body, headers) in requests_for(client.app.state.slc.engine, ROUTES).items():
+        answer = client.request(method, path, content=body, headers=headers)
+        assert answer.status_code == 200
+        assert _same_answer(answer.content, r["first_answers"][route].encode("latin-1"), answer.headers), route
+    assert "| v2 |" in routes_markdown(r, "slc bench routes")
+
+
+def _same_answer(a: bytes, b: bytes, headers) -> bool:
+    """Equal JSON (numbers to 1e-5: the two apps may run the backbone on different sessions), or for a
+    binary v2 answer an equal JSON header and raw outputs."""
+    import orjson
+
+    cut = int(headers.get("inference-header-content-length", len(a)))
+    if a[cut:] or b[cut:]:
+        return a[:cut] == b[:cut] and np.allclose(np.frombuffer(a[cut:cut + 4], "<f4"), np.frombuffer(b[cut:cut + 4], "<f4"),
+                                                  rtol=1e-5) and a[cut + 4:] == b[cut + 4:]
+    return _close(orjson.loads(a), orjson.loads(b))
+
+
+def _close(x, y) -> bool:
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_close(x[k], y[k]) for k in x)
+    if isinstance(x, list):
+        return isinstance(y, list) and len(x) == len(y) and all(_close(u, v) for u, v in zip(x, y))
+    if isinstance(x, float) and not isinstance(y, bool):
+        return bool(np.isclose(x, y, rtol=1e-5, atol=1e-7))
+    return x == y

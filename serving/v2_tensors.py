@@ -64,19 +64,21 @@ def check_structure(body: bytes, max_inputs: int, input_shape: tuple[int, ...]) 
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 _JSON_KEYS = {"name", "shape", "datatype", "data"}
 _BINARY_KEYS = {"name", "shape", "datatype", "parameters"}
-_INT_RANGES = {dt: (int(np.iinfo(DTYPES[dt]).min), int(np.iinfo(DTYPES[dt]).max)) for dt in INTS}
+# ids the strict reader also takes: within the datatype and within int64 (it reads JSON integers as int64)
+_INT_RANGES = {dt: (int(np.iinfo(DTYPES[dt]).min), min(int(np.iinfo(DTYPES[dt]).max), 2 ** 63 - 1)) for dt in INTS}
 
 
 def read_common(body: bytes, binary: bytes = b"") -> Optional[tuple[dict, Tensors]]:
-    """What `read_infer` answers for a body whose tensors are `input` (FP32) and `class_id` (an
-    integer type), each exactly {name, shape, datatype, data} with flat data that fits its shape and
-    datatype, or {name, shape, datatype, parameters: {binary_data_size}} with its bytes in `binary`;
-    None for any other body, valid or not (the general readers then answer it)."""
+    """What `read_infer` answers for a body whose two tensors are `input` and `class_id`, each either
+    {name, shape, datatype, data} with flat JSON data that fits its shape (`input` FP32, `class_id`
+    an integer type), or {name, shape, datatype, parameters: {binary_data_size}} with its bytes in
+    `binary` (read by the general decoder); None for any other body, valid or not (the general
+    readers then answer it, errors named). Never raises."""
     if body.startswith(fast_json.BOM):
         return None
     try:
         return _common(simdjson.Parser().parse(body), body, binary)
-    except (*fast_json.ERRORS, ApiError):
+    except (*fast_json.ERRORS, AttributeError, ApiError):  # (AttributeError: a safety net, never expected)
         return None
 
 
@@ -119,6 +121,8 @@ def _common_tensor(t: Any, binary: bytes, offset: int) -> tuple[str, tuple[np.nd
     if type(name) is not str or type(datatype) is not str or type(shape) is not simdjson.Array:
         raise KeyError
     shape, dt = shape.as_list(), datatype.upper()
+    if not all([type(s) is int and s >= 0 for s in shape]):
+        raise KeyError
     if keys == _BINARY_KEYS:  # the general decoder, on the one kind of parameters it reads
         params = t["parameters"]
         if type(params) is not simdjson.Object or list(params.keys()) != ["binary_data_size"]:
@@ -129,9 +133,9 @@ def _common_tensor(t: Any, binary: bytes, offset: int) -> tuple[str, tuple[np.nd
     if keys != _JSON_KEYS:
         raise KeyError
     data = t["data"]
-    count = len(data)  # (TypeError unless an array)
-    if not all([type(s) is int and s >= 0 for s in shape]) or math.prod(shape) != count:
+    if type(data) is not simdjson.Array or math.prod(shape) != len(data):  # (a string has a len() too)
         raise KeyError
+    count = len(data)
     if name == "input" and dt == "FP32":
         values = fast_json.numbers(data, count)
         if values is None:
@@ -163,7 +167,8 @@ def parse_infer_request(obj: dict) -> dict:
     """The infer body's fields, typed as the InferRequest model says (strict: nothing coerced)."""
     req = {"id": _field(obj, "id", (str,), "", "a string"),
            "parameters": _field(obj, "parameters", (dict,), "", "an object"),
-           "inputs": _field(obj, "inputs", (list,), "", "a list of tensors", required=True)}
+           "inputs": _field(obj, "inputs", (list,), "", "a list of tensors", required=True),
+           "outputs": _field(obj, "outputs", (list,), "", "a list of {name, parameters?}")}
     if not req["inputs"]:
         raise InvalidInput("inputs: must hold at least one tensor", code="validation_error")
     for i, t in enumerate(req["inputs"]):
@@ -176,25 +181,26 @@ def parse_infer_request(obj: dict) -> dict:
         shape = _field(t, "shape", (list,), where, "a list of integers", required=True)
         if any(type(s) is not int for s in shape):
             raise InvalidInput(f"{where}shape: must be a list of integers (got {shape!r:.80})", code="validation_error")
-    req["outputs"] = _outputs(obj)
+    _check_outputs(req["outputs"])
     return req
 
 
 def _request_fields(obj: dict) -> dict:
     """id, parameters and outputs, checked as parse_infer_request checks them."""
-    return {"id": _field(obj, "id", (str,), "", "a string"),
-            "parameters": _field(obj, "parameters", (dict,), "", "an object"), "outputs": _outputs(obj)}
+    req = {"id": _field(obj, "id", (str,), "", "a string"),
+           "parameters": _field(obj, "parameters", (dict,), "", "an object"),
+           "outputs": _field(obj, "outputs", (list,), "", "a list of {name, parameters?}")}
+    _check_outputs(req["outputs"])
+    return req
 
 
-def _outputs(obj: dict) -> Optional[list]:
-    outputs = _field(obj, "outputs", (list,), "", "a list of {name, parameters?}")
+def _check_outputs(outputs: Optional[list]) -> None:
     for i, o in enumerate(outputs or ()):
         if type(o) is not dict:
             raise InvalidInput(f"outputs[{i}]: must be an object {{name, parameters?}}", code="validation_error")
         _field(o, "name", (str,), f"outputs[{i}].", "a string", required=True)
         o.setdefault("parameters", None)
         _field(o, "parameters", (dict,), f"outputs[{i}].", "an object")
-    return outputs
 
 
 def decode_inputs(inputs: list[dict], binary: bytes, bools_possible: bool) -> Tensors:

@@ -246,28 +246,39 @@ def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: P
 
 @click.command()
 @click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
-              help="[default: the synthetic D = 10 bundle of `slc bench scale`]")
+              help="[default: the synthetic D = 10 bundle of `slc bench scale`, 64-value inputs]")
+@click.option("--default-model", is_flag=True, help="the embedded default model instead (784-value inputs)")
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True, help="rounds over the routes")
 @click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True, help="requests per route and round")
-@click.option("--out", default="docs/results", show_default=True, help="where routes.{json,md} go", **OUT)
-def routes(bundle_dir: Optional[Path], rounds: int, requests: int, out: Path) -> None:
-    """CPU per request on each route (live, detect, v2 JSON and binary, softmax), the app called
+@click.option("--out", default="docs/results", show_default=True,
+              help="where routes.{json,md} go (routes-default-model.*, routes-BUNDLE.*)", **OUT)
+def routes(bundle_dir: Optional[Path], default_model: bool, rounds: int, requests: int, out: Path) -> None:
+    """Server time per request on each route (live, detect, v2 JSON and binary, softmax), the app called
     in-process one request at a time: route against route without HTTP or load-client noise."""
     from rich.progress import Progress
 
     from serving.bench.routes import ROUTES, measure_routes, routes_markdown
     from serving.bench.run import cached_bundle
 
-    bundle = bundle_dir or cached_bundle(10, 256)
+    if bundle_dir is not None and default_model:
+        raise click.UsageError("give --bundle or --default-model, not both")
+    if default_model:
+        from serving.bundle import slc_home
+        from serving.default_model import ensure_default_bundle
+
+        bundle, stem, flag = ensure_default_bundle(slc_home()), "routes-default-model", " --default-model"
+    elif bundle_dir is not None:
+        bundle, stem, flag = bundle_dir, f"routes-{bundle_dir.name}", f" --bundle {bundle_dir}"
+    else:
+        bundle, stem, flag = cached_bundle(10, 256), "routes", ""
     with Progress(transient=True) as bar:
         task = bar.add_task("routes", total=rounds * len(ROUTES))
         r = measure_routes(bundle, ROUTES, rounds, requests, progress=lambda: bar.advance(task))
-    command = "slc bench routes" + (f" --bundle {bundle_dir}" if bundle_dir else "") + \
-        f" --rounds {rounds} --requests {requests}"
+    command = f"slc bench routes{flag} --rounds {rounds} --requests {requests}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "routes.json").write_text(json.dumps({**r, "command": command}, indent=2) + "\n")
-    (out / "routes.md").write_text(routes_markdown(r, command))
+    (out / f"{stem}.json").write_text(json.dumps({**r, "command": command}, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(routes_markdown(r, command))
     best = r["best_us"]
     click.echo(routes_markdown(r, command))
     click.echo(f"detect {best['detect']:.0f} µs, v2 JSON {best['v2']:.0f} µs ({best['v2'] / best['detect']:.2f}×), "
-               f"v2 binary {best['v2_binary']:.0f} µs per request -> {out / 'routes.md'}")
+               f"v2 binary {best['v2_binary']:.0f} µs per request -> {out / (stem + '.md')}")

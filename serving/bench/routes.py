@@ -1,10 +1,12 @@
-"""`slc bench routes`: the server's own CPU per request on each route, without HTTP or a load client.
+"""`slc bench routes`: the server's own time per request on each route, without HTTP or a load client.
 
-The app is called in-process over ASGI, one request at a time, so every await is CPU of this one
-thread (the backbone runs inline for one input): what a request costs the event loop, which is what
-bounds throughput on small machines. Free of the noise a load client adds on the same cores, it
-compares routes directly (v2 JSON against detect, binary against JSON). Rounds alternate the
-routes and the best round counts (the least disturbed by the rest of the machine).
+The app is called in-process over ASGI, one request at a time, so the time of a request is the
+event loop's CPU for it whenever its work runs inline (the backbone of one small input does); a
+route whose work goes to the worker thread (softmax, a large backbone) adds the hop and that
+thread's time. The event loop is what bounds throughput on small machines; free of the noise a
+load client adds on the same cores, routes compare directly (v2 JSON against detect, binary
+against JSON). Rounds alternate the routes and the best round counts (the least disturbed by the
+rest of the machine). Settings come from SLC_* variables as for `slc serve`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 
 ROUTES = ("live", "detect", "v2", "v2_binary", "softmax")
+READY_TIMEOUT_S = 600.0  # loading verifies every hash of the bundle first
 
 
 def _scope(method: str, path: str, headers: dict) -> dict:
@@ -53,9 +56,12 @@ async def _started(app) -> Callable:
     if (await outbox.get())["type"] != "lifespan.startup.complete":
         raise RuntimeError("the server did not start")
     state = app.state.slc
+    deadline = time.monotonic() + READY_TIMEOUT_S
     while not state.is_ready:
         if state.load_error:
             raise RuntimeError(f"the bundle did not load: {state.load_error}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready after {READY_TIMEOUT_S:g} s")
         await asyncio.sleep(0.05)
 
     async def stop():
@@ -87,10 +93,13 @@ async def _measure(app, routes: tuple[str, ...], rounds: int, requests: int, pro
         us: dict[str, list[float]] = {r: [] for r in routes}
         for _ in range(rounds):
             for r, req in reqs.items():
+                failed = 0
                 t0 = time.perf_counter()
                 for _ in range(requests):
-                    await call(app, *req)
+                    failed += (await call(app, *req))[0] != 200
                 us[r].append((time.perf_counter() - t0) / requests * 1e6)
+                if failed:
+                    raise RuntimeError(f"{r}: {failed} of {requests} requests were not answered 200")
                 progress()
         return {"us": us, "first": first}
     finally:
@@ -99,7 +108,7 @@ async def _measure(app, routes: tuple[str, ...], rounds: int, requests: int, pro
 
 def measure_routes(bundle: Path, routes: tuple[str, ...] = ROUTES, rounds: int = 5, requests: int = 2000,
                    progress: Callable[[], None] = lambda: None) -> dict:
-    """µs of CPU per request on each route: {"best": {route: µs}, "median": ..., "rounds": ...}."""
+    """µs per request on each route: {"best_us": {route: µs}, "median_us": ..., "all_us": ...}."""
     from serving.app import create_app
     from serving.settings import Settings
 
@@ -114,13 +123,14 @@ def measure_routes(bundle: Path, routes: tuple[str, ...] = ROUTES, rounds: int =
 
 def routes_markdown(r: dict, command: str) -> str:
     best, med = r["best_us"], r["median_us"]
-    lines = ["# CPU per request on each route (in-process ASGI, one request at a time)", "",
+    lines = ["# Server time per request on each route (in-process ASGI, one request at a time)", "",
              f"Command: `{command}`  ", f"Bundle: `{r['bundle']}`; {r['rounds']} rounds of {r['requests']:,} "
              "requests per route, routes alternating; one input per request (the load client's bodies).", "",
              "| route | best µs | median µs | × detect (best) |", "|---|---:|---:|---:|"]
     for route in best:
         ratio = best[route] / best["detect"] if "detect" in best else float("nan")
         lines.append(f"| {route} | {best[route]:.1f} | {med[route]:.1f} | {ratio:.2f} |")
-    lines += ["", "Everything a request costs the server's event loop thread, the inline backbone included;"
-              " not HTTP parsing (uvicorn) and not the load client. Lower is better."]
+    lines += ["", "What a request costs the server, the inline backbone included (for routes whose work runs "
+              "inline, the event loop's CPU; softmax also waits for the worker thread); not HTTP parsing "
+              "(uvicorn) and not the load client. Lower is better."]
     return "\n".join(lines) + "\n"

@@ -120,6 +120,13 @@ def test_nan_loss_fails_loudly(tmp_path):
     assert not (tmp_path / "nan" / "metrics.json").exists()
 
 
+def _run(cmd: list[str], env: dict) -> None:
+    """Run a training command; a failure shows the end of its output (a CalledProcessError alone hides it)."""
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        pytest.fail(f"exit {done.returncode}: {' '.join(cmd[2:6])} ...\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_sample", [None, "0.5"], ids=["full-head", "sampled-head"])
 def test_two_rank_data_parallel_equals_single_process(tmp_path, head_sample):
@@ -129,11 +136,9 @@ def test_two_rank_data_parallel_equals_single_process(tmp_path, head_sample):
     args = ["--dataset", "digits", "--backbone", "linear", "--loss", "ce", "--epochs", "2", "--lr", "0.05",
             "--batch-size", "64", "--optimizer", "sgd", "--seed", "0"] + (["--head-sample", head_sample] if head_sample else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")],
-                   check=True, cwd=ROOT, env=env, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                    "slc", "train", *args, "--out", str(tmp_path / "two")],
-                   check=True, cwd=ROOT, env=env, capture_output=True)
+    _run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")], env)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+          "slc", "train", *args, "--out", str(tmp_path / "two")], env)
     one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
     for key in one:
@@ -149,11 +154,9 @@ def test_two_rank_sharded_head_trains_the_single_process_head(tmp_path, loss):
     args = ["--dataset", "digits", "--backbone", "linear", "--loss", loss, "--epochs", "2", "--lr", "0.05",
             "--batch-size", "64", "--optimizer", "sgd", "--seed", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")],
-                   check=True, cwd=ROOT, env=env, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                    "slc", "train", *args, "--head-shard", "--out", str(tmp_path / "two")],
-                   check=True, cwd=ROOT, env=env, capture_output=True)
+    _run([sys.executable, "-m", "slc", "train", *args, "--out", str(tmp_path / "one")], env)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+          "slc", "train", *args, "--head-shard", "--out", str(tmp_path / "two")], env)
     one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
     assert two["head.weight"].shape == (10, 64)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -82,12 +81,9 @@ def train(out: Path, **options) -> None:
         click.echo(f"trained {out} in {time.perf_counter() - t0:.0f} s: test accuracy {test['accuracy']:.4f}, "
                    f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}  -> next: slc export {out} --out BUNDLE")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # a torchrun worker whose work is written: skip the C++ teardown at interpreter exit, where a
-        # rank was seen to die of SIGABRT ("terminate called without an active exception", 1 run in 9
-        # under load, with the process group already destroyed), failing the whole run
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from trainer.distributed import exit_rank
+
+        exit_rank()  # a torchrun worker whose work is written (a rank was seen to abort in teardown)
 
 
 def _check_params(cfg) -> None:

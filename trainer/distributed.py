@@ -17,6 +17,10 @@ when shards are equal.
 """
 from __future__ import annotations
 
+import os
+import sys
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +28,21 @@ import torch.distributed as dist
 def is_distributed() -> bool:
     """True when a process group with more than one rank is running."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def exit_rank() -> NoReturn:
+    """End a worker rank whose results are written, without the interpreter's teardown.
+
+    Left to interpreter exit, gloo's threads are torn down under the process and a rank can die
+    of SIGABRT ("terminate called without an active exception") after its work is done, even
+    with the process group destroyed; the launcher (torchrun, torch.multiprocessing) then fails
+    the whole run. Exit status 0, output flushed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _gather_sizes(n: int, device: torch.device) -> list[int]:

@@ -84,17 +84,18 @@ def _rank_main(rank: int, init_file: str, out_dir: str, job: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(job["threads"])
+    from trainer.distributed import exit_rank
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SHARDS)
-    try:
-        step = _sharded_head_step(job, rank) if job["kind"] == "head" else _sharded_train_step(job, rank)
+    step = _sharded_head_step(job, rank) if job["kind"] == "head" else _sharded_train_step(job, rank)
 
-        def synced():
-            dist.barrier()
-            step()
+    def synced():
+        dist.barrier()
+        step()
 
-        Path(out_dir, f"rank{rank}.txt").write_text(repr(_step_seconds(synced, job["repeats"])))
-    finally:
-        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.txt").write_text(repr(_step_seconds(synced, job["repeats"])))
+    dist.barrier()  # both ranks' figures are written before either leaves the group
+    exit_rank()
 
 
 def _sharded_head_step(job: dict, rank: int):

@@ -278,9 +278,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
         import torch.distributed as dist
 
         dist.barrier()
-        # every rank is here: leave the group now; left to interpreter exit, gloo's threads are torn
-        # down under it and a rank can die of SIGABRT after its work is done (seen 1 run in 9)
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every rank is here (slc train then ends it with exit_rank)
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.distributed import exit_rank
 from trainer.losses import build_loss
 
 torch.set_num_threads(1)
@@ -72,6 +73,7 @@ def _worker(rank: int, init_file: str, out_dir: str, use_ddp: bool) -> None:
         np.savez(f"{out_dir}/rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()
+    exit_rank()  # results written: no interpreter teardown (a rank can abort in it)
 
 
 def run_ranks(tmp, use_ddp: bool) -> list[dict]:

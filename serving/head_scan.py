@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import Executor
-from numbers import Integral
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Protocol
 
@@ -207,15 +206,14 @@ def _pass(num_classes: int, m: int, parts: Iterable[tuple[slice, Accumulator]],
 
 
 def _merged(parts: list) -> tuple[list, Callable[[], None]]:
-    """parts with every run of adjacent accumulators of one kind (SoftmaxStats; TopK of one k), one
-    request each typically, in one accumulator over the run's rows: one set of numpy calls per
-    chunk for the run instead of one per request. done() hands each request's accumulator its rows
-    of the run's state after the pass."""
-    runs: list[tuple[list, Accumulator, int]] = []
+    """parts with every run of adjacent SoftmaxStats (one request each, typically) in one
+    accumulator over the run's rows: one set of numpy calls per chunk for the run instead of one per
+    request. done() hands each request's accumulator its rows of the run's state after the pass."""
+    runs: list[tuple[list, SoftmaxStats, int]] = []
     out, i = [], 0
     while i < len(parts):
-        k, key = i, _run_key(parts[i])
-        while (key is not None and k + 1 < len(parts) and _run_key(parts[k + 1]) == key
+        k = i
+        while (k + 1 < len(parts) and _softmax_rows(parts[i]) and _softmax_rows(parts[k + 1])
                and parts[k + 1][0].start == parts[k][0].stop):
             k += 1
         if k == i:
@@ -223,7 +221,8 @@ def _merged(parts: list) -> tuple[list, Callable[[], None]]:
         else:
             run = parts[i:k + 1]
             rows = slice(run[0][0].start, run[-1][0].stop)
-            acc = type(run[0][1]).joined([(sl.stop - sl.start, acc) for sl, acc in run])
+            j = np.concatenate([np.broadcast_to(acc.j, (sl.stop - sl.start,)) for sl, acc in run])
+            acc = SoftmaxStats(rows.stop - rows.start, j)
             out.append((rows, acc))
             runs.append((run, acc, rows.start))
         i = k + 1
@@ -236,16 +235,9 @@ def _merged(parts: list) -> tuple[list, Callable[[], None]]:
     return out, done
 
 
-def _run_key(part: tuple[slice, Accumulator]) -> Optional[tuple]:
-    """What accumulators must share to be joined in one run (None: never joined)."""
+def _softmax_rows(part: tuple[slice, Accumulator]) -> bool:
     sl, acc = part
-    if not (isinstance(sl.start, Integral) and isinstance(sl.stop, Integral) and sl.step in (None, 1)):
-        return None
-    if type(acc) is SoftmaxStats:
-        return ("softmax",)
-    if type(acc) is TopK:
-        return ("topk", acc.k)
-    return None
+    return type(acc) is SoftmaxStats and isinstance(sl.start, int) and isinstance(sl.stop, int) and sl.step in (None, 1)
 
 
 class SoftmaxStats:
@@ -294,12 +286,6 @@ class SoftmaxStats:
         self.finite = self.finite & other.finite
         self.m = m
 
-    @classmethod
-    def joined(cls, parts: list[tuple[int, "SoftmaxStats"]]) -> "SoftmaxStats":
-        """One accumulator for the rows of several (n rows each), each row with its own class."""
-        j = np.concatenate([np.broadcast_to(acc.j, (n,)) for n, acc in parts])
-        return cls(len(j), j)
-
     def take(self, other: "SoftmaxStats", rows: slice) -> None:
         """This accumulator's state from rows of one that accumulated for several requests."""
         for name in ("m", "s", "zj", "top", "finite"):
@@ -334,15 +320,6 @@ class TopK:
 
     def fork(self) -> "TopK":
         return TopK(len(self.finite), self.k)
-
-    @classmethod
-    def joined(cls, parts: list[tuple[int, "TopK"]]) -> "TopK":
-        """One accumulator for the rows of several of the same k."""
-        return cls(sum(n for n, _ in parts), parts[0][1].k)
-
-    def take(self, other: "TopK", rows: slice) -> None:
-        """This accumulator's state from rows of a joined one."""
-        self.scores, self.ids, self.finite = other.scores[rows].copy(), other.ids[rows].copy(), other.finite[rows].copy()
 
     def merge(self, other: "TopK") -> None:
         self.finite = self.finite & other.finite

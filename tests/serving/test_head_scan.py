@@ -265,28 +265,6 @@ def test_adjacent_softmax_requests_share_one_accumulator_and_each_gets_its_rows(
     assert parts[3][1].result()[2].all()
 
 
-@pytest.mark.parametrize("threads", [False, True])
-def test_adjacent_topk_requests_of_one_k_share_one_accumulator_and_each_gets_its_rows(threads):
-    """Runs of top-k requests (the exact top-k load) are accumulated together per k; every request
-    gets the k best of its own rows."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ks = [3, 3, 3, 5, 5, 1, 3, 3]
-    sizes = [1, 2, 1, 1, 1, 1, 3, 1]
-    W, b, h, z64 = _head(D=2500, n=sum(sizes), seed=7)
-    starts = np.cumsum([0] + sizes)
-    parts = [(slice(starts[i], starts[i + 1]), head_scan.TopK(sizes[i], ks[i])) for i in range(len(ks))]
-    joined, _ = head_scan._merged(list(parts))
-    assert len(joined) == 4  # runs: k=3 (3 requests), k=5 (2), k=1 (1), k=3 (2)
-    with ThreadPoolExecutor(1) as pool:
-        head_scan.scan(W, b, h, parts, 300, pool=pool if threads else None)
-    for i, (sl, acc) in enumerate(parts):
-        logits, ids = acc.result()
-        assert ids.shape == (sizes[i], ks[i])
-        np.testing.assert_array_equal(ids, np.argsort(-z64[sl], axis=1)[:, :ks[i]])
-        np.testing.assert_allclose(logits, np.sort(z64[sl], axis=1)[:, ::-1][:, :ks[i]], rtol=1e-5, atol=1e-5)
-
-
 def test_a_merged_run_keeps_each_requests_non_finite_rows_its_own():
     """Class 17's logit overflows to +inf for input 0 and to -inf for input 1 only."""
     W, b, h, _ = _head(D=500, n=4, seed=5)

@@ -3,9 +3,8 @@
 detect   embed once (batched with other requests), then ONE dot product per input with the
          class row W[j] of the memory-mapped head: the cost does not depend on D.
 softmax  the honest baseline: all D logits per input, in ONE pass over the head per batch (a GEMM
-         per class chunk: onnxruntime's or numpy's over the mmap head, onnxruntime's over rows it
-         packed once, or full.onnx; the fastest at warm-up), the softmax statistics streamed over the
-         chunks (serving/head_scan.py).
+         per class chunk, numpy BLAS over the mmap head, or full.onnx when it measured faster at
+         warm-up), the softmax statistics streamed over the chunks (serving/head_scan.py).
 topk     exact: the same pass keeping the k best; index: the faiss ClassIndex over the rows.
 gallery  embed items and store them; search a class: its row and threshold against the gallery.
 
@@ -35,10 +34,9 @@ log = logging.getLogger(__name__)
 # measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
 SCAN_PATIENCE_SHARE = 0.05
 
-# full.onnx and the packed chunks hold their own copy of the head in RAM; past this many weights
-# (256 MB of float32) the softmax baseline always reads the memory-mapped rows instead.
-SECOND_COPY_MAX_VALUES = 64 * 1024 * 1024
-PACKED_CHUNK_ROWS = 8192  # classes per packed session: [64, 8192] logits fill a core's L2
+# full.onnx holds its own copy of the head in RAM; past this many weights (256 MB of float32)
+# the softmax baseline always uses numpy BLAS over the memory-mapped rows instead.
+ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
 
 
 def sigmoid(t: np.ndarray) -> np.ndarray:
@@ -83,13 +81,10 @@ class Engine:
         self._thresholds_finite = bool(np.isfinite(self._thresholds).all())  # else a class falls back to the global one
         self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
-        # the pass over the head runs on intra_op_threads threads, each its own chunks with a one-thread GEMM
-        self._scan_threads = runtime.threads
-        self._scan_pool = (ThreadPoolExecutor(runtime.threads - 1, thread_name_prefix="slc-scan")
-                           if runtime.threads > 1 else None)
-        self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=1)
-        self._packed: Optional[head_scan.PackedHead] = None  # built at warm-up when it may be chosen
-        self._scan_bufs: list[Optional[np.ndarray]] = [None] * runtime.threads  # kept: no malloc per batch
+        self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
+        self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 8 MiB malloc per batch
+        # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
+        self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -121,65 +116,51 @@ class Engine:
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 
     def _choose_softmax_impl(self) -> tuple[str, dict[str, float]]:
-        """Time a softmax batch through each way of computing all D logits; keep the fastest (or time
-        only the one the settings name: its time sets the batch's patience)."""
+        """Time a softmax batch through the chunked numpy head against full.onnx; keep the faster (or
+        time only the path the settings name: its time sets the batch's patience)."""
         rng = np.random.default_rng(0)
         n = self.settings.max_batch
         x = rng.standard_normal((n,) + self.input_shape).astype(np.float32)
-        per_input = lambda: [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0)) for i in range(n)]  # as under load
-        second_copy = self.num_classes * self.bundle.embed_dim <= SECOND_COPY_MAX_VALUES
-        wanted = self.settings.softmax_impl
-        names = ["numpy", "ort"] + (["packed", "onnx"] if second_copy else []) if wanted == "auto" else [wanted]
-        if wanted == "auto" and not second_copy:
-            log.info("full-softmax head: over the mmap rows only (D*d = %d: packed rows or full.onnx would hold a "
-                     "second copy)", self.num_classes * self.bundle.embed_dim)
         timings = {}
-        for name in names:
+
+        def scan_path(gemm):
+            def run():
+                head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(), gemm=gemm,
+                               pool=self._scan_pool)
+            return run
+
+        def per_input():  # one request per input, as under load
+            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0)) for i in range(n)]
+
+        def onnx_path():
+            head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)
+
+        paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
+        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
+                                                    self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES):
+            paths.append(("onnx", onnx_path))
+        if self.settings.softmax_impl != "auto":
+            paths = [p for p in paths if p[0] == self.settings.softmax_impl]
+        elif len(paths) == 2:
+            log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
+                     self.num_classes * self.bundle.embed_dim)
+        for name, fn in paths:
             try:
-                if name == "packed" and self._packed is None:
-                    self._packed = head_scan.PackedHead(self.bundle.path / "head_weight.npy", self.bundle.weight,
-                                                        self.bundle.bias, PACKED_CHUNK_ROWS)
-                run = lambda: self._scan(name, self.runtime.embed(x) if name != "onnx" else None, per_input(), x)
-                run()  # the first call pays loading and page faults
+                fn()  # first call pays loading and page faults
                 best = math.inf
                 for _ in range(3):
                     t0 = time.perf_counter()
-                    run()
+                    fn()
                     best = min(best, time.perf_counter() - t0)
                 timings[name] = best
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
                 log.warning("softmax path %s unavailable: %s", name, exc)
         if not timings:
-            raise RuntimeError(f"softmax_impl={wanted}: that path cannot run on this bundle")
+            raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
         best = min(timings, key=timings.get)
         if best != "onnx":
             self.runtime.drop_full()
-        if best != "packed":
-            self._packed = None  # its copy of the head goes
         return best, timings
-
-    def _scan(self, impl: str, h: Optional[np.ndarray], parts: list, x: Optional[np.ndarray]) -> None:
-        """One pass over every class for the embeddings h [M, d] (inputs x for full.onnx), into the
-        accumulators of `parts` (serving/head_scan.py), the way `impl` names."""
-        if impl == "onnx":
-            head_scan.feed(self.runtime.full_logits(x), parts, pool=self._scan_pool, threads=self._scan_threads)
-            return
-        W, b, m = self.bundle.weight, self.bundle.bias, h.shape[0]
-        rows = PACKED_CHUNK_ROWS if impl == "packed" else head_scan.chunk_rows(m, self.num_classes)
-        bufs = self._chunk_buffers(m * min(rows, self.num_classes))
-        if impl == "numpy":  # OpenBLAS spreads each chunk's GEMM over its own threads: one chunk at a time
-            head_scan.scan(W, b, h, parts, rows, buf=bufs[:1])
-        else:
-            head_scan.scan(W, b, h, parts, rows, gemm=self._ort_gemm, buf=bufs, pool=self._scan_pool,
-                           threads=self._scan_threads, packed=self._packed if impl == "packed" else None)
-
-    def _chunk_buffers(self, values: int) -> list[np.ndarray]:
-        """The pass's flat scratch array of each thread, grown when needed and then kept (batches run
-        one at a time in the worker thread)."""
-        for i, buf in enumerate(self._scan_bufs):
-            if buf is None or buf.size < values:
-                self._scan_bufs[i] = np.empty(values, dtype=np.float32)
-        return self._scan_bufs
 
     # ------------------------------------------------------------------ batch compute (worker thread)
     def _compute(self, jobs: list[Job]) -> list[Any]:
@@ -205,6 +186,18 @@ class Engine:
                 results.append(JobFailed(exc))
         return results
 
+    def _gemm(self) -> head_scan.Gemm:
+        """The chunk GEMM chosen at warm-up: onnxruntime's (ort) or numpy's."""
+        return self._ort_gemm if self.softmax_impl == "ort" else head_scan.numpy_gemm
+
+    def _chunk_buffer(self, m: int) -> np.ndarray:
+        """The flat scratch array of the pass for m inputs, grown when needed and then kept (batches
+        run one at a time in the worker thread)."""
+        need = m * head_scan.chunk_rows(m, self.num_classes)
+        if self._scan_buf is None or self._scan_buf.size < need:
+            self._scan_buf = np.empty(need, dtype=np.float32)
+        return self._scan_buf
+
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
@@ -218,8 +211,11 @@ class Engine:
             accumulated[i] = jobs[i].accumulator(jobs[i].n)
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
-        every = len(rows) == len(x)
-        self._scan(self.softmax_impl, None if h is None else h if every else h[rows], parts, x if every else x[rows])
+        if self.softmax_impl != "onnx":
+            head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
+                           gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)
+        else:
+            head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts, pool=self._scan_pool)
         return accumulated
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:

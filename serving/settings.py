@@ -66,10 +66,9 @@ class Settings(BaseSettings):
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    softmax_impl: Literal["auto", "numpy", "ort", "packed", "onnx"] = Field(
+    softmax_impl: Literal["auto", "numpy", "ort", "onnx"] = Field(
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
-        "numpy's GEMM or onnxruntime's, onnxruntime's over rows it packed once, or full.onnx; auto = the fastest at "
-        "warm-up")
+        "numpy's GEMM or onnxruntime's, or full.onnx; auto = the fastest at warm-up")
     inline_max_ms: float = Field(0.5, ge=0, description=(
         "a backbone-only batch (detect, v2, gallery writes) whose measured cost is under this runs on the event "
         "loop instead of the worker thread, whose hop costs more; 0: always the worker"))

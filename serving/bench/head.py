@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from serving import head_scan
-from serving.engine import PACKED_CHUNK_ROWS, SECOND_COPY_MAX_VALUES
 
 
 def _time_call(fn, min_time: float = 0.3, repeats: int = 5) -> float:
@@ -66,36 +64,20 @@ def head_alone(bundle: Path, batch: int = 64, seed: int = 0) -> dict:
     H /= np.linalg.norm(H, axis=1, keepdims=True)  # [B, d]
     ids = rng.integers(0, D, batch)  # [B]
     t = {name: _time_call(fn) for name, fn in head_kernels(W, b, H, ids).items()}
-    threads = os.cpu_count() or 1
-    # the server's pass with nothing kept: chunk by chunk (numpy, onnxruntime on all threads), and the
-    # chunks shared out between threads each running a one-thread onnxruntime GEMM
-    t["chunked_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, []))
-    ort_gemm = head_scan.OrtGemm(d, threads=threads)
+    t["chunked_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, []))  # the server's pass, nothing kept
+    ort_gemm = head_scan.OrtGemm(d, threads=os.cpu_count() or 1)
     t["chunked_ort_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, [], gemm=ort_gemm))
-    with ThreadPoolExecutor(max(1, threads - 1)) as pool:
-        one = head_scan.OrtGemm(d, threads=1)
-        t["split_ort_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, [], gemm=one, pool=pool, threads=threads))
-        if D * d <= SECOND_COPY_MAX_VALUES:  # the rows packed once by onnxruntime: a second copy of the head
-            packed = head_scan.PackedHead(bundle / "head_weight.npy", W, b, PACKED_CHUNK_ROWS)
-            t["packed_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, [], pool=pool, threads=threads,
-                                                                 packed=packed))
-            del packed
     us = {
         "one_logit_per_input_single_us": t["one_logit_single"] * 1e6,
         "one_logit_per_input_batch64_us": t["one_logit_batch"] / batch * 1e6,
         "all_logits_per_input_single_us": t["all_logits_single"] * 1e6,
         "all_logits_per_input_batch64_us": t["all_logits_batch"] / batch * 1e6,
         "softmax_per_input_batch64_us": t["softmax_batch"] / batch * 1e6,
-        # the bound a full-softmax server is read against: the fastest GEMM over the rows as stored, of
-        # one [B, D] numpy GEMM and the chunked passes with numpy's or onnxruntime's GEMM (logits only:
-        # no softmax, no HTTP, no backbone)
-        "gemm_bound_inputs_per_s": batch / min(t["all_logits_batch"], t["chunked_gemm"], t["chunked_ort_gemm"],
-                                               t["split_ort_gemm"]),
-        # stricter, where the server may keep a second copy of the head: onnxruntime's GEMM on rows it packed
-        "packed_gemm_inputs_per_s": batch / t["packed_gemm"] if "packed_gemm" in t else None,
+        # the bound a full-softmax server is read against: the fastest of one [B, D] numpy GEMM and the
+        # chunked pass with numpy's or onnxruntime's GEMM (logits only: no softmax, no HTTP, no backbone)
+        "gemm_bound_inputs_per_s": batch / min(t["all_logits_batch"], t["chunked_gemm"], t["chunked_ort_gemm"]),
         "chunked_gemm_per_input_batch64_us": t["chunked_gemm"] / batch * 1e6,
         "chunked_ort_gemm_per_input_batch64_us": t["chunked_ort_gemm"] / batch * 1e6,
-        "split_ort_gemm_per_input_batch64_us": t["split_ort_gemm"] / batch * 1e6,
     }
     us["all_over_one_single"] = us["all_logits_per_input_single_us"] / us["one_logit_per_input_single_us"]
     us["all_over_one_batch64"] = us["all_logits_per_input_batch64_us"] / us["one_logit_per_input_batch64_us"]

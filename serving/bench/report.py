@@ -81,11 +81,6 @@ def protocol_targets(add, by_d: dict, lo: int, hi: int) -> None:
         if D >= 100_000 and sat and bound:
             add(f"softmax ({sat['concurrency']} connections) / GEMM bound at batch 64, D={D:,}",
                 _ratio(sat["rps"], bound), 0.7, note=f"{_fmt(sat['rps'])} vs {_fmt(bound)} inputs/s")
-            packed = by_d[D]["head_alone"].get("packed_gemm_inputs_per_s")
-            if packed:
-                add(f"softmax ({sat['concurrency']} connections) / prepacked GEMM at batch 64, D={D:,} (stricter: "
-                    "onnxruntime's GEMM on a packed second copy of the head)", _ratio(sat["rps"], packed), None,
-                    note=f"{_fmt(sat['rps'])} vs {_fmt(packed)} inputs/s")
 
 
 def _fmt(x, digits=1):
@@ -159,17 +154,11 @@ def _md_protocols(res: dict) -> list[str]:
                  f"{rel('v2')} | {rel('v2_binary')} | {rel('grpc')} |")
     L += ["", "## Full softmax against the hardware (batches filled: softmax alone, "
           f"{next((r['softmax_saturated']['concurrency'] for r in res['rows'] if r.get('softmax_saturated')), '–')} connections)", "",
-          "| D | softmax req/s | p50 ms | GEMM bound at batch 64 (inputs/s) | softmax / bound | prepacked GEMM (inputs/s) "
-          "| softmax / prepacked |", "|---:|---:|---:|---:|---:|---:|---:|"]
+          "| D | softmax req/s | p50 ms | GEMM bound at batch 64 (inputs/s) | softmax / bound |", "|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        sat, h = r.get("softmax_saturated") or {}, r["head_alone"]
-        bound, packed = h.get("gemm_bound_inputs_per_s"), h.get("packed_gemm_inputs_per_s")
+        sat, bound = r.get("softmax_saturated") or {}, r["head_alone"].get("gemm_bound_inputs_per_s")
         L.append(f"| {r['classes']:,} | {_fmt(sat.get('rps'))} | {_fmt(sat.get('p50_ms'), 2)} | {_fmt(bound)} | "
-                 f"{_fmt(_ratio(sat.get('rps'), bound), 2)} | {_fmt(packed)} | {_fmt(_ratio(sat.get('rps'), packed), 2)} |")
-    L += ["", "GEMM bound: the fastest pass computing all D logits of 64 inputs, nothing else, over the rows as "
-          "stored (one numpy GEMM; chunked numpy; chunked onnxruntime on all threads; chunks shared out between "
-          "threads). Prepacked: onnxruntime's GEMM on rows it packed once, a second copy of the head in RAM, "
-          "measured where the server may hold one (D·d ≤ 64 Mi)."]
+                 f"{_fmt(_ratio(sat.get('rps'), bound), 2)} |")
     L += ["", "## All D logits over KServe v2: JSON against raw float32 (one connection, median of alternating requests, "
           "the client's decoding included)", "",
           "| D | inputs per request | JSON ms | JSON MB | binary ms | binary MB | JSON / binary time |",

@@ -9,9 +9,8 @@ CPU = ["CPUExecutionProvider"]
 
 
 def ort_session(path: Path | str | bytes, threads: int = 1, providers: Sequence[str] = CPU, prepack: bool = True,
-                spin: bool = True, optimize: bool = True, arena: bool = True, external_dir: Path | None = None):
-    """An InferenceSession on `path` (external data resolved next to it), or on a serialized model
-    (its external data resolved in `external_dir`).
+                spin: bool = True, optimize: bool = True, arena: bool = True):
+    """An InferenceSession on `path` (external data resolved next to it), or on a serialized model.
 
     `prepack=False` makes the Gemm read (memory-mapped) weights as they are instead of keeping a
     pre-packed copy: right for a graph run a few times (verify's samples), wrong for serving.
@@ -32,7 +31,5 @@ def ort_session(path: Path | str | bytes, threads: int = 1, providers: Sequence[
         opts.add_session_config_entry("session.disable_prepacking", "1")
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if external_dir is not None:
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_dir))
     model = path if isinstance(path, bytes) else str(path)
     return ort.InferenceSession(model, sess_options=opts, providers=list(providers))

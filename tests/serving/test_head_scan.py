@@ -106,24 +106,7 @@ def test_the_onnxruntime_gemm_gives_the_same_logits_as_float64(rows):
     np.testing.assert_allclose(acc.result(), z64, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [128, 1000, 4096])
-def test_the_packed_head_gives_the_same_logits_as_float64(tmp_path, rows):
-    """Chunks of rows read from the .npy file as external data (the last one shorter), 2 threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    W, b, h, z64 = _head(n=7)
-    np.save(tmp_path / "head_weight.npy", W)
-    mapped = np.load(tmp_path / "head_weight.npy", mmap_mode="r")
-    packed = head_scan.PackedHead(tmp_path / "head_weight.npy", mapped, b, rows)
-    acc, top = head_scan.AllLogits(5, len(W)), head_scan.SoftmaxStats(2, 7)
-    with ThreadPoolExecutor(1) as pool:
-        head_scan.scan(mapped, b, h, [(slice(0, 5), acc), (slice(5, 7), top)], pool=pool, packed=packed)
-    np.testing.assert_allclose(acc.result(), z64[:5], rtol=1e-5, atol=1e-5)
-    e = np.exp(z64[5:] - z64[5:].max(1, keepdims=True))
-    np.testing.assert_allclose(top.result()[0], e[:, 7] / e.sum(1), rtol=1e-5)
-
-
-def test_feed_takes_logits_computed_elsewhere():
+def test_feed_takes_logits_computed_elsewhere_as_one_chunk():
     W, b, h, z64 = _head()
     acc = head_scan.TopK(len(h), 3)
     head_scan.feed(z64.astype(np.float32), [(slice(None), acc)])
@@ -132,13 +115,9 @@ def test_feed_takes_logits_computed_elsewhere():
 
 def test_a_chunk_holds_a_bounded_number_of_logits():
     assert head_scan.chunk_rows(64, 10**6) * 64 <= head_scan.CHUNK_VALUES
-    assert 4000 < head_scan.chunk_rows(10**6, 10**6) <= head_scan.MIN_CHUNK_ROWS  # (chunks made equal)
+    assert head_scan.chunk_rows(1, 10**6) == 10**6  # one input: one chunk of all classes
+    assert head_scan.chunk_rows(10**6, 10**6) == head_scan.MIN_CHUNK_ROWS
     assert head_scan.chunk_rows(8, 100) == 100
-
-
-def test_one_input_still_gives_both_threads_chunks():
-    rows = head_scan.chunk_rows(1, 10**6)
-    assert rows <= head_scan.MAX_CHUNK_ROWS and -(-10**6 // rows) >= 2
 
 
 @pytest.mark.parametrize("sizes", [[1] * 9, [4, 1, 1], [1, 7], [3]])
@@ -165,67 +144,13 @@ def test_two_threads_over_the_accumulators_give_every_job_the_dense_answer(sizes
             np.testing.assert_allclose(acc.result(), z, rtol=1e-5, atol=1e-5)
 
 
-def test_each_chunk_goes_to_exactly_one_of_the_threads():
-    """The pass's threads claim chunks: every class chunk is computed once, by one thread."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    W, b, h, z64 = _head(D=5000, n=3)
-    seen: list[tuple[int, int]] = []
-
-    def recording_gemm(h, w, bias, out):
-        seen.append((threading.get_ident(), w.shape[0]))
-        return head_scan.numpy_gemm(h, w, bias, out)
-
-    acc = head_scan.AllLogits(3, len(W))
-    with ThreadPoolExecutor(2) as pool:
-        head_scan.scan(W, b, h, [(slice(None), acc)], 100, gemm=recording_gemm, pool=pool, threads=3)
-    assert len(seen) == 50 and sum(rows for _, rows in seen) == 5000
-    np.testing.assert_allclose(acc.result(), z64, rtol=1e-5, atol=1e-5)
-
-
-def _tied_head():
-    """Classes 5 and 4005 share the row that gives input 0 its largest logit."""
-    W, b, h, _ = _head(D=5000, n=1, seed=6)
-    W[5] = W[4005] = 50 * np.abs(h[0]).max() * np.sign(h[0])
-    b[5] = b[4005] = 0.0
-    return W, b, h
-
-
-@pytest.mark.parametrize("order", ["first_takes_second", "second_takes_first"])
-def test_merged_forks_give_a_tie_for_the_top_to_the_smaller_class_id(order):
-    W, b, h = _tied_head()
-    z = h @ W.T + b
-    for j, want in ((5, True), (4005, False)):
-        low, high = head_scan.SoftmaxStats(1, j), head_scan.SoftmaxStats(1, j)
-        low.update(z[:, :2500].copy(), 0)
-        high.update(z[:, 2500:].copy(), 2500)
-        merged = low if order == "first_takes_second" else high
-        merged.merge(high if merged is low else low)
-        assert bool(merged.result()[2][0]) is want
-        e = np.exp(z.astype(np.float64) - z.max())
-        np.testing.assert_allclose(merged.result()[0], e[:, j] / e.sum(), rtol=1e-6)
-
-
-def test_a_tie_for_the_top_in_a_two_thread_pass_goes_to_the_smaller_class_id():
-    from concurrent.futures import ThreadPoolExecutor
-
-    W, b, h = _tied_head()
-    for _ in range(5):  # which thread gets which chunk varies from run to run
-        five, other = head_scan.SoftmaxStats(1, 5), head_scan.SoftmaxStats(1, 4005)
-        with ThreadPoolExecutor(1) as pool:
-            head_scan.scan(W, b, np.repeat(h, 2, 0), [(slice(0, 1), five), (slice(1, 2), other)], 100, pool=pool)
-        assert five.result()[2][0] and not other.result()[2][0]
-
-
-def test_merged_topk_forks_keep_the_k_best_of_both():
-    W, b, h, z64 = _head(D=3000, n=4)
-    z = (h @ W.T + b).astype(np.float32)
-    low, high = head_scan.TopK(4, 6), head_scan.TopK(4, 6)
-    low.update(z[:, :1700].copy(), 0)
-    high.update(z[:, 1700:].copy(), 1700)
-    low.merge(high)
-    np.testing.assert_array_equal(low.result()[1], np.argsort(-z64, axis=1)[:, :6])
+def test_the_accumulators_are_cut_in_two_by_rows():
+    parts = [(slice(0, 6), "a"), (slice(6, 7), "b"), (slice(7, 8), "c"), (slice(8, 12), "d")]
+    first, second = head_scan._halves(parts)
+    assert [p[1] for p in first] == ["a"] and [p[1] for p in second] == ["b", "c", "d"]
+    assert head_scan._halves(parts[:1]) is None
+    first, second = head_scan._halves([(slice(i, i + 1), i) for i in range(5)])
+    assert len(first) == 3 and len(second) == 2
 
 
 @pytest.mark.parametrize("threads", [False, True])

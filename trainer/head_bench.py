@@ -83,9 +83,9 @@ def run_sharded(job: dict) -> float:
 def _rank_main(rank: int, init_file: str, out_dir: str, job: dict) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(job["threads"])
     from trainer.distributed import exit_rank
 
+    torch.set_num_threads(job["threads"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SHARDS)
     step = _sharded_head_step(job, rank) if job["kind"] == "head" else _sharded_train_step(job, rank)
 

@@ -82,6 +82,7 @@ class Engine:
         self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
         self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
+        self._logsumexp = head_scan.OrtLogSumExp()  # the softmax statistics of a chunk (MLAS)
         self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 8 MiB malloc per batch
         # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
         self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
@@ -130,7 +131,7 @@ class Engine:
             return run
 
         def per_input():  # one request per input, as under load
-            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0)) for i in range(n)]
+            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self._logsumexp)) for i in range(n)]
 
         def onnx_path():
             head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)
@@ -301,7 +302,7 @@ class Engine:
                     for pi, zi, ti in zip(p.tolist(), zj.tolist(), top1.tolist())]
 
         results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j), patience=self.scan_patience)
+                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j, self._logsumexp), patience=self.scan_patience)
         return {"class_id": j, "class_name": cls.name, "results": results}
 
     async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:

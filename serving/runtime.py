@@ -7,6 +7,7 @@ CPU when no GPU is usable) is what gets logged and reported by /v1/model.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -120,9 +121,11 @@ class Runtime:
         (h,) = session.run([self._backbone_out], {self._backbone_in: x})
         return h
 
-    def choose_small_batches(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), timer=None) -> int:
+    def choose_small_batches(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), timer=None, rounds: int = 5) -> int:
         """Keep a one-thread backbone session for the batch sizes it runs faster than the pool does
-        (waking the other threads costs more than a small batch's work), timed here, best of 5.
+        (waking the other threads costs more than a small batch's work), timed here: the best of
+        `rounds` rounds of 5 runs, the two sessions' rounds interleaved so that a busy moment of a
+        shared machine hits both (one noisy round used to cut the one-thread range from 32 to 4).
         Only on the CPU, with more than one thread, and for a backbone small enough to hold twice."""
         path = Path(self.bundle.graph_path("backbone"))
         if self.threads == 1 or self.uses_cuda or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
@@ -131,7 +134,10 @@ class Runtime:
         best = 0
         for n in sizes:
             x = {self._backbone_in: np.zeros((n, *self.bundle.input_shape), np.float32)}
-            one, pool = ((timer or _best_time)(s, self._backbone_out, x) for s in (small, self.backbone))
+            one = pool = math.inf
+            for _ in range(rounds):
+                one = min(one, (timer or _best_time)(small, self._backbone_out, x))
+                pool = min(pool, (timer or _best_time)(self.backbone, self._backbone_out, x))
             if one >= pool:
                 break
             best = n

@@ -16,11 +16,17 @@ def _head(D=1000, d=16, n=5, seed=0):
     return W, b, h, z64
 
 
+@pytest.fixture(scope="module", params=["numpy", "onnxruntime"])
+def logsumexp(request):
+    """The chunk's log-sum-exp by numpy and by onnxruntime's LogSoftmax: each is held to float64."""
+    return head_scan.numpy_logsumexp if request.param == "numpy" else head_scan.OrtLogSumExp()
+
+
 @pytest.mark.parametrize("rows", [7, 100, 1000, None])
-def test_streamed_softmax_equals_the_dense_softmax(rows):
+def test_streamed_softmax_equals_the_dense_softmax(rows, logsumexp):
     W, b, h, z64 = _head()
     j = 123
-    acc = head_scan.SoftmaxStats(len(h), j)
+    acc = head_scan.SoftmaxStats(len(h), j, logsumexp)
     head_scan.scan(W, b, h, [(slice(None), acc)], rows)
     p, zj, top1 = acc.result()
     dense = np.exp(z64 - z64.max(1, keepdims=True))
@@ -70,10 +76,10 @@ def test_a_large_k_partitions_every_chunk_and_still_equals_a_full_sort(k):
     np.testing.assert_array_equal(acc.result()[1], np.argsort(-z64, axis=1, kind="stable")[:, :k])
 
 
-def test_a_minus_infinite_logit_is_not_finite_output():
+def test_a_minus_infinite_logit_is_not_finite_output(logsumexp):
     z = np.zeros((2, 10), np.float32)
     z[1, 4] = -np.inf
-    for acc in (head_scan.SoftmaxStats(2, 0), head_scan.TopK(2, 3), head_scan.AllLogits(2, 10)):
+    for acc in (head_scan.SoftmaxStats(2, 0, logsumexp), head_scan.TopK(2, 3), head_scan.AllLogits(2, 10)):
         head_scan.feed(z.copy(), [(slice(None), acc)])
         np.testing.assert_array_equal(acc.finite, [True, False])
 
@@ -90,10 +96,10 @@ def test_all_logits_equal_the_dense_matrix_and_jobs_get_their_own_rows():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_non_finite_embedding_marks_only_its_row(bad):
+def test_a_non_finite_embedding_marks_only_its_row(bad, logsumexp):
     W, b, h, _ = _head()
     h[3, 0] = bad
-    for acc in (head_scan.SoftmaxStats(len(h), 0), head_scan.TopK(len(h), 5), head_scan.AllLogits(len(h), len(W))):
+    for acc in (head_scan.SoftmaxStats(len(h), 0, logsumexp), head_scan.TopK(len(h), 5), head_scan.AllLogits(len(h), len(W))):
         head_scan.scan(W, b, h, [(slice(None), acc)], 128)
         np.testing.assert_array_equal(acc.finite, np.arange(len(h)) != 3)
 
@@ -155,7 +161,7 @@ def test_the_accumulators_are_cut_in_two_by_rows():
 
 @pytest.mark.parametrize("threads", [False, True])
 @pytest.mark.parametrize("how", ["scan", "feed"])
-def test_adjacent_softmax_requests_share_one_accumulator_and_each_gets_its_rows(threads, how):
+def test_adjacent_softmax_requests_share_one_accumulator_and_each_gets_its_rows(threads, how, logsumexp):
     """Runs of one-row softmax requests (the full-softmax load) are accumulated together; every
     request still gets the dense answer for its own class, around requests of other kinds."""
     from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +173,7 @@ def test_adjacent_softmax_requests_share_one_accumulator_and_each_gets_its_rows(
     classes = [(37 * i) % 2000 for i in range(len(sizes))]
     classes[3] = int(z64[starts[3]].argmax())  # one request asks for its top-1 class
     parts = [(slice(starts[i], starts[i + 1]),
-              head_scan.TopK(sizes[i], 4) if i in (6, 10) else head_scan.SoftmaxStats(sizes[i], classes[i]))
+              head_scan.TopK(sizes[i], 4) if i in (6, 10) else head_scan.SoftmaxStats(sizes[i], classes[i], logsumexp))
              for i in range(len(sizes))]
     with ThreadPoolExecutor(1) as pool:
         p = pool if threads else None
@@ -190,12 +196,18 @@ def test_adjacent_softmax_requests_share_one_accumulator_and_each_gets_its_rows(
     assert parts[3][1].result()[2].all()
 
 
-def test_a_merged_run_keeps_each_requests_non_finite_rows_its_own():
+def test_a_merged_run_keeps_each_requests_non_finite_rows_its_own(logsumexp):
     """Class 17's logit overflows to +inf for input 0 and to -inf for input 1 only."""
     W, b, h, _ = _head(D=500, n=4, seed=5)
     W[17] = 0.0
     W[17, 0] = 3e38
     h[:, 0] = [2.0, -2.0, 0.0, 0.5]
-    parts = [(slice(i, i + 1), head_scan.SoftmaxStats(1, 3)) for i in range(4)]
+    parts = [(slice(i, i + 1), head_scan.SoftmaxStats(1, 3, logsumexp)) for i in range(4)]
     head_scan.scan(W, b, h, parts, 100)
     assert [bool(acc.finite[0]) for _, acc in parts] == [False, False, True, True]
+
+
+def test_requests_with_different_logsumexp_kernels_are_not_merged():
+    parts = [(slice(0, 1), head_scan.SoftmaxStats(1, 0)), (slice(1, 2), head_scan.SoftmaxStats(1, 0, head_scan.OrtLogSumExp()))]
+    merged, _, _ = head_scan._merged(parts, None)
+    assert len(merged) == 2

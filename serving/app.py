@@ -246,9 +246,17 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
     app.include_router(demo_router)
     install_error_handlers(app, on_error=metrics.reject)
     # The request path, outermost first: metrics (sees every status, 413s included), the body
-    # limit, then the body routes (serving/body_routes.py), then FastAPI for everything else.
-    app.add_middleware(BodyRoutes, routers=[v1, v2])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject,
-                       timeout_s=settings.body_timeout_s)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # limit, the body routes (serving/body_routes.py), then FastAPI's own stack (its error,
+    # telemetry and body-size layers, the router) for everything else. The three are wrapped
+    # around FastAPI's stack rather than added as middleware, which FastAPI would put inside its
+    # own layers: a body route pays none of them (a third of the event loop's time per request).
+    fastapi_stack = app.build_middleware_stack
+
+    def build_middleware_stack():
+        inner = BodyRoutes(fastapi_stack(), routers=[v1, v2])
+        inner = BodyLimitMiddleware(inner, max_bytes=settings.max_body_bytes, on_reject=metrics.reject,
+                                    timeout_s=settings.body_timeout_s)
+        return MetricsMiddleware(inner, metrics=metrics)
+
+    app.build_middleware_stack = build_middleware_stack
     return app

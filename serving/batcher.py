@@ -1,15 +1,23 @@
 """Dynamic batching: concurrent requests coalesce into one backbone call.
 
 A request's inputs wait in a bounded queue (counted in inputs) until either `max_batch`
-inputs are waiting or the oldest has waited `max_delay_ms`; then the batch runs in one
-worker thread, so the event loop never blocks on onnxruntime or BLAS (except for a batch that
-only needs the backbone and whose measured cost is under `inline_max_s`: it runs on the loop,
-as the hop to the thread and back costs the loop more than such a batch). A full queue refuses
-at once (Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits
-is answered 504 and never computed.
+inputs are waiting or the oldest has waited `max_delay_ms`; then the batch runs in a worker
+thread, so the event loop never blocks on onnxruntime or BLAS (except for a batch that only
+needs the backbone and whose measured cost is under `inline_max_s`: it runs on the loop, as the
+hop to the thread and back costs the loop more than such a batch). A full queue refuses at once
+(Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits is answered
+504 and never computed.
 
-What a batch computes is given by `compute(jobs) -> list[result]`: the engine runs the
-backbone once over all inputs and then each job's own (cheap) head step, so the batcher
+Up to `lanes` batches compute at once, each in a worker thread of its own. A batch that starts
+while another computes is told so (`compute(jobs, shared=True)`) and uses one thread: two
+one-thread passes over the head side by side beat one pass on every core, and they leave the
+event loop work to do while they run. Under heavy softmax load (at least 2 x SPLIT_MIN_REQUESTS
+requests in the server) a pass takes at most its share of them, so that the clients form one
+group per lane: while one group's pass runs, the loop answers and reads the other's requests,
+instead of the pass and the loop taking turns. A lone request still gets every thread.
+
+What a batch computes is given by `compute(jobs, shared) -> list[result]`: the engine runs
+the backbone once over all inputs and then each job's own (cheap) head step, so the batcher
 stays ignorant of models.
 """
 from __future__ import annotations
@@ -32,6 +40,7 @@ log = logging.getLogger(__name__)
 
 INLINE_PROBE_EVERY = 32  # worker batches of one size between two measurements of it on the loop
 INLINE_PROBE_SPAN = 4.0  # only sizes whose cost is within this factor of the inline bound are probed
+SPLIT_MIN_REQUESTS = 16  # a pass is split between the lanes only when each lane gets at least this many
 
 
 @dataclass
@@ -103,7 +112,7 @@ def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException])
 class Batcher:
     def __init__(self, compute: Callable[[list[Job]], list[Any]], *, max_batch: int = 64, max_delay_ms: float = 2.0,
                  queue_size: int = 1024, metrics=None, in_flight: Optional[Callable[[], int]] = None,
-                 inline_max_s: float = 0.0):
+                 inline_max_s: float = 0.0, lanes: int = 1):
         self.compute = compute
         self.inline_max_s = inline_max_s
         self._embed_cost: dict[int, float] = {}  # batch size -> seconds of a backbone-only batch (moving average)
@@ -123,8 +132,13 @@ class Batcher:
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
-        # One thread: model calls are serialised, ORT's intra-op pool uses the cores.
-        self._worker = Worker("slc-batch")
+        # One worker thread per lane: a batch alone uses ORT's intra-op pool (every core); one
+        # computing beside another is told to use one thread.
+        self.lanes = max(1, int(lanes))
+        self._workers = [Worker("slc-batch" + (f"-{i}" if i else "")) for i in range(self.lanes)]
+        self._worker = self._workers[0]  # warm-up and calibration calls (run_sync)
+        self._busy: set[int] = set()  # lanes computing a batch now
+        self._computing: set[asyncio.Task] = set()
         self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
         self._peak, self._peak_since = 0, -math.inf  # most requests in the server at once, this second
 
@@ -140,7 +154,10 @@ class Batcher:
             self._wakeup.set()
         if self._task is not None:
             await self._task
-        self._worker.shutdown()
+        if self._computing:
+            await asyncio.gather(*self._computing, return_exceptions=True)
+        for worker in self._workers:
+            worker.shutdown()
 
     @property
     def pending_inputs(self) -> int:
@@ -197,6 +214,25 @@ class Batcher:
             return 1
         return min(self._peak, self.max_batch)
 
+    def _split(self, now: float) -> Optional[int]:
+        """Under heavy load, the most inputs of a batch with a pass over the head: its lane's share of
+        the requests recently in the server at once. None: no split (a pass takes up to max_batch)."""
+        peak = self._expected_requests(now) if self.lanes > 1 else 1
+        if peak < self.lanes * SPLIT_MIN_REQUESTS:
+            return None
+        return min(self.max_batch, -(-self._peak // self.lanes))
+
+    def _limit(self, job: Job, now: float) -> int:
+        """Most inputs of a batch that starts with `job`."""
+        split = self._split(now) if job.kind == "logits" else None
+        return split or self.max_batch
+
+    def _may_share(self, job: Job, now: float) -> bool:
+        """Whether `job` may compute beside another batch: a backbone-only one always, a pass over the
+        head only under heavy load (else it waits to join the next batch), an index search never (it
+        uses threads of its own)."""
+        return job.kind == "embed" or (job.kind == "logits" and self._split(now) is not None)
+
     def _retry_after(self) -> int:
         if self._rate <= 0:
             return 1
@@ -215,33 +251,79 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            await self._wait_for_batch_mates(loop)
-            batch, size = self._take()
+            if self._busy and (len(self._busy) >= self.lanes or self._first(True, loop.time()) is None):
+                self._wakeup.clear()  # set again by a new job or a lane that is done
+                await self._wakeup.wait()
+                continue
+            await self._wait_for_batch_mates(loop, bool(self._busy))
+            shared = bool(self._busy)
+            batch, size = self._take(shared)
             if not batch:
                 continue
-            try:
-                if self._inline(batch, size):
-                    results, elapsed = self._timed_compute(batch)
-                    self._note_inline_cost(size, elapsed)
-                else:
-                    results, elapsed = await self._worker.run(self._timed_compute, batch)
-            except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
-                log.exception("batch of %d inputs failed", size)
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
+            if self._inline(batch, size):
+                try:
+                    results, elapsed = self._timed_compute(batch, shared)
+                except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
+                    self._fail(batch, size, exc)
+                    continue
+                self._note_inline_cost(size, elapsed)
+                self._deliver(batch, size, results, elapsed)
                 continue
-            self._note_cost(batch, size, elapsed)
-            for job, result in zip(batch, results):
-                if not job.future.done():
-                    if isinstance(result, JobFailed):
-                        job.future.set_exception(result.error)
-                    else:
-                        job.future.set_result(result)
+            lane = min(set(range(self.lanes)) - self._busy)
+            self._busy.add(lane)
+            task = loop.create_task(self._compute_on(lane, batch, size, shared))
+            if self.lanes == 1:
+                await task  # one batch at a time
+            else:
+                self._computing.add(task)
+                task.add_done_callback(self._computing.discard)
 
-    def _timed_compute(self, batch: list[Job]) -> tuple[list[Any], float]:
+    def _first(self, shared: bool, now: float) -> Optional[Job]:
+        """The job the next batch starts with: the oldest, or beside another batch the oldest that may
+        compute beside it (None: none may)."""
+        if not shared:
+            return self._jobs[0] if self._jobs else None
+        return next((job for job in self._jobs if self._may_share(job, now)), None)
+
+    def _joins(self, first: Job, job: Job, shared: bool, now: float) -> bool:
+        """Whether `job` may join the batch that starts with `first`. With one lane, any job. With
+        more, backbone-only jobs are batched apart from passes and index searches, so that a detect
+        never waits for a pass over the head; beside another batch, only jobs that may share."""
+        if self.lanes == 1:
+            return True
+        if (job.kind == "embed") != (first.kind == "embed"):
+            return False
+        return not shared or self._may_share(job, now)
+
+    async def _compute_on(self, lane: int, batch: list[Job], size: int, shared: bool) -> None:
+        try:
+            results, elapsed = await self._workers[lane].run(self._timed_compute, batch, shared)
+        except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
+            self._fail(batch, size, exc)
+            return
+        finally:
+            self._busy.discard(lane)
+            self._wakeup.set()  # the run loop may wait for a free lane
+        self._deliver(batch, size, results, elapsed)
+
+    def _fail(self, batch: list[Job], size: int, exc: Exception) -> None:
+        log.error("batch of %d inputs failed", size, exc_info=exc)
+        for job in batch:
+            if not job.future.done():
+                job.future.set_exception(exc)
+
+    def _deliver(self, batch: list[Job], size: int, results: list[Any], elapsed: float) -> None:
+        self._note_cost(batch, size, elapsed)
+        for job, result in zip(batch, results):
+            if not job.future.done():
+                if isinstance(result, JobFailed):
+                    job.future.set_exception(result.error)
+                else:
+                    job.future.set_result(result)
+
+    def _timed_compute(self, batch: list[Job], shared: bool) -> tuple[list[Any], float]:
         started = time.perf_counter()
-        results = self.compute(batch)
+        results = self.compute(batch, shared)
         return results, time.perf_counter() - started
 
     def _inline(self, batch: list[Job], size: int) -> bool:
@@ -280,22 +362,26 @@ class Batcher:
             self.metrics.batch_requests.observe(len(batch))
             self.metrics.batch_seconds.observe(elapsed)
 
-    async def _wait_for_batch_mates(self, loop) -> None:
+    async def _wait_for_batch_mates(self, loop, shared: bool = False) -> None:
         """Wait for more inputs until the batch is full or the oldest input's delay is used up.
 
         A costly job (a pass over all D classes: the same cost for 1 input or 64) waits up to its
-        patience from now, when the worker is free, for as many requests as were recently in the
-        server at once: the clients answered by the last batch are about to send again, though none
-        has arrived yet; without the wait their requests split over two batches for good.
+        patience from now, when a lane is free, for as many requests as were recently in the server
+        at once (under heavy load, its lane's share of them): the clients answered by the last batch
+        are about to send again, though none has arrived yet; without the wait their requests split
+        over two batches for good.
         """
-        first = self._jobs[0]
+        first = self._first(shared, loop.time())
+        if first is None:
+            return
         flush_at = first.enqueued + self.max_delay
-        expected = self._expected_requests(loop.time()) if first.patience else 1
+        limit = self._limit(first, loop.time())
+        expected = min(self._expected_requests(loop.time()), limit) if first.patience else 1
         if expected > 1:
             flush_at = max(flush_at, loop.time() + first.patience)
 
         def keep_waiting() -> bool:
-            if self._pending_inputs >= self.max_batch or self._stopping:
+            if self._pending_inputs >= limit or self._stopping:
                 return False
             return len(self._jobs) < expected if expected > 1 else self._others_on_the_way()
 
@@ -309,25 +395,35 @@ class Batcher:
             except asyncio.TimeoutError:
                 return
 
-    def _take(self) -> tuple[list[Job], int]:
-        """Pop jobs up to max_batch inputs (a larger single job goes alone); drop the expired."""
-        loop_now = asyncio.get_running_loop().time()
+    def _take(self, shared: bool = False) -> tuple[list[Job], int]:
+        """Pop the jobs of the next batch, up to its limit of inputs (a larger single job goes alone);
+        drop the expired. Jobs that may not join it (`_joins`) keep their place in the queue."""
+        now = asyncio.get_running_loop().time()
+        first = self._first(shared, now)
+        if first is None:
+            return [], 0
+        limit = self._limit(first, now)
         batch: list[Job] = []
         size = 0
+        passed: list[Job] = []  # jobs left for a later batch, in their order
         while self._jobs:
-            job = self._jobs[0]
-            if batch and size + job.n > self.max_batch:
+            job = self._jobs.popleft()
+            if not self._joins(first, job, shared, now):
+                passed.append(job)
+                continue
+            if batch and size + job.n > limit:
+                self._jobs.appendleft(job)
                 break
-            self._jobs.popleft()
             self._pending_inputs -= job.n
             if job.future.done():  # the client gave up (deadline passed or disconnected)
                 continue
-            if loop_now >= job.deadline:
+            if now >= job.deadline:
                 job.future.set_exception(DeadlineExceeded("request expired in the queue before it was computed"))
                 continue
             if self.metrics is not None:
-                self.metrics.queue_wait.observe(loop_now - job.enqueued)
+                self.metrics.queue_wait.observe(now - job.enqueued)
             batch.append(job)
             size += job.n
+        self._jobs.extendleft(reversed(passed))
         self._gauge()
         return batch, size

@@ -19,7 +19,7 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.sleep = sleep
 
-    def __call__(self, jobs):
+    def __call__(self, jobs, shared=False):
         import time
 
         if self.sleep:
@@ -152,10 +152,115 @@ def test_adaptive_delay_waits_only_while_others_are_on_the_way():
     assert rec.batches == [[1], [1, 1, 1]]
 
 
+class Lanes:
+    """compute() for the lane tests: a batch with a pass blocks until `release` is set; every call
+    is recorded as (kinds, sizes, shared) and the most calls seen running at once is kept."""
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+        self.calls: list[tuple[tuple[str, ...], list[int], bool]] = []
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, jobs, shared=False):
+        with self._lock:
+            self.calls.append((tuple(sorted({j.kind for j in jobs})), [j.n for j in jobs], shared))
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            if any(j.kind == "logits" for j in jobs):
+                assert self.release.wait(10), "the test never released the pass"
+            return [j.x * 2 for j in jobs]
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_backbone_job_is_answered_while_a_pass_computes_in_the_other_lane():
+    async def main():
+        lanes = Lanes()
+        b = Batcher(lanes, max_batch=8, max_delay_ms=0, lanes=2)
+        b.start()
+        first_pass = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
+        await asyncio.sleep(0.05)  # computing (blocked) in lane 0
+        second_pass = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))  # queued ahead of the detect
+        embed = await asyncio.wait_for(b.submit(np.full((1, 1), 3.0), "embed"), 5)
+        passes_done = first_pass.done() or second_pass.done()
+        lanes.release.set()
+        await asyncio.gather(first_pass, second_pass)
+        await b.stop()
+        return lanes, embed, passes_done
+
+    lanes, embed, passes_done = run(main())
+    assert float(embed[0, 0]) == 6.0 and not passes_done
+    # the detect went beside the running pass (one thread), the second pass waited for a free lane
+    assert lanes.calls == [(("logits",), [1], False), (("embed",), [1], True), (("logits",), [1], False)]
+
+
+def test_with_one_lane_a_backbone_job_waits_for_the_pass_ahead_of_it():
+    async def main():
+        lanes = Lanes()
+        b = Batcher(lanes, max_batch=8, max_delay_ms=0, lanes=1)
+        b.start()
+        first_pass = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
+        await asyncio.sleep(0.05)
+        embed = asyncio.ensure_future(b.submit(np.ones((1, 1)), "embed"))
+        await asyncio.sleep(0.1)
+        waited = not embed.done()
+        lanes.release.set()
+        await asyncio.gather(first_pass, embed)
+        await b.stop()
+        return lanes, waited
+
+    lanes, waited = run(main())
+    assert waited and all(not shared for _, _, shared in lanes.calls)
+
+
+def test_under_heavy_pass_load_the_requests_split_into_one_batch_per_lane_computing_at_once():
+    async def main():
+        lanes = Lanes()
+        in_server = 64
+        b = Batcher(lanes, max_batch=64, max_delay_ms=5000, lanes=2, in_flight=lambda: in_server)
+        b.start()
+        jobs = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits", patience=5.0)) for _ in range(64)]
+        for _ in range(100):  # both halves computing
+            await asyncio.sleep(0.01)
+            if lanes.running == 2:
+                break
+        lanes.release.set()
+        await asyncio.gather(*jobs)
+        await b.stop()
+        return lanes
+
+    lanes = run(main())
+    assert [sum(sizes) for _, sizes, _ in lanes.calls] == [32, 32]
+    assert sorted(shared for _, _, shared in lanes.calls) == [False, True] and lanes.most == 2
+
+
+def test_below_the_split_load_a_pass_waits_to_join_the_next_batch_instead_of_a_second_lane():
+    async def main():
+        lanes = Lanes()
+        b = Batcher(lanes, max_batch=64, max_delay_ms=0, lanes=2, in_flight=lambda: 8)
+        b.start()
+        first = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
+        await asyncio.sleep(0.05)
+        later = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits")) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        lanes.release.set()
+        await asyncio.gather(first, *later)
+        await b.stop()
+        return lanes
+
+    lanes = run(main())
+    assert [sizes for _, sizes, _ in lanes.calls] == [[1], [1, 1, 1]] and lanes.most == 1
+
+
 def test_compute_failure_fails_the_batch_and_keeps_serving():
     calls = []
 
-    def compute(jobs):
+    def compute(jobs, shared=False):
         calls.append(len(jobs))
         if len(calls) == 1:
             raise RuntimeError("boom")
@@ -263,7 +368,7 @@ class ThreadRecorder(Recorder):
         super().__init__(sleep)
         self.threads: list[str] = []
 
-    def __call__(self, jobs):
+    def __call__(self, jobs, shared=False):
         import threading
 
         self.threads.append(threading.current_thread().name)
@@ -311,7 +416,7 @@ def test_inline_bound_zero_means_always_the_worker():
 def test_an_inline_batch_that_fails_fails_its_requests_and_keeps_serving():
     calls = []
 
-    def compute(jobs):
+    def compute(jobs, shared=False):
         calls.append(len(jobs))
         if len(calls) == 2:  # the second batch, the first one computed inline
             raise RuntimeError("boom")
@@ -358,7 +463,7 @@ def test_a_size_measured_dear_on_the_worker_is_measured_again_on_the_loop():
     calls = []
 
     class Skewed(ThreadRecorder):
-        def __call__(self, jobs):  # dear on the worker, cheap on the loop
+        def __call__(self, jobs, shared=False):  # dear on the worker, cheap on the loop
             import threading
             import time as _time
 

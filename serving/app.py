@@ -107,7 +107,8 @@ class ServerState:
             "batching": {"max_batch": s.max_batch, "max_delay_ms": s.max_delay_ms, "queue_size_inputs": s.queue_size,
                          "request_timeout_s": s.request_timeout_s, "max_inputs": s.max_inputs,
                          "intra_op_threads": s.intra_op_threads, "inline_max_ms": s.inline_max_ms,
-                         "one_thread_backbone_max_batch": self.runtime.small_batch_max},
+                         "one_thread_backbone_max_batch": self.runtime.small_batch_max,
+                         "concurrent_batches": engine.batcher.lanes},
         }
 
 

@@ -137,7 +137,7 @@ class Batcher:
         self.lanes = max(1, int(lanes))
         self._workers = [Worker("slc-batch" + (f"-{i}" if i else "")) for i in range(self.lanes)]
         self._worker = self._workers[0]  # warm-up and calibration calls (run_sync)
-        self._busy: set[int] = set()  # lanes computing a batch now
+        self._busy: dict[int, bool] = {}  # lane computing a batch now -> whether it is backbone-only
         self._computing: set[asyncio.Task] = set()
         self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
         self._peak, self._peak_since = 0, -math.inf  # most requests in the server at once, this second
@@ -228,10 +228,13 @@ class Batcher:
         return split or self.max_batch
 
     def _may_share(self, job: Job, now: float) -> bool:
-        """Whether `job` may compute beside another batch: a backbone-only one always, a pass over the
-        head only under heavy load (else it waits to join the next batch), an index search never (it
-        uses threads of its own)."""
-        return job.kind == "embed" or (job.kind == "logits" and self._split(now) is not None)
+        """Whether `job` may compute beside the batches computing now: a backbone-only one beside passes
+        (beside another backbone-only batch it waits and joins the next, larger batch), a pass over
+        the head only under heavy load (else it waits to join the next batch), an index search never
+        (it uses threads of its own)."""
+        if job.kind == "embed":
+            return not any(self._busy.values())
+        return job.kind == "logits" and self._split(now) is not None
 
     def _retry_after(self) -> int:
         if self._rate <= 0:
@@ -269,8 +272,8 @@ class Batcher:
                 self._note_inline_cost(size, elapsed)
                 self._deliver(batch, size, results, elapsed)
                 continue
-            lane = min(set(range(self.lanes)) - self._busy)
-            self._busy.add(lane)
+            lane = min(set(range(self.lanes)) - self._busy.keys())
+            self._busy[lane] = all(job.kind == "embed" for job in batch)
             task = loop.create_task(self._compute_on(lane, batch, size, shared))
             if self.lanes == 1:
                 await task  # one batch at a time
@@ -302,7 +305,7 @@ class Batcher:
             self._fail(batch, size, exc)
             return
         finally:
-            self._busy.discard(lane)
+            self._busy.pop(lane, None)
             self._wakeup.set()  # the run loop may wait for a free lane
         self._deliver(batch, size, results, elapsed)
 

@@ -2,9 +2,10 @@
 
 A route registers `fn(scope, body) -> (status, payload)` with `@body_route(endpoint)`. The
 `BodyRoutes` middleware, the innermost of the server's own (inside the metrics and body-limit
-ones), matches such a request against the routers' routes and answers it there: FastAPI's
-exception middleware, router, dependency solving and route wrappers are not on this path (on a
-detect request they cost about as much as detect's own work). Errors still go through the app's
+ones, which app.py wraps around FastAPI's whole stack), matches such a request against the
+routers' routes and answers it there: none of FastAPI's layers (its error, telemetry and
+body-size middleware, router, dependency solving, route wrappers) is on this path (on a detect
+request they cost about as much as detect's own work). Errors still go through the app's
 exception handlers, so the envelope is the same; every other request goes on to FastAPI. The
 endpoints' own signatures only describe the bodies in OpenAPI.
 """

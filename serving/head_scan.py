@@ -91,10 +91,13 @@ class OrtLogSumExp:
     """Per-row log-sum-exp by onnxruntime's LogSoftmax, written over z in place: MLAS takes the
     exponentials and their sum in one vectorised pass, half numpy's time on a chunk (the softmax
     statistics were an eighth of a softmax batch at D = 10^6). LogSoftmax at the argmax is
-    -log(sum(exp(z - max))), so the log-sum-exp is the max minus that entry.
-    One session serves several threads at once (the pass's two halves)."""
+    -log(sum(exp(z - max))), so the log-sum-exp is the max minus that entry. A chunk of fewer
+    than `min_values` logits goes to numpy instead: below about 2^15 values the session call costs
+    more than numpy's passes (small heads, lone requests). One session serves several threads at
+    once (the pass's two halves, the batcher's lanes)."""
 
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, min_values: int = 1 << 15):
+        self.min_values = min_values
         from onnx import TensorProto, helper
 
         from serving.bundle.session import ort_session
@@ -108,6 +111,8 @@ class OrtLogSumExp:
         self.session = ort_session(model.SerializeToString(), threads=threads, spin=False, arena=False)
 
     def __call__(self, z: np.ndarray, am: np.ndarray) -> np.ndarray:
+        if z.size < self.min_values:
+            return numpy_logsumexp(z, am)
         z = np.ascontiguousarray(z)  # rows of the chunk buffer: already contiguous, no copy
         rows = np.arange(len(z))
         cmax = z[rows, am].astype(np.float64)  # [n]

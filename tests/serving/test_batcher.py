@@ -218,6 +218,30 @@ def test_with_one_lane_a_backbone_job_waits_for_the_pass_ahead_of_it():
     assert waited and all(not shared for _, _, shared in lanes.calls)
 
 
+def test_a_backbone_job_does_not_start_beside_another_backbone_batch_but_joins_the_next():
+    class SlowFirst(Lanes):
+        def __call__(self, jobs, shared=False):
+            if float(jobs[0].x[0, 0]) == 99.0:  # the first batch stands for a slow backbone batch
+                assert self.release.wait(10)
+            return super().__call__(jobs, shared)
+
+    async def main():
+        lanes = SlowFirst()
+        b = Batcher(lanes, max_batch=8, max_delay_ms=0, lanes=2)
+        b.start()
+        first = asyncio.ensure_future(b.submit(np.full((1, 1), 99.0), "embed"))
+        await asyncio.sleep(0.05)
+        later = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "embed")) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        lanes.release.set()
+        await asyncio.gather(first, *later)
+        await b.stop()
+        return lanes
+
+    lanes = run(main())
+    assert lanes.calls == [(("embed",), [1], False), (("embed",), [1, 1, 1], False)]
+
+
 def test_under_heavy_pass_load_the_requests_split_into_one_batch_per_lane_computing_at_once():
     async def main():
         lanes = Lanes()

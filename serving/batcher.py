@@ -8,13 +8,12 @@ hop to the thread and back costs the loop more than such a batch). A full queue 
 (Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits is answered
 504 and never computed.
 
-Up to `lanes` batches compute at once, each in a worker thread of its own. A batch that starts
-while another computes is told so (`compute(jobs, shared=True)`) and uses one thread: two
-one-thread passes over the head side by side beat one pass on every core, and they leave the
-event loop work to do while they run. Under heavy softmax load (at least 2 x SPLIT_MIN_REQUESTS
-requests in the server) a pass takes at most its share of them, so that the clients form one
-group per lane: while one group's pass runs, the loop answers and reads the other's requests,
-instead of the pass and the loop taking turns. A lone request still gets every thread.
+Up to `lanes` batches compute at once, each in a worker thread of its own. Backbone-only jobs
+(detect, v2 single logits) are batched apart from passes over the head and index searches, and
+start beside a running pass instead of waiting for it (a pass at D = 10^6 takes a third of a
+second); such a batch is told so (`compute(jobs, shared=True)`) and uses one thread. Passes and
+index searches still compute one at a time, with every thread: two one-thread passes side by
+side were no faster on two cores and held a second set of buffers (docs/results/scale.findings.md).
 
 What a batch computes is given by `compute(jobs, shared) -> list[result]`: the engine runs
 the backbone once over all inputs and then each job's own (cheap) head step, so the batcher
@@ -40,7 +39,6 @@ log = logging.getLogger(__name__)
 
 INLINE_PROBE_EVERY = 32  # worker batches of one size between two measurements of it on the loop
 INLINE_PROBE_SPAN = 4.0  # only sizes whose cost is within this factor of the inline bound are probed
-SPLIT_MIN_REQUESTS = 16  # a pass is split between the lanes only when each lane gets at least this many
 
 
 @dataclass
@@ -214,27 +212,11 @@ class Batcher:
             return 1
         return min(self._peak, self.max_batch)
 
-    def _split(self, now: float) -> Optional[int]:
-        """Under heavy load, the most inputs of a batch with a pass over the head: its lane's share of
-        the requests recently in the server at once. None: no split (a pass takes up to max_batch)."""
-        peak = self._expected_requests(now) if self.lanes > 1 else 1
-        if peak < self.lanes * SPLIT_MIN_REQUESTS:
-            return None
-        return min(self.max_batch, -(-self._peak // self.lanes))
-
-    def _limit(self, job: Job, now: float) -> int:
-        """Most inputs of a batch that starts with `job`."""
-        split = self._split(now) if job.kind == "logits" else None
-        return split or self.max_batch
-
-    def _may_share(self, job: Job, now: float) -> bool:
+    def _may_share(self, job: Job) -> bool:
         """Whether `job` may compute beside the batches computing now: a backbone-only one beside passes
-        (beside another backbone-only batch it waits and joins the next, larger batch), a pass over
-        the head only under heavy load (else it waits to join the next batch), an index search never
-        (it uses threads of its own)."""
-        if job.kind == "embed":
-            return not any(self._busy.values())
-        return job.kind == "logits" and self._split(now) is not None
+        and index searches (beside another backbone-only batch it waits and joins the next, larger one);
+        a pass or an index search never (each uses every thread)."""
+        return job.kind == "embed" and not any(self._busy.values())
 
     def _retry_after(self) -> int:
         if self._rate <= 0:
@@ -254,7 +236,7 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self._busy and (len(self._busy) >= self.lanes or self._first(True, loop.time()) is None):
+            if self._busy and (len(self._busy) >= self.lanes or self._first(True) is None):
                 self._wakeup.clear()  # set again by a new job or a lane that is done
                 await self._wakeup.wait()
                 continue
@@ -281,22 +263,18 @@ class Batcher:
                 self._computing.add(task)
                 task.add_done_callback(self._computing.discard)
 
-    def _first(self, shared: bool, now: float) -> Optional[Job]:
+    def _first(self, shared: bool) -> Optional[Job]:
         """The job the next batch starts with: the oldest, or beside another batch the oldest that may
         compute beside it (None: none may)."""
         if not shared:
             return self._jobs[0] if self._jobs else None
-        return next((job for job in self._jobs if self._may_share(job, now)), None)
+        return next((job for job in self._jobs if self._may_share(job)), None)
 
-    def _joins(self, first: Job, job: Job, shared: bool, now: float) -> bool:
+    def _joins(self, first: Job, job: Job) -> bool:
         """Whether `job` may join the batch that starts with `first`. With one lane, any job. With
         more, backbone-only jobs are batched apart from passes and index searches, so that a detect
-        never waits for a pass over the head; beside another batch, only jobs that may share."""
-        if self.lanes == 1:
-            return True
-        if (job.kind == "embed") != (first.kind == "embed"):
-            return False
-        return not shared or self._may_share(job, now)
+        never waits for a pass over the head."""
+        return self.lanes == 1 or (job.kind == "embed") == (first.kind == "embed")
 
     async def _compute_on(self, lane: int, batch: list[Job], size: int, shared: bool) -> None:
         try:
@@ -369,22 +347,20 @@ class Batcher:
         """Wait for more inputs until the batch is full or the oldest input's delay is used up.
 
         A costly job (a pass over all D classes: the same cost for 1 input or 64) waits up to its
-        patience from now, when a lane is free, for as many requests as were recently in the server
-        at once (under heavy load, its lane's share of them): the clients answered by the last batch
-        are about to send again, though none has arrived yet; without the wait their requests split
-        over two batches for good.
+        patience from now, when the worker is free, for as many requests as were recently in the
+        server at once: the clients answered by the last batch are about to send again, though none
+        has arrived yet; without the wait their requests split over two batches for good.
         """
-        first = self._first(shared, loop.time())
+        first = self._first(shared)
         if first is None:
             return
         flush_at = first.enqueued + self.max_delay
-        limit = self._limit(first, loop.time())
-        expected = min(self._expected_requests(loop.time()), limit) if first.patience else 1
+        expected = self._expected_requests(loop.time()) if first.patience else 1
         if expected > 1:
             flush_at = max(flush_at, loop.time() + first.patience)
 
         def keep_waiting() -> bool:
-            if self._pending_inputs >= limit or self._stopping:
+            if self._pending_inputs >= self.max_batch or self._stopping:
                 return False
             return len(self._jobs) < expected if expected > 1 else self._others_on_the_way()
 
@@ -399,22 +375,21 @@ class Batcher:
                 return
 
     def _take(self, shared: bool = False) -> tuple[list[Job], int]:
-        """Pop the jobs of the next batch, up to its limit of inputs (a larger single job goes alone);
-        drop the expired. Jobs that may not join it (`_joins`) keep their place in the queue."""
+        """Pop the jobs of the next batch, up to max_batch inputs (a larger single job goes alone);
+        drop the expired. Jobs that may not join it keep their place in the queue."""
         now = asyncio.get_running_loop().time()
-        first = self._first(shared, now)
+        first = self._first(shared)
         if first is None:
             return [], 0
-        limit = self._limit(first, now)
         batch: list[Job] = []
         size = 0
         passed: list[Job] = []  # jobs left for a later batch, in their order
         while self._jobs:
             job = self._jobs.popleft()
-            if not self._joins(first, job, shared, now):
+            if not self._joins(first, job) or shared and not self._may_share(job):
                 passed.append(job)
                 continue
-            if batch and size + job.n > limit:
+            if batch and size + job.n > self.max_batch:
                 self._jobs.appendleft(job)
                 break
             self._pending_inputs -= job.n

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,9 +85,7 @@ class Engine:
         self._logsumexp = head_scan.OrtLogSumExp()  # the softmax statistics of a chunk (MLAS)
         # batches computed at once: a second lane only where there are threads to share (not on CUDA)
         lanes = settings.concurrent_batches if runtime.threads > 1 and not runtime.uses_cuda else 1
-        # a batch computing beside another: one-thread GEMM (one session serves every lane)
-        self._ort_gemm_one = head_scan.OrtGemm(int(bundle.embed_dim), threads=1) if lanes > 1 else None
-        self._scan_bufs = threading.local()  # each lane's chunk buffer (`.buf`), kept: no 8 MiB malloc per batch
+        self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 8 MiB malloc per batch
         # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
         self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
         self.softmax_timing: dict[str, float] = {}
@@ -167,21 +164,19 @@ class Engine:
         best = min(timings, key=timings.get)
         if best != "onnx":
             self.runtime.drop_full()
-        elif self.batcher.lanes > 1:  # loaded now, not by the first request that shares the cores
-            head_scan.feed(self.runtime.full_logits(x[:1], one_thread=True), per_input()[:1])
         return best, timings
 
     # ------------------------------------------------------------------ batch compute (worker thread)
     def _compute(self, jobs: list[Job], shared: bool = False) -> list[Any]:
-        """The batch's results, one per job. `shared`: another batch computes at the same time, so
-        this one runs on one thread (serving/batcher.py)."""
+        """The batch's results, one per job. `shared`: a pass computes at the same time (this batch
+        is backbone-only, serving/batcher.py), so the backbone runs on one thread."""
         xs = [j.x for j in jobs]
         x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
         offsets = np.cumsum([0] + [j.n for j in jobs])
         scans = [i for i, j in enumerate(jobs) if j.kind == "logits"]
         need_h = self.softmax_impl != "onnx" or len(scans) < len(jobs)
         h = self.runtime.embed(x, one_thread=shared) if need_h else None  # [M, d]
-        accumulated = self._scan_head(jobs, scans, offsets, x, h, shared)
+        accumulated = self._scan_head(jobs, scans, offsets, x, h)
         found = self._index_search(jobs, offsets, h)
         results = []
         for i, job in enumerate(jobs):
@@ -197,24 +192,20 @@ class Engine:
                 results.append(JobFailed(exc))
         return results
 
-    def _gemm(self, shared: bool) -> head_scan.Gemm:
-        """The chunk GEMM: beside another batch onnxruntime's on one thread, else the one chosen at
-        warm-up, onnxruntime's (ort) or numpy's."""
-        if shared:
-            return self._ort_gemm_one
+    def _gemm(self) -> head_scan.Gemm:
+        """The chunk GEMM chosen at warm-up: onnxruntime's (ort) or numpy's."""
         return self._ort_gemm if self.softmax_impl == "ort" else head_scan.numpy_gemm
 
     def _chunk_buffer(self, m: int) -> np.ndarray:
-        """The flat scratch array of the pass for m inputs, grown when needed and then kept: one per
-        worker thread (each lane of the batcher computes in its own)."""
+        """The flat scratch array of the pass for m inputs, grown when needed and then kept (passes
+        run one at a time: the batcher never starts one beside another)."""
         need = m * head_scan.chunk_rows(m, self.num_classes)
-        buf = getattr(self._scan_bufs, "buf", None)
-        if buf is None or buf.size < need:
-            buf = self._scan_bufs.buf = np.empty(need, dtype=np.float32)
-        return buf
+        if self._scan_buf is None or self._scan_buf.size < need:
+            self._scan_buf = np.empty(need, dtype=np.float32)
+        return self._scan_buf
 
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
-                   h: Optional[np.ndarray], shared: bool = False) -> dict[int, Any]:
+                   h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
         top-k, full logits), each into its own accumulator (serving/head_scan.py): one GEMM per class
         chunk, never a [batch, D] matrix unless a job answers with one."""
@@ -226,13 +217,11 @@ class Engine:
             accumulated[i] = jobs[i].accumulator(jobs[i].n)
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
-        pool = None if shared else self._scan_pool  # beside another batch: the statistics on this thread
         if self.softmax_impl != "onnx":
             head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
-                           gemm=self._gemm(shared), buf=self._chunk_buffer(len(rows)), pool=pool)
+                           gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)
         else:
-            z = self.runtime.full_logits(x if len(rows) == len(x) else x[rows], one_thread=shared)  # [M', D]
-            head_scan.feed(z, parts, pool=pool)
+            head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts, pool=self._scan_pool)
         return accumulated
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:

@@ -65,9 +65,9 @@ def _best_time(session, output: str, feed: dict, runs: int = 5) -> float:
 class Runtime:
     """ORT sessions sized to the machine: intra-op threads = `threads`, one inter-op thread.
 
-    A batch computing alone owns the intra-op pool; one computing beside another (the batcher's
-    second lane) asks for `one_thread` sessions, so that the two share the cores without waiting
-    for each other's threads.
+    A pass over the head owns the intra-op pool; a backbone-only batch computing beside it (the
+    batcher's second lane) asks for the one-thread session, so that the two share the cores
+    without waiting for each other's threads.
     """
 
     def __init__(self, bundle, device: str = "auto", threads: int = 1):
@@ -81,7 +81,6 @@ class Runtime:
             raise RuntimeError(f"device=cuda but onnxruntime could not use CUDA (session runs on {self.providers}); "
                                "check the CUDA/cuDNN libraries or use --device auto")
         self._full: Optional[ort.InferenceSession] = None
-        self._full_one: Optional[ort.InferenceSession] = None  # full.onnx on one thread (a third copy of the head)
         self._small: Optional[ort.InferenceSession] = None  # one thread, for small batches (choose_small_batches)
         self.small_batch_max = 0
         self._backbone_in = self.backbone.get_inputs()[0].name
@@ -115,7 +114,7 @@ class Runtime:
 
     def drop_full(self) -> None:
         with self._lock:
-            self._full = self._full_one = None
+            self._full = None
 
     def embed(self, x: np.ndarray, one_thread: bool = False) -> np.ndarray:
         """x [N, *input_shape] float32 -> h [N, d] float32; `one_thread`: on the one-thread session
@@ -124,14 +123,6 @@ class Runtime:
         session = self._small if small and self._small is not None else self.backbone
         (h,) = session.run([self._backbone_out], {self._backbone_in: x})
         return h
-
-    def _full_one_thread(self) -> ort.InferenceSession:
-        if self.threads == 1:
-            return self.full
-        with self._lock:
-            if self._full_one is None:
-                self._full_one = ort_session(self.bundle.graph_path("full"), threads=1, providers=CPU, spin=False)
-            return self._full_one
 
     def choose_small_batches(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), timer=None, rounds: int = 5) -> int:
         """Keep a one-thread backbone session for the batch sizes it runs faster than the pool does
@@ -156,9 +147,8 @@ class Runtime:
         self._small, self.small_batch_max = (small, best) if best else (None, 0)
         return best
 
-    def full_logits(self, x: np.ndarray, one_thread: bool = False) -> np.ndarray:
-        """x [N, *input_shape] float32 -> logits [N, D] float32 through full.onnx; `one_thread`: on a
-        session of its own with one intra-op thread (loaded on first use, prepacked like the other)."""
-        sess = self._full_one_thread() if one_thread else self.full
+    def full_logits(self, x: np.ndarray) -> np.ndarray:
+        """x [N, *input_shape] float32 -> logits [N, D] float32 through full.onnx."""
+        sess = self.full
         (z,) = sess.run([sess.get_outputs()[0].name], {sess.get_inputs()[0].name: x})
         return z

@@ -70,10 +70,10 @@ class Settings(BaseSettings):
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
         "numpy's GEMM or onnxruntime's, or full.onnx; auto = the fastest at warm-up")
     concurrent_batches: int = Field(2, ge=1, le=8, description=(
-        "batches computed at once, each in a worker thread of its own; one that starts while another computes "
-        "runs on one thread, and under heavy softmax load the clients are split into this many groups so that "
-        "passes over the head overlap the event loop's work; 1: one batch at a time (always 1 on CUDA or with "
-        "one intra-op thread)"))
+        "batches computed at once, each in a worker thread of its own: backbone-only requests (detect, v2 single "
+        "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "
+        "for it; passes and index searches still run one at a time; 1: one batch at a time, in arrival order "
+        "(always 1 on CUDA or with one intra-op thread)"))
     inline_max_ms: float = Field(0.5, ge=0, description=(
         "a backbone-only batch (detect, v2, gallery writes) whose measured cost is under this runs on the event "
         "loop instead of the worker thread, whose hop costs more; 0: always the worker"))

@@ -34,6 +34,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "index": ("serving.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
     "soak": ("serving.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
     "routes": ("serving.bench.cli:routes", "Server time per request on each route, the app called in-process (no HTTP noise)."),
+    "mixed": ("serving.bench.cli:mixed", "Detect latency beside full-softmax load: one batch at a time against two lanes."),
     "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
     "agreement": ("serving.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),

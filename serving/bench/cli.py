@@ -282,3 +282,35 @@ def routes(bundle_dir: Optional[Path], default_model: bool, rounds: int, request
     click.echo(routes_markdown(r, command))
     click.echo(f"detect {best['detect']:.0f} µs, v2 JSON {best['v2']:.0f} µs ({best['v2'] / best['detect']:.2f}×), "
                f"v2 binary {best['v2_binary']:.0f} µs per request -> {out / (stem + '.md')}")
+
+
+@click.command()
+@click.option("--classes", type=click.IntRange(min=2), default=100_000, show_default=True, help="D of the synthetic bundle")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
+@click.option("--softmax-concurrency", type=click.IntRange(min=1), default=16, show_default=True,
+              help="connections asking the full softmax meanwhile")
+@click.option("--duration", type=POSITIVE, default=5.0, show_default=True, help="measured seconds per phase")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True, help="alternations of the two servers")
+@click.option("--out", default="docs/results", show_default=True, help="where mixed.{json,md} go", **OUT)
+def mixed(classes: int, dim: int, softmax_concurrency: int, duration: float, rounds: int, out: Path) -> None:
+    """Detect on one connection beside full-softmax load: one batch at a time against two lanes
+    (SLC_CONCURRENT_BATCHES 1 and 2), two servers alternating."""
+    from rich.progress import Progress
+
+    from serving.bench.mixed import mixed_markdown, run_mixed
+    from serving.bench.run import cached_bundle
+
+    bundle = cached_bundle(classes, dim)
+    with tempfile.TemporaryDirectory(prefix="slc-mixed-") as tmp, Progress(transient=True) as bar:
+        task = bar.add_task("mixed", total=None)
+        r = run_mixed(bundle, Path(tmp), duration, softmax_concurrency, rounds,
+                      progress=lambda what: bar.update(task, description=what))
+    command = (f"slc bench mixed --classes {classes} --dim {dim} --softmax-concurrency {softmax_concurrency} "
+               f"--duration {duration:g} --rounds {rounds}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mixed.json").write_text(json.dumps({**r, "classes": classes, "command": command}, indent=2) + "\n")
+    (out / "mixed.md").write_text(mixed_markdown(r, command, classes))
+    one, two = (r["servers"][name]["detect_beside_softmax"] for name in ("one batch at a time", "two lanes"))
+    click.echo(mixed_markdown(r, command, classes))
+    click.echo(f"detect p50 beside softmax load: {one['p50']:.2f} ms one batch at a time, {two['p50']:.2f} ms with two "
+               f"lanes -> {out / 'mixed.md'}")

@@ -242,28 +242,7 @@ def test_a_backbone_job_does_not_start_beside_another_backbone_batch_but_joins_t
     assert lanes.calls == [(("embed",), [1], False), (("embed",), [1, 1, 1], False)]
 
 
-def test_under_heavy_pass_load_the_requests_split_into_one_batch_per_lane_computing_at_once():
-    async def main():
-        lanes = Lanes()
-        in_server = 64
-        b = Batcher(lanes, max_batch=64, max_delay_ms=5000, lanes=2, in_flight=lambda: in_server)
-        b.start()
-        jobs = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits", patience=5.0)) for _ in range(64)]
-        for _ in range(100):  # both halves computing
-            await asyncio.sleep(0.01)
-            if lanes.running == 2:
-                break
-        lanes.release.set()
-        await asyncio.gather(*jobs)
-        await b.stop()
-        return lanes
-
-    lanes = run(main())
-    assert [sum(sizes) for _, sizes, _ in lanes.calls] == [32, 32]
-    assert sorted(shared for _, _, shared in lanes.calls) == [False, True] and lanes.most == 2
-
-
-def test_below_the_split_load_a_pass_waits_to_join_the_next_batch_instead_of_a_second_lane():
+def test_a_pass_never_starts_beside_another_but_waits_to_join_the_next_batch():
     async def main():
         lanes = Lanes()
         b = Batcher(lanes, max_batch=64, max_delay_ms=0, lanes=2, in_flight=lambda: 8)

@@ -86,24 +86,6 @@ def test_every_softmax_impl_answers_softmax_and_exact_topk_as_offline_math(clien
     assert [[e["class_id"] for e in row] for row in top["results"]] == np.argsort(-z, axis=1)[:, :4].tolist()
 
 
-@pytest.mark.parametrize("impl", ["numpy", "ort", "onnx"])
-def test_a_pass_beside_another_batch_on_one_thread_answers_as_offline_math(client_factory, offline, inputs, impl):
-    """The second lane's pass (one-thread GEMM or full.onnx session, statistics on its own thread)."""
-    from serving import head_scan
-    from serving.batcher import Job
-
-    engine = client_factory(softmax_impl=impl).app.state.slc.engine
-    jobs = [Job(x=inputs[:2], kind="logits", accumulator=lambda n: head_scan.SoftmaxStats(n, 3)),
-            Job(x=inputs[2:], kind="logits", accumulator=lambda n: head_scan.TopK(n, 4))]
-    stats, top = engine._compute(jobs, shared=True)
-    z = offline.logits(inputs)
-    p, zj, is_top1 = stats.result()
-    np.testing.assert_allclose(p, _softmax64(z[:2])[:, 3], rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(zj, z[:2, 3], rtol=1e-5, atol=1e-4)
-    assert list(is_top1) == list(z[:2].argmax(axis=1) == 3)
-    assert top.result()[1].tolist() == np.argsort(-z[2:], axis=1)[:, :4].tolist()
-
-
 def test_softmax_is_top1_true_for_the_argmax_class(client, offline, inputs):
     top = int(offline.logits(inputs[:1]).argmax())
     body = client.post(f"/v1/classes/{top}/softmax", json={"inputs": inputs[:1].tolist()}).json()

@@ -125,6 +125,23 @@ def test_fuzz_verdict_on_a_real_server(bundle_path, tmp_path):
     assert res["passed"], (res["verdict"], res["output_tail"][-2000:])
 
 
+@pytest.mark.slow
+def test_mixed_bench_measures_detect_alone_and_beside_softmax_on_both_servers(bundle_path, tmp_path):
+    """`slc bench mixed` on the test bundle: each server answered detect in both phases and the
+    softmax load ran; the report names both settings."""
+    from serving.bench.mixed import SETTINGS, mixed_markdown, run_mixed
+
+    phases = []
+    r = run_mixed(bundle_path, tmp_path, duration=0.5, softmax_concurrency=4, rounds=1, progress=phases.append)
+    assert len(phases) == len(SETTINGS) and set(r["servers"]) == set(SETTINGS)
+    for name, s in r["servers"].items():
+        assert s["concurrent_batches"] == int(SETTINGS[name])
+        assert s["detect_alone"]["count"] > 0 and s["detect_beside_softmax"]["count"] > 0 and s["softmax_rps"] > 0
+        assert 0 < s["detect_beside_softmax"]["p50"] <= s["detect_beside_softmax"]["p99"]
+    md = mixed_markdown(r, "slc bench mixed", 50)
+    assert "SLC_CONCURRENT_BATCHES=1" in md and "SLC_CONCURRENT_BATCHES=2" in md
+
+
 def test_routes_bench_drives_each_route_and_gets_the_answers_a_client_gets(bundle_path, tmp_path, client_factory):
     """`slc bench routes` times real answers: its first answer on each route equals what an HTTP
     client gets for the same request from another app on the same bundle."""

@@ -218,6 +218,23 @@ def test_with_one_lane_a_backbone_job_waits_for_the_pass_ahead_of_it():
     assert waited and all(not shared for _, _, shared in lanes.calls)
 
 
+def _one_then_three(lanes: Lanes, kind: str, first_value: float = 1.0, **batcher) -> Lanes:
+    """Two lanes: one job of `kind` computes (blocked) while three more arrive, then all are answered."""
+    async def main():
+        b = Batcher(lanes, max_batch=64, max_delay_ms=0, lanes=2, **batcher)
+        b.start()
+        first = asyncio.ensure_future(b.submit(np.full((1, 1), first_value), kind))
+        await asyncio.sleep(0.05)
+        later = [asyncio.ensure_future(b.submit(np.ones((1, 1)), kind)) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        lanes.release.set()
+        await asyncio.gather(first, *later)
+        await b.stop()
+
+    run(main())
+    return lanes
+
+
 def test_a_backbone_job_does_not_start_beside_another_backbone_batch_but_joins_the_next():
     class SlowFirst(Lanes):
         def __call__(self, jobs, shared=False):
@@ -225,38 +242,12 @@ def test_a_backbone_job_does_not_start_beside_another_backbone_batch_but_joins_t
                 assert self.release.wait(10)
             return super().__call__(jobs, shared)
 
-    async def main():
-        lanes = SlowFirst()
-        b = Batcher(lanes, max_batch=8, max_delay_ms=0, lanes=2)
-        b.start()
-        first = asyncio.ensure_future(b.submit(np.full((1, 1), 99.0), "embed"))
-        await asyncio.sleep(0.05)
-        later = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "embed")) for _ in range(3)]
-        await asyncio.sleep(0.1)
-        lanes.release.set()
-        await asyncio.gather(first, *later)
-        await b.stop()
-        return lanes
-
-    lanes = run(main())
+    lanes = _one_then_three(SlowFirst(), "embed", first_value=99.0)
     assert lanes.calls == [(("embed",), [1], False), (("embed",), [1, 1, 1], False)]
 
 
 def test_a_pass_never_starts_beside_another_but_waits_to_join_the_next_batch():
-    async def main():
-        lanes = Lanes()
-        b = Batcher(lanes, max_batch=64, max_delay_ms=0, lanes=2, in_flight=lambda: 8)
-        b.start()
-        first = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
-        await asyncio.sleep(0.05)
-        later = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits")) for _ in range(3)]
-        await asyncio.sleep(0.1)
-        lanes.release.set()
-        await asyncio.gather(first, *later)
-        await b.stop()
-        return lanes
-
-    lanes = run(main())
+    lanes = _one_then_three(Lanes(), "logits", in_flight=lambda: 8)
     assert [sizes for _, sizes, _ in lanes.calls] == [[1], [1, 1, 1]] and lanes.most == 1
 
 

@@ -144,7 +144,9 @@ class Runtime:
             if one >= pool:
                 break
             best = n
-        self._small, self.small_batch_max = (small, best) if best else (None, 0)
+        # kept even where the pool wins for every size: a backbone batch beside a pass over the head
+        # (the batcher's second lane) runs on it, so that the two do not fight over the same threads
+        self._small, self.small_batch_max = small, best
         return best
 
     def full_logits(self, x: np.ndarray) -> np.ndarray:

@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     softmax_impl: Literal["auto", "numpy", "ort", "onnx"] = Field(
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
         "numpy's GEMM or onnxruntime's, or full.onnx; auto = the fastest at warm-up")
-    concurrent_batches: int = Field(2, ge=1, le=8, description=(
+    concurrent_batches: int = Field(2, ge=1, le=2, description=(
         "batches computed at once, each in a worker thread of its own: backbone-only requests (detect, v2 single "
         "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "
         "for it; passes and index searches still run one at a time; 1: one batch at a time, in arrival order "

@@ -26,10 +26,14 @@ def test_small_batches_run_on_a_one_thread_session_with_the_same_answers(bundle,
         np.testing.assert_allclose(rt.embed(x), offline.embed(x), rtol=1e-5, atol=1e-6)
 
 
-def test_no_second_session_when_the_pool_is_faster_even_for_one_input(bundle):
+def test_where_the_pool_is_faster_even_for_one_input_the_one_thread_session_serves_only_batches_beside_a_pass(
+        bundle, offline):
     rt = Runtime(bundle, "cpu", threads=2)
     assert rt.choose_small_batches(timer=_timer_where_one_thread_wins_up_to(0)) == 0
-    assert rt._small is None
+    x = np.random.default_rng(1).standard_normal((3, INPUT_DIM)).astype(np.float32)
+    assert rt.small_batch_max == 0 and rt._small is not None
+    np.testing.assert_allclose(rt.embed(x, one_thread=True), offline.embed(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rt.embed(x), offline.embed(x), rtol=1e-5, atol=1e-6)
 
 
 def test_a_one_thread_runtime_keeps_one_session(bundle):

@@ -6,7 +6,8 @@ thread, so the event loop never blocks on onnxruntime or BLAS (except for a batc
 needs the backbone and whose measured cost is under `inline_max_s`: it runs on the loop, as the
 hop to the thread and back costs the loop more than such a batch). A full queue refuses at once
 (Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits is answered
-504 and never computed.
+504 and never computed, and one that gives up leaves the queue at once. A batch is handed to its
+worker thread as soon as it is taken, before the loop answers the batch that just finished.
 
 Up to `lanes` batches compute at once, each in a worker thread of its own. Backbone-only jobs
 (detect, v2 single logits) are batched apart from passes over the head and index searches, and
@@ -48,7 +49,7 @@ class JobFailed:
     error: Exception
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself (its queue is searched by identity)
 class Job:
     """One request's share of a batch: inputs x [n, ...] and what to do with their rows."""
 
@@ -60,6 +61,12 @@ class Job:
     deadline: float = math.inf  # loop.time()
     enqueued: float = 0.0
     future: Optional[asyncio.Future] = field(default=None, repr=False)
+    taken: bool = False  # left the queue (into a batch, or dropped there)
+
+    @property
+    def embed(self) -> bool:
+        """Backbone-only: batched apart from passes and index searches when there are two lanes."""
+        return self.kind == "embed"
 
     @property
     def n(self) -> int:
@@ -127,6 +134,7 @@ class Batcher:
         self.metrics = metrics
         self._jobs: deque[Job] = deque()
         self._pending_inputs = 0
+        self._queued = {True: 0, False: 0}  # backbone-only or not -> inputs in the queue (for Retry-After)
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
@@ -137,7 +145,7 @@ class Batcher:
         self._worker = self._workers[0]  # warm-up and calibration calls (run_sync)
         self._busy: dict[int, bool] = {}  # lane computing a batch now -> whether it is backbone-only
         self._computing: set[asyncio.Task] = set()
-        self._rate = 0.0  # inputs/s, exponential moving average, for Retry-After
+        self._rate = {True: 0.0, False: 0.0}  # backbone-only or not -> inputs/s (moving average), for Retry-After
         self._peak, self._peak_since = 0, -math.inf  # most requests in the server at once, this second
 
     # ---- lifecycle
@@ -186,13 +194,27 @@ class Batcher:
         self._jobs.append(job)
         self._note_concurrency(now)
         self._held += 1
-        self._pending_inputs += n
+        self._count(job, +1)
         self._gauge()
         self._wakeup.set()
         try:
-            return await job.future  # cancelled with the request: _take skips the job
+            return await job.future
+        except asyncio.CancelledError:  # the request gave up (its deadline): out of the queue now
+            if not job.taken:
+                self._jobs.remove(job)
+                self._left_queue(job)
+                self._gauge()
+            raise
         finally:
             self._held -= 1
+
+    def _count(self, job: Job, sign: int) -> None:
+        self._pending_inputs += sign * job.n
+        self._queued[job.embed] += sign * job.n
+
+    def _left_queue(self, job: Job) -> None:
+        job.taken = True
+        self._count(job, -1)
 
     def _others_on_the_way(self) -> bool:
         return self.in_flight is None or self.in_flight() > self._held
@@ -216,12 +238,16 @@ class Batcher:
         """Whether `job` may compute beside the batches computing now: a backbone-only one beside passes
         and index searches (beside another backbone-only batch it waits and joins the next, larger one);
         a pass or an index search never (each uses every thread)."""
-        return job.kind == "embed" and not any(self._busy.values())
+        return job.embed and not any(self._busy.values())
 
     def _retry_after(self) -> int:
-        if self._rate <= 0:
-            return 1
-        return max(1, math.ceil(self._pending_inputs / self._rate))
+        """Seconds until the queue is worked off: each kind's waiting inputs at that kind's rate (a pass
+        over the head and a backbone batch differ a hundredfold at large D)."""
+        seconds = 0.0
+        for embed, inputs in self._queued.items():
+            rate = self._rate[embed] or self._rate[not embed]
+            seconds += inputs / rate if rate > 0 else 1.0 if inputs else 0.0
+        return max(1, math.ceil(seconds))
 
     def _gauge(self) -> None:
         if self.metrics is not None:
@@ -255,13 +281,13 @@ class Batcher:
                 self._deliver(batch, size, results, elapsed)
                 continue
             lane = min(set(range(self.lanes)) - self._busy.keys())
-            self._busy[lane] = all(job.kind == "embed" for job in batch)
-            task = loop.create_task(self._compute_on(lane, batch, size, shared))
-            if self.lanes == 1:
-                await task  # one batch at a time
-            else:
-                self._computing.add(task)
-                task.add_done_callback(self._computing.discard)
+            self._busy[lane] = all(job.embed for job in batch)
+            # handed to the worker now: a task's first step would wait behind every callback already
+            # ready on the loop (after a pass, the answers of all its requests) and leave the worker idle
+            computed = self._workers[lane].run(self._timed_compute, batch, shared)
+            task = loop.create_task(self._finish_on(lane, batch, size, computed))
+            self._computing.add(task)
+            task.add_done_callback(self._computing.discard)
 
     def _first(self, shared: bool) -> Optional[Job]:
         """The job the next batch starts with: the oldest, or beside another batch the oldest that may
@@ -274,11 +300,11 @@ class Batcher:
         """Whether `job` may join the batch that starts with `first`. With one lane, any job. With
         more, backbone-only jobs are batched apart from passes and index searches, so that a detect
         never waits for a pass over the head."""
-        return self.lanes == 1 or (job.kind == "embed") == (first.kind == "embed")
+        return self.lanes == 1 or job.embed == first.embed
 
-    async def _compute_on(self, lane: int, batch: list[Job], size: int, shared: bool) -> None:
+    async def _finish_on(self, lane: int, batch: list[Job], size: int, computed: asyncio.Future) -> None:
         try:
-            results, elapsed = await self._workers[lane].run(self._timed_compute, batch, shared)
+            results, elapsed = await computed
         except Exception as exc:  # a bug in compute: fail these requests (500), keep serving
             self._fail(batch, size, exc)
             return
@@ -311,7 +337,7 @@ class Batcher:
         """Compute on the event loop itself when the batch is backbone-only and its measured cost is
         under `inline_max_s`: the hop to the worker and back costs the loop more than such a batch,
         and the loop would sit idle meanwhile. Never a pass over the head or an index search."""
-        if self.inline_max_s <= 0 or not all(job.kind == "embed" for job in batch):
+        if self.inline_max_s <= 0 or not all(job.embed for job in batch):
             return False
         cost = self._inline_cost.get(size, self._embed_cost.get(size))
         if cost is None:  # never measured: the worker measures it
@@ -332,10 +358,11 @@ class Batcher:
         self._inline_cost[size] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
 
     def _note_cost(self, batch: list[Job], size: int, elapsed: float) -> None:
+        embed = all(job.embed for job in batch)
         if elapsed > 0:
-            rate = size / elapsed
-            self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
-        if all(job.kind == "embed" for job in batch):
+            rate, old = size / elapsed, self._rate[embed]
+            self._rate[embed] = rate if old == 0 else 0.8 * old + 0.2 * rate
+        if embed:
             old = self._embed_cost.get(size)
             self._embed_cost[size] = elapsed if old is None else 0.8 * old + 0.2 * elapsed
         if self.metrics is not None:
@@ -360,6 +387,8 @@ class Batcher:
             flush_at = max(flush_at, loop.time() + first.patience)
 
         def keep_waiting() -> bool:
+            # every queued job counts, those of the other kind too: they wait behind this one, so
+            # enough of them end its wait (it leaves with fewer mates rather than holding them up)
             if self._pending_inputs >= self.max_batch or self._stopping:
                 return False
             return len(self._jobs) < expected if expected > 1 else self._others_on_the_way()
@@ -392,8 +421,8 @@ class Batcher:
             if batch and size + job.n > self.max_batch:
                 self._jobs.appendleft(job)
                 break
-            self._pending_inputs -= job.n
-            if job.future.done():  # the client gave up (deadline passed or disconnected)
+            self._left_queue(job)
+            if job.future.done():  # (a cancelled job left the queue when it was cancelled)
                 continue
             if now >= job.deadline:
                 job.future.set_exception(DeadlineExceeded("request expired in the queue before it was computed"))

@@ -251,6 +251,102 @@ def test_a_pass_never_starts_beside_another_but_waits_to_join_the_next_batch():
     assert [sizes for _, sizes, _ in lanes.calls] == [[1], [1, 1, 1]] and lanes.most == 1
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_the_next_batch_reaches_the_worker_before_the_last_one_is_answered(lanes):
+    """A full queue after a batch: the worker gets the next batch before the loop answers the last one
+    (answering 64 requests takes the loop milliseconds the worker would otherwise sit idle)."""
+    async def main():
+        lanes_ = Lanes()
+        b = Batcher(lanes_, max_batch=2, max_delay_ms=0, lanes=lanes)
+        events: list[str] = []
+        for worker in b._workers:
+            handed = worker.run
+
+            def run_and_note(fn, *args, handed=handed):
+                events.append("handed")
+                return handed(fn, *args)
+            worker.run = run_and_note
+        b.start()
+
+        async def request(i: int):
+            out = await b.submit(np.full((1, 1), float(i)), "logits")
+            events.append(f"answered {i}")
+            return out
+
+        tasks = [asyncio.ensure_future(request(i)) for i in range(4)]
+        await asyncio.sleep(0.05)  # the first batch computes (blocked), the second waits in the queue
+        lanes_.release.set()
+        outs = await asyncio.gather(*tasks)
+        await b.stop()
+        return events, outs
+
+    events, outs = run(main())
+    assert [float(o[0, 0]) for o in outs] == [0.0, 2.0, 4.0, 6.0]
+    assert events[:3] == ["handed", "handed", "answered 0"]
+
+
+def test_a_request_that_gives_up_leaves_the_queue_at_once():
+    async def main():
+        lanes = Lanes()
+        b = Batcher(lanes, max_batch=8, max_delay_ms=0, lanes=1)
+        b.start()
+        running = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
+        await asyncio.sleep(0.05)  # computing (blocked): the next ones wait in the queue
+        given_up = asyncio.ensure_future(b.submit(np.ones((3, 1)), "logits"))
+        kept = asyncio.ensure_future(b.submit(np.ones((2, 1)), "logits"))
+        await asyncio.sleep(0)
+        queued_before = b.pending_inputs
+        given_up.cancel()
+        await asyncio.sleep(0)
+        queued_after = b.pending_inputs
+        lanes.release.set()
+        await asyncio.gather(running, kept)
+        await b.stop()
+        return lanes, queued_before, queued_after, b.pending_inputs
+
+    lanes, before, after, end = run(main())
+    assert (before, after, end) == (5, 2, 0)
+    assert [sizes for _, sizes, _ in lanes.calls] == [[1], [2]]  # the cancelled request was never computed
+
+
+def test_retry_after_counts_each_kind_at_its_own_rate():
+    """Queued passes are worked off at the pass rate, however fast the backbone batches in between were."""
+    import threading
+    import time
+
+    hold = threading.Event()
+
+    def compute(jobs, shared=False):
+        if jobs[0].kind == "logits":
+            if float(jobs[0].x[0, 0]) == 9.0:
+                assert hold.wait(10)
+            else:
+                time.sleep(0.3)  # a pass: at most 1 / 0.3 inputs/s
+        return [j.x for j in jobs]
+
+    async def main():
+        b = Batcher(compute, max_batch=1, max_delay_ms=0, queue_size=6, lanes=1)
+        b.start()
+        await b.submit(np.ones((1, 1)), "logits")
+        for _ in range(5):
+            await b.submit(np.ones((1, 1)), "embed")  # fast batches after it
+        blocker = asyncio.ensure_future(b.submit(np.full((1, 1), 9.0), "logits"))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits")) for _ in range(6)]
+        await asyncio.sleep(0)
+        try:
+            await b.submit(np.ones((1, 1)), "logits")
+        except Overloaded as exc:
+            refused = exc
+        hold.set()
+        await asyncio.gather(blocker, *queued)
+        await b.stop()
+        return refused
+
+    refused = run(main())
+    assert refused.retry_after >= 2  # 6 queued passes at <= 3.3 inputs/s: at least 1.8 s
+
+
 def test_compute_failure_fails_the_batch_and_keeps_serving():
     calls = []
 

@@ -4,7 +4,9 @@ For each D: a cached synthetic bundle, a real `slc serve` subprocess, then
 - closed loop (concurrency 8) over live, detect, softmax, topk exact, topk index and the KServe
   v2 protocols (JSON, binary tensors, gRPC when slc[grpc] is installed), rotated in short
   blocks so that every endpoint sees the same drift but owns its throughput;
-- softmax with SATURATE connections (full batches) against the GEMM bound of the same batch;
+- softmax saturated (SATURATE connections: the next full batch queued while one computes, as under
+  any overload) against the GEMM bound of the same batch, and with ONE_BATCH connections (exactly
+  one batch: clients and server take turns, no overlap);
 - one connection, endpoints interleaved per request (latency without queueing);
 - recall@10 of topk index against topk exact on the same inputs (over HTTP);
 - the server's resident memory against the head's size;
@@ -40,7 +42,8 @@ INPUT_DIM = 64
 BLOCK_S = 2.0
 ROTATION = ["live", "detect", "softmax", "topk_exact", "topk_index", "v2", "v2_binary"]
 SINGLE = ["detect", "softmax", "topk_exact", "topk_index", "v2", "v2_binary"]
-SATURATE = 64  # connections for the softmax run that fills every batch (the server's max_batch)
+ONE_BATCH = 64  # connections that fill one batch (the server's max_batch)
+SATURATE = 2 * ONE_BATCH  # connections that keep the next full batch queued while one computes
 SYNTHETIC_ROWS = "clustered"  # like trained heads; "gaussian" is the index worst case
 
 
@@ -179,8 +182,9 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         one = lt.run_loadtest(srv.url, protocols, concurrency=1, duration=duration, warmup=1.0, interleave="request",
                               progress=True, grpc_port=srv.grpc_port)
         row["slc"]["protocols_single"] = _summary(one.report)
-        full = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
-        row["softmax_saturated"] = {"concurrency": SATURATE, **_summary(full.report)["softmax"]}
+        for key, conns in (("softmax_one_batch", ONE_BATCH), ("softmax_saturated", SATURATE)):
+            full = lt.run_loadtest(srv.url, ["softmax"], concurrency=conns, duration=duration, warmup=2.0)
+            row[key] = {"concurrency": conns, **_summary(full.report)["softmax"]}
         row["recall"] = topk_recall(srv.url)
         row["full_logits"] = full_logits_formats(srv.url, model["name"], rounds=9 if D <= 100_000 else 5)
         loaded = process_tree_memory(srv.proc.pid)

@@ -47,7 +47,8 @@ def test_scale_bench_end_to_end_small(tmp_path, monkeypatch):
             assert r["slc"]["closed"][ep]["requests"] > 0, (r["classes"], ep)
         for ep in ("detect",) + protocols:  # the protocols' own one-connection run
             assert r["slc"]["protocols_single"][ep]["errors"] == {} and r["slc"]["protocols_single"][ep]["requests"] > 0
-        assert r["softmax_saturated"]["errors"] == {} and r["softmax_saturated"]["requests"] > 0
+        for key, conns in (("softmax_saturated", 128), ("softmax_one_batch", 64)):
+            assert r[key]["errors"] == {} and r[key]["requests"] > 0 and r[key]["concurrency"] == conns
         assert r["peer"]["closed"]["softmax"]["errors"] == {}
         assert r["memory"]["loaded_rss"] > 0
     assert "slc bench scale --classes 5,40" in (tmp_path / "out" / "scale.md").read_text()

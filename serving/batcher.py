@@ -145,7 +145,10 @@ class Batcher:
         self._worker = self._workers[0]  # warm-up and calibration calls (run_sync)
         self._busy: dict[int, bool] = {}  # lane computing a batch now -> whether it is backbone-only
         self._computing: set[asyncio.Task] = set()
-        self._rate = {True: 0.0, False: 0.0}  # backbone-only or not -> inputs/s (moving average), for Retry-After
+        # for Retry-After (moving averages): inputs/s of backbone-only batches, whose cost grows with their
+        # size, and seconds per batch of the others, a pass over the head costing the same for 1 input or 64
+        self._embed_rate = 0.0
+        self._pass_seconds = 0.0
         self._peak, self._peak_since = 0, -math.inf  # most requests in the server at once, this second
 
     # ---- lifecycle
@@ -241,12 +244,13 @@ class Batcher:
         return job.embed and not any(self._busy.values())
 
     def _retry_after(self) -> int:
-        """Seconds until the queue is worked off: each kind's waiting inputs at that kind's rate (a pass
-        over the head and a backbone batch differ a hundredfold at large D)."""
-        seconds = 0.0
-        for embed, inputs in self._queued.items():
-            rate = self._rate[embed] or self._rate[not embed]
-            seconds += inputs / rate if rate > 0 else 1.0 if inputs else 0.0
+        """Seconds until the queue is worked off: the backbone-only inputs at their rate, plus a full batch's
+        time for every max_batch of the other inputs (a pass over the head and a backbone batch differ a
+        hundredfold at large D). What is not measured yet counts 1 s."""
+        embed, other = self._queued[True], self._queued[False]
+        seconds = (embed / self._embed_rate if self._embed_rate > 0 else 1.0) if embed else 0.0
+        if other:
+            seconds += math.ceil(other / self.max_batch) * (self._pass_seconds or 1.0)
         return max(1, math.ceil(seconds))
 
     def _gauge(self) -> None:
@@ -360,8 +364,12 @@ class Batcher:
     def _note_cost(self, batch: list[Job], size: int, elapsed: float) -> None:
         embed = all(job.embed for job in batch)
         if elapsed > 0:
-            rate, old = size / elapsed, self._rate[embed]
-            self._rate[embed] = rate if old == 0 else 0.8 * old + 0.2 * rate
+            if embed:
+                rate = size / elapsed
+                self._embed_rate = rate if self._embed_rate == 0 else 0.8 * self._embed_rate + 0.2 * rate
+            else:
+                old = self._pass_seconds
+                self._pass_seconds = elapsed if old == 0 else 0.8 * old + 0.2 * elapsed
         if embed:
             old = self._embed_cost.get(size)
             self._embed_cost[size] = elapsed if old is None else 0.8 * old + 0.2 * elapsed

@@ -347,6 +347,43 @@ def test_retry_after_counts_each_kind_at_its_own_rate():
     assert refused.retry_after >= 2  # 6 queued passes at <= 3.3 inputs/s: at least 1.8 s
 
 
+def test_retry_after_counts_a_pass_per_batch_not_per_input():
+    """Passes measured on one input each (a lone client) do not make a queue of full batches look
+    64 times longer: a pass costs about the same for 1 input or 64."""
+    import threading
+    import time
+
+    hold = threading.Event()
+
+    def compute(jobs, shared=False):
+        if float(jobs[0].x[0, 0]) == 9.0:
+            assert hold.wait(10)
+        else:
+            time.sleep(0.1)
+        return [j.x for j in jobs]
+
+    async def main():
+        b = Batcher(compute, max_batch=64, max_delay_ms=0, queue_size=256, lanes=1)
+        b.start()
+        for _ in range(3):
+            await b.submit(np.ones((1, 1)), "logits")  # 1-input passes of ~0.1 s
+        blocker = asyncio.ensure_future(b.submit(np.full((1, 1), 9.0), "logits"))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(b.submit(np.ones((64, 1)), "logits")) for _ in range(4)]
+        await asyncio.sleep(0)
+        try:
+            await b.submit(np.ones((1, 1)), "logits")
+        except Overloaded as exc:
+            refused = exc
+        hold.set()
+        await asyncio.gather(blocker, *queued)
+        await b.stop()
+        return refused
+
+    refused = run(main())
+    assert refused.retry_after <= 2  # 4 full batches of ~0.1 s (per input, it would have read 26 s)
+
+
 def test_compute_failure_fails_the_batch_and_keeps_serving():
     calls = []
 

@@ -207,6 +207,7 @@ class Batcher:
                 self._jobs.remove(job)
                 self._left_queue(job)
                 self._gauge()
+                self._wakeup.set()  # a batch may be waiting on its behalf
             raise
         finally:
             self._held -= 1
@@ -270,7 +271,8 @@ class Batcher:
                 self._wakeup.clear()  # set again by a new job or a lane that is done
                 await self._wakeup.wait()
                 continue
-            await self._wait_for_batch_mates(loop, bool(self._busy))
+            if not await self._wait_for_batch_mates(loop, bool(self._busy)):
+                continue  # the job it waited for gave up: the next one waits on its own terms
             shared = bool(self._busy)
             batch, size = self._take(shared)
             if not batch:
@@ -378,7 +380,7 @@ class Batcher:
             self.metrics.batch_requests.observe(len(batch))
             self.metrics.batch_seconds.observe(elapsed)
 
-    async def _wait_for_batch_mates(self, loop, shared: bool = False) -> None:
+    async def _wait_for_batch_mates(self, loop, shared: bool = False) -> bool:
         """Wait for more inputs until the batch is full or the oldest input's delay is used up.
 
         A costly job (a pass over all D classes: the same cost for 1 input or 64) waits up to its
@@ -388,7 +390,7 @@ class Batcher:
         """
         first = self._first(shared)
         if first is None:
-            return
+            return True
         flush_at = first.enqueued + self.max_delay
         expected = self._expected_requests(loop.time()) if first.patience else 1
         if expected > 1:
@@ -397,19 +399,20 @@ class Batcher:
         def keep_waiting() -> bool:
             # every queued job counts, those of the other kind too: they wait behind this one, so
             # enough of them end its wait (it leaves with fewer mates rather than holding them up)
-            if self._pending_inputs >= self.max_batch or self._stopping:
+            if self._pending_inputs >= self.max_batch or self._stopping or first.taken:
                 return False
             return len(self._jobs) < expected if expected > 1 else self._others_on_the_way()
 
         while keep_waiting():
             remaining = flush_at - loop.time()
             if remaining <= 0:
-                return
+                break
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                break
+        return not first.taken
 
     def _take(self, shared: bool = False) -> tuple[list[Job], int]:
         """Pop the jobs of the next batch, up to max_batch inputs (a larger single job goes alone);

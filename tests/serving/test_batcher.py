@@ -473,6 +473,27 @@ def test_a_patient_job_waits_for_as_many_requests_as_were_in_the_server(patience
     assert got == batches and second.tolist() == [[2.0, 2.0]]
 
 
+def test_a_batch_waiting_for_a_request_that_gave_up_waits_on_the_next_ones_terms():
+    """The first job's patience keeps its batch open; once it gives up, the next job's patience (not
+    the cancelled one's) decides, so it does not leave alone at the cancelled job's flush time."""
+    async def main():
+        rec = Recorder()
+        b = Batcher(rec, max_batch=8, max_delay_ms=0, in_flight=lambda: 2)
+        b.start()
+        first = asyncio.ensure_future(b.submit(np.ones((1, 2)), patience=0.3))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(b.submit(np.ones((1, 2)), patience=5.0))
+        await asyncio.sleep(0.4)  # past the cancelled job's flush time
+        third = asyncio.ensure_future(b.submit(np.ones((1, 2))))
+        await asyncio.gather(second, third)
+        await b.stop()
+        return rec.batches
+
+    assert run(main()) == [[1, 1]]
+
+
 def test_a_patient_batch_goes_as_soon_as_the_expected_requests_are_there():
     async def main():
         rec = Recorder()

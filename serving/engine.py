@@ -88,6 +88,12 @@ class Engine:
         self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 8 MiB malloc per batch
         # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
         self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
+        # softmax_impl ort_pair: two one-thread GEMMs (this thread and the pool's) taking class chunks in turn
+        self._ort_pair = (tuple(head_scan.OrtGemm(int(bundle.embed_dim), threads=1) for _ in range(2))
+                          if self._scan_pool is not None else None)
+        self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
+        if self.softmax_impl == "ort_pair" and self._ort_pair is None:
+            raise ValueError("softmax_impl=ort_pair needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -139,7 +145,13 @@ class Engine:
         def onnx_path():
             head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)
 
+        def pair_path():
+            head_scan.scan_two(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(), self._ort_pair,
+                               self._pair_buffers(n), self._scan_pool)
+
         paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
+        if self._ort_pair is not None:
+            paths.append(("ort_pair", pair_path))
         if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
                                                     self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES):
             paths.append(("onnx", onnx_path))
@@ -164,6 +176,8 @@ class Engine:
         best = min(timings, key=timings.get)
         if best != "onnx":
             self.runtime.drop_full()
+        if best != "ort_pair":
+            self._pair_bufs = None
         return best, timings
 
     # ------------------------------------------------------------------ batch compute (worker thread)
@@ -204,6 +218,13 @@ class Engine:
             self._scan_buf = np.empty(need, dtype=np.float32)
         return self._scan_buf
 
+    def _pair_buffers(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two chunk buffers of an ort_pair pass for m inputs (half a chunk each), grown when needed."""
+        need = m * head_scan.chunk_rows(m, self.num_classes, head_scan.CHUNK_VALUES // 2)
+        if self._pair_bufs is None or self._pair_bufs[0].size < need:
+            self._pair_bufs = (np.empty(need, dtype=np.float32), np.empty(need, dtype=np.float32))
+        return self._pair_bufs
+
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
@@ -217,8 +238,12 @@ class Engine:
             accumulated[i] = jobs[i].accumulator(jobs[i].n)
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
-        if self.softmax_impl != "onnx":
-            head_scan.scan(self.bundle.weight, self.bundle.bias, h if len(rows) == len(h) else h[rows], parts,
+        hq = h if self.softmax_impl == "onnx" or len(rows) == len(h) else h[rows]
+        if self.softmax_impl == "ort_pair":
+            head_scan.scan_two(self.bundle.weight, self.bundle.bias, hq, parts, self._ort_pair,
+                               self._pair_buffers(len(rows)), self._scan_pool)
+        elif self.softmax_impl != "onnx":
+            head_scan.scan(self.bundle.weight, self.bundle.bias, hq, parts,
                            gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)
         else:
             head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts, pool=self._scan_pool)

@@ -9,6 +9,7 @@ top-k the k best so far, for the full logits its own [n, D] output.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor
 from typing import Callable, Iterable, Optional, Protocol
 
@@ -159,6 +160,42 @@ def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tu
     done()
 
 
+def scan_two(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
+             gemms: tuple[Gemm, Gemm], bufs: tuple[np.ndarray, np.ndarray], pool: Executor, rows: int | None = None) -> None:
+    """As `scan`, on two threads that each take the next chunk when done with their last one: this
+    thread and the `pool` thread, each with its own one-thread GEMM and buffer. Two one-thread GEMMs
+    side by side beat one GEMM split over two threads, and a thread the event loop preempts only
+    slows itself down: the other takes the chunks it would have done (a GEMM split in two waits for
+    its slower half). Accumulators are updated under a lock, in whatever order chunks finish.
+    bufs: flat float32 arrays of at least M x rows values each."""
+    parts = list(parts)
+    parts, _, done = _merged(parts, None)
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    num_classes = weight.shape[0]
+    rows = rows or chunk_rows(h.shape[0], num_classes, CHUNK_VALUES // 2)
+    starts = iter(range(0, num_classes, rows))
+    lock = threading.Lock()
+
+    def work(gemm: Gemm, buf: np.ndarray) -> None:
+        while True:
+            with lock:
+                start = next(starts, None)
+            if start is None:
+                return
+            stop = min(start + rows, num_classes)
+            out = buf[:h.shape[0] * (stop - start)].reshape(h.shape[0], stop - start)  # [M, C]
+            z = gemm(h, weight[start:stop], bias[start:stop], out)
+            with lock:
+                _update(parts, z, start)
+
+    other = pool.submit(work, gemms[1], bufs[1])
+    try:
+        work(gemms[0], bufs[0])
+    finally:  # the buffers are the caller's to reuse: never before the other thread is done
+        other.result()
+    done()
+
+
 def _update(parts: list[tuple[slice, Accumulator]], z: np.ndarray, start: int) -> None:
     for sl, acc in parts:
         acc.update(z[sl], start)
@@ -263,7 +300,7 @@ class SoftmaxStats:
         am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
         cmax = z[np.arange(n), am].astype(np.float64)
         self.finite &= np.isfinite(cmax) & np.isfinite(z.min(axis=1))  # NaN, +inf show in the max; -inf in the min
-        better = cmax > self.m
+        better = (cmax > self.m) | ((cmax == self.m) & (am + start < self.top))  # ties: the smaller id, in any chunk order
         self.top[better] = am[better] + start
         m_new = np.maximum(self.m, cmax)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # rows already marked not finite

@@ -66,9 +66,10 @@ class Settings(BaseSettings):
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    softmax_impl: Literal["auto", "numpy", "ort", "onnx"] = Field(
+    softmax_impl: Literal["auto", "numpy", "ort", "ort_pair", "onnx"] = Field(
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
-        "numpy's GEMM or onnxruntime's, or full.onnx; auto = the fastest at warm-up")
+        "numpy's GEMM or onnxruntime's, or two one-thread onnxruntime GEMMs taking chunks in turn (ort_pair, "
+        "with two or more intra-op threads), or full.onnx; auto = the fastest at warm-up")
     concurrent_batches: int = Field(2, ge=1, le=2, description=(
         "batches computed at once, each in a worker thread of its own: backbone-only requests (detect, v2 single "
         "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "
@@ -91,6 +92,12 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_level(cls, value):
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _ort_pair_needs_two_threads(self) -> "Settings":
+        if self.softmax_impl == "ort_pair" and self.intra_op_threads < 2:
+            raise ValueError("softmax_impl ort_pair needs intra_op_threads >= 2 (its two GEMMs run one thread each)")
+        return self
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> "Settings":

@@ -151,6 +151,46 @@ def test_two_threads_over_the_accumulators_give_every_job_the_dense_answer(sizes
             np.testing.assert_allclose(acc.result(), z, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [[1] * 9, [4, 1, 1], [1, 7], [3]])
+def test_two_gemms_taking_chunks_in_turn_give_every_job_the_dense_answer(sizes):
+    """scan_two: two one-thread GEMMs take class chunks as they finish theirs, in no set order; each
+    job still gets exactly the float64 answer for its rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = sum(sizes)
+    W, b, h, z64 = _head(D=3001, n=n)
+    starts = np.cumsum([0] + sizes)
+    kinds = [lambda m, i=i: (head_scan.SoftmaxStats(m, 11 * i), head_scan.TopK(m, 5), head_scan.AllLogits(m, len(W)))[i % 3]
+             for i in range(len(sizes))]
+    parts = [(slice(starts[i], starts[i + 1]), kinds[i](sizes[i])) for i in range(len(sizes))]
+    gemms = tuple(head_scan.OrtGemm(W.shape[1], threads=1) for _ in range(2))
+    bufs = tuple(np.empty(n * 97, np.float32) for _ in range(2))
+    with ThreadPoolExecutor(1) as pool:
+        head_scan.scan_two(W, b, h, parts, gemms, bufs, pool, rows=97)
+    for i, (sl, acc) in enumerate(parts):
+        z = z64[sl]
+        if i % 3 == 0:
+            e = np.exp(z - z.max(1, keepdims=True))
+            np.testing.assert_allclose(acc.result()[0], e[:, 11 * i] / e.sum(1), rtol=1e-5)
+            np.testing.assert_array_equal(acc.result()[2], z.argmax(1) == 11 * i)
+        elif i % 3 == 1:
+            np.testing.assert_array_equal(acc.result()[1], np.argsort(-z, axis=1)[:, :5])
+        else:
+            np.testing.assert_allclose(acc.result(), z, rtol=1e-5, atol=1e-5)
+
+
+def test_the_top_class_among_equal_maxima_is_the_smallest_id_whatever_the_chunk_order():
+    W, b, h, _ = _head(D=1000, n=3)
+    W[5], W[900] = 100 * h[0], 100 * h[0]  # classes 5 and 900: the same logit for every input,
+    b[5] = b[900] = 0.0  # and the largest for input 0
+    z = (h @ W.T + b).astype(np.float32)
+    for order in ([0, 500], [500, 0]):  # chunk [500, 1000) first, then [0, 500)
+        acc = head_scan.SoftmaxStats(len(h), 5)
+        for start in order:
+            acc.update(z[:, start:start + 500].copy(), start)
+        assert acc.result()[2][0]  # input 0: class 5 is the top-1 (900 ties with it, its id is larger)
+
+
 def test_the_accumulators_are_cut_in_two_by_rows():
     parts = [(slice(0, 6), "a"), (slice(6, 7), "b"), (slice(7, 8), "c"), (slice(8, 12), "d")]
     first, second = head_scan._halves(parts)

@@ -220,7 +220,7 @@ class Engine:
 
     def _pair_buffers(self, m: int) -> tuple[np.ndarray, np.ndarray]:
         """The two chunk buffers of an ort_pair pass for m inputs (half a chunk each), grown when needed."""
-        need = m * head_scan.chunk_rows(m, self.num_classes, head_scan.CHUNK_VALUES // 2)
+        need = m * head_scan.pair_rows(m, self.num_classes)
         if self._pair_bufs is None or self._pair_bufs[0].size < need:
             self._pair_bufs = (np.empty(need, dtype=np.float32), np.empty(need, dtype=np.float32))
         return self._pair_bufs

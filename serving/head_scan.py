@@ -22,6 +22,7 @@ CHUNK_VALUES = 2 * 1024 * 1024  # logits per chunk buffer (8 MiB of float32), wh
 MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
 FIRST_COLUMNS = 1024  # top-k: partitioned to seed the running k-th best; the rest is compared to it
 THRESHOLD_MAX_K = 64  # above this k too many logits beat a k-th best seeded from the first columns
+PAIR_MIN_CHUNKS = 8  # scan_two: chunks enough for two threads to share out, whatever the batch
 
 
 class Accumulator(Protocol):
@@ -35,6 +36,12 @@ def chunk_rows(batch: int, num_classes: int, values: int = CHUNK_VALUES) -> int:
     rows = int(min(num_classes, max(MIN_CHUNK_ROWS, values // max(batch, 1))))
     chunks = -(-num_classes // rows)
     return max(min(rows, MIN_CHUNK_ROWS), -(-num_classes // chunks))
+
+
+def pair_rows(batch: int, num_classes: int) -> int:
+    """Classes per chunk of a scan_two pass: half a scan chunk's logits (two buffers), and at least
+    PAIR_MIN_CHUNKS chunks, so that both threads have work even for a lone input."""
+    return max(1, min(chunk_rows(batch, num_classes, CHUNK_VALUES // 2), -(-num_classes // PAIR_MIN_CHUNKS)))
 
 
 def numpy_gemm(h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -167,12 +174,12 @@ def scan_two(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterabl
     side by side beat one GEMM split over two threads, and a thread the event loop preempts only
     slows itself down: the other takes the chunks it would have done (a GEMM split in two waits for
     its slower half). Accumulators are updated under a lock, in whatever order chunks finish.
-    bufs: flat float32 arrays of at least M x rows values each."""
+    bufs: flat float32 arrays of at least M x rows values each (rows: pair_rows unless given)."""
     parts = list(parts)
     parts, _, done = _merged(parts, None)
     h = np.ascontiguousarray(h, dtype=np.float32)
     num_classes = weight.shape[0]
-    rows = rows or chunk_rows(h.shape[0], num_classes, CHUNK_VALUES // 2)
+    rows = rows or pair_rows(h.shape[0], num_classes)
     starts = iter(range(0, num_classes, rows))
     lock = threading.Lock()
 

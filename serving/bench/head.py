@@ -70,7 +70,7 @@ def head_alone(bundle: Path, batch: int = 64, seed: int = 0) -> dict:
     t["chunked_ort_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, [], gemm=ort_gemm))
     if (os.cpu_count() or 1) > 1:  # two one-thread GEMMs taking chunks in turn (softmax_impl ort_pair)
         pair = tuple(head_scan.OrtGemm(d, threads=1) for _ in range(2))
-        need = batch * head_scan.chunk_rows(batch, D, head_scan.CHUNK_VALUES // 2)
+        need = batch * head_scan.pair_rows(batch, D)
         bufs = (np.empty(need, np.float32), np.empty(need, np.float32))
         with ThreadPoolExecutor(1) as pool:
             t["chunked_ort_pair"] = _time_call(lambda: head_scan.scan_two(W, b, H, [], pair, bufs, pool))

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from serving import head_scan
+from serving.packed_head import PackedHead
 from serving.batcher import Batcher, Job, JobFailed
 from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import GalleryUnavailable, StorageFull
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 # measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
 SCAN_PATIENCE_SHARE = 0.05
 
-# full.onnx holds its own copy of the head in RAM; past this many weights (256 MB of float32)
-# the softmax baseline always uses numpy BLAS over the memory-mapped rows instead.
+# full.onnx and the packed head hold their own (packed) copy of the head in RAM; past this many
+# weights (256 MB of float32) the softmax baseline only reads the memory-mapped rows.
 ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
 
 
@@ -89,11 +90,13 @@ class Engine:
         # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
         self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
         # softmax_impl ort_pair: two one-thread GEMMs (this thread and the pool's) taking class chunks in turn
-        self._ort_pair = (tuple(head_scan.OrtGemm(int(bundle.embed_dim), threads=1) for _ in range(2))
+        self._ort_pair = (tuple(head_scan.over_rows(head_scan.OrtGemm(int(bundle.embed_dim), threads=1),
+                                                    bundle.weight, bundle.bias) for _ in range(2))
                           if self._scan_pool is not None else None)
+        self._packed: Optional[PackedHead] = None  # softmax_impl packed_pair: the same, rows pre-packed (built at warm-up)
         self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
-        if self.softmax_impl == "ort_pair" and self._ort_pair is None:
-            raise ValueError("softmax_impl=ort_pair needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
+        if self.softmax_impl in ("ort_pair", "packed_pair") and self._ort_pair is None:
+            raise ValueError(f"softmax_impl={self.softmax_impl} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -145,16 +148,20 @@ class Engine:
         def onnx_path():
             head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)
 
-        def pair_path():
-            head_scan.scan_two(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(), self._ort_pair,
-                               self._pair_buffers(n), self._scan_pool)
+        def pair_path(impl):
+            def run():
+                self._scan_head_pair(self.runtime.embed(x), per_input(), impl)
+            return run
 
         paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
         if self._ort_pair is not None:
-            paths.append(("ort_pair", pair_path))
-        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and
-                                                    self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES):
+            paths.append(("ort_pair", pair_path("ort_pair")))
+        fits_twice = self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES
+        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and fits_twice):
             paths.append(("onnx", onnx_path))
+        if self._ort_pair is not None and (self.settings.softmax_impl == "packed_pair" or
+                                           (self.settings.softmax_impl == "auto" and fits_twice)):
+            paths.append(("packed_pair", pair_path("packed_pair")))
         if self.settings.softmax_impl != "auto":
             paths = [p for p in paths if p[0] == self.settings.softmax_impl]
         elif len(paths) == 2:
@@ -162,6 +169,9 @@ class Engine:
                      self.num_classes * self.bundle.embed_dim)
         for name, fn in paths:
             try:
+                if name == "packed_pair" and self._packed is None:
+                    self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
+                                              head_scan.pair_rows(self.settings.max_batch, self.num_classes))
                 fn()  # first call pays loading and page faults
                 best = math.inf
                 for _ in range(3):
@@ -176,7 +186,9 @@ class Engine:
         best = min(timings, key=timings.get)
         if best != "onnx":
             self.runtime.drop_full()
-        if best != "ort_pair":
+        if best != "packed_pair":
+            self._packed = None  # its packed copy of the head
+        if best not in ("ort_pair", "packed_pair"):
             self._pair_bufs = None
         return best, timings
 
@@ -218,12 +230,23 @@ class Engine:
             self._scan_buf = np.empty(need, dtype=np.float32)
         return self._scan_buf
 
-    def _pair_buffers(self, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """The two chunk buffers of an ort_pair pass for m inputs (half a chunk each), grown when needed."""
-        need = m * head_scan.pair_rows(m, self.num_classes)
+    def _pair_rows(self, m: int, impl: str) -> int:
+        """Classes per chunk of a two-thread pass over m inputs: the packed head's own chunks, or pair_rows."""
+        return self._packed.rows if impl == "packed_pair" else head_scan.pair_rows(m, self.num_classes)
+
+    def _pair_buffers(self, m: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two chunk buffers of a two-thread pass for m inputs (one chunk each), grown when needed."""
+        need = m * rows
         if self._pair_bufs is None or self._pair_bufs[0].size < need:
             self._pair_bufs = (np.empty(need, dtype=np.float32), np.empty(need, dtype=np.float32))
         return self._pair_bufs
+
+    def _scan_head_pair(self, h: np.ndarray, parts: list, impl: str) -> None:
+        """The pass on two threads taking chunks in turn: one-thread GEMMs over the mapped rows
+        (ort_pair) or the packed head's chunk sessions (packed_pair)."""
+        gemms = (self._packed, self._packed) if impl == "packed_pair" else self._ort_pair
+        rows = self._pair_rows(len(h), impl)
+        head_scan.scan_two(self.num_classes, h, parts, gemms, self._pair_buffers(len(h), rows), self._scan_pool, rows)
 
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
@@ -239,9 +262,8 @@ class Engine:
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
         hq = h if self.softmax_impl == "onnx" or len(rows) == len(h) else h[rows]
-        if self.softmax_impl == "ort_pair":
-            head_scan.scan_two(self.bundle.weight, self.bundle.bias, hq, parts, self._ort_pair,
-                               self._pair_buffers(len(rows)), self._scan_pool)
+        if self.softmax_impl in ("ort_pair", "packed_pair"):
+            self._scan_head_pair(hq, parts, self.softmax_impl)
         elif self.softmax_impl != "onnx":
             head_scan.scan(self.bundle.weight, self.bundle.bias, hq, parts,
                            gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)

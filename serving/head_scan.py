@@ -17,6 +17,8 @@ import numpy as np
 
 # z = h @ w.T + b for one chunk: h [M, d], w [C, d] (a view of the head), b [C], written into out [M, C]
 Gemm = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+# the same for classes start..stop-1 of a head the callable holds: (h, start, stop, out) -> out [M, C]
+ChunkGemm = Callable[[np.ndarray, int, int, np.ndarray], np.ndarray]
 
 CHUNK_VALUES = 2 * 1024 * 1024  # logits per chunk buffer (8 MiB of float32), whatever the batch
 MIN_CHUNK_ROWS = 4096  # below this the GEMM per chunk gets too thin to run at full speed
@@ -42,6 +44,11 @@ def pair_rows(batch: int, num_classes: int) -> int:
     """Classes per chunk of a scan_two pass: half a scan chunk's logits (two buffers), and at least
     PAIR_MIN_CHUNKS chunks, so that both threads have work even for a lone input."""
     return max(1, min(chunk_rows(batch, num_classes, CHUNK_VALUES // 2), -(-num_classes // PAIR_MIN_CHUNKS)))
+
+
+def over_rows(gemm: Gemm, weight: np.ndarray, bias: np.ndarray) -> ChunkGemm:
+    """A Gemm on the rows of weight / bias (views, no copy) as a ChunkGemm."""
+    return lambda h, start, stop, out: gemm(h, weight[start:stop], bias[start:stop], out)
 
 
 def numpy_gemm(h: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -167,23 +174,24 @@ def scan(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tu
     done()
 
 
-def scan_two(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
-             gemms: tuple[Gemm, Gemm], bufs: tuple[np.ndarray, np.ndarray], pool: Executor, rows: int | None = None) -> None:
+def scan_two(num_classes: int, h: np.ndarray, parts: Iterable[tuple[slice, Accumulator]],
+             gemms: tuple[ChunkGemm, ChunkGemm], bufs: tuple[np.ndarray, np.ndarray], pool: Executor,
+             rows: int | None = None) -> None:
     """As `scan`, on two threads that each take the next chunk when done with their last one: this
     thread and the `pool` thread, each with its own one-thread GEMM and buffer. Two one-thread GEMMs
     side by side beat one GEMM split over two threads, and a thread the event loop preempts only
     slows itself down: the other takes the chunks it would have done (a GEMM split in two waits for
     its slower half). Accumulators are updated under a lock, in whatever order chunks finish.
-    bufs: flat float32 arrays of at least M x rows values each (rows: pair_rows unless given)."""
+    gemms: one per thread (over_rows(OrtGemm, ...)), or the same PackedHead twice (a session per
+    chunk); bufs: flat float32 arrays of at least M x rows values each (rows: pair_rows unless given)."""
     parts = list(parts)
     parts, _, done = _merged(parts, None)
     h = np.ascontiguousarray(h, dtype=np.float32)
-    num_classes = weight.shape[0]
     rows = rows or pair_rows(h.shape[0], num_classes)
     starts = iter(range(0, num_classes, rows))
     lock = threading.Lock()
 
-    def work(gemm: Gemm, buf: np.ndarray) -> None:
+    def work(gemm: ChunkGemm, buf: np.ndarray) -> None:
         while True:
             with lock:
                 start = next(starts, None)
@@ -191,7 +199,7 @@ def scan_two(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, parts: Iterabl
                 return
             stop = min(start + rows, num_classes)
             out = buf[:h.shape[0] * (stop - start)].reshape(h.shape[0], stop - start)  # [M, C]
-            z = gemm(h, weight[start:stop], bias[start:stop], out)
+            z = gemm(h, start, stop, out)
             with lock:
                 _update(parts, z, start)
 

@@ -66,10 +66,12 @@ class Settings(BaseSettings):
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    softmax_impl: Literal["auto", "numpy", "ort", "ort_pair", "onnx"] = Field(
+    softmax_impl: Literal["auto", "numpy", "ort", "ort_pair", "packed_pair", "onnx"] = Field(
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
-        "numpy's GEMM or onnxruntime's, or two one-thread onnxruntime GEMMs taking chunks in turn (ort_pair, "
-        "with two or more intra-op threads), or full.onnx; auto = the fastest at warm-up")
+        "numpy's GEMM or onnxruntime's, or two one-thread onnxruntime GEMMs taking chunks in turn (ort_pair; "
+        "packed_pair: each chunk's rows pre-packed once, a second copy of the head; both with two or more "
+        "intra-op threads), or full.onnx; auto = the fastest at warm-up (packed_pair and onnx only for heads of "
+        "at most 64 Mi weights)")
     concurrent_batches: int = Field(2, ge=1, le=2, description=(
         "batches computed at once, each in a worker thread of its own: backbone-only requests (detect, v2 single "
         "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "
@@ -94,9 +96,10 @@ class Settings(BaseSettings):
         return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _ort_pair_needs_two_threads(self) -> "Settings":
-        if self.softmax_impl == "ort_pair" and self.intra_op_threads < 2:
-            raise ValueError("softmax_impl ort_pair needs intra_op_threads >= 2 (its two GEMMs run one thread each)")
+    def _pairs_need_two_threads(self) -> "Settings":
+        if self.softmax_impl in ("ort_pair", "packed_pair") and self.intra_op_threads < 2:
+            raise ValueError(f"softmax_impl {self.softmax_impl} needs intra_op_threads >= 2 "
+                             "(its two GEMMs run one thread each)")
         return self
 
     @model_validator(mode="after")

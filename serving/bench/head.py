@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from serving import head_scan
+from serving.engine import ONNX_HEAD_MAX_VALUES
+from serving.packed_head import PackedHead
 
 
 def _time_call(fn, min_time: float = 0.3, repeats: int = 5) -> float:
@@ -68,12 +70,17 @@ def head_alone(bundle: Path, batch: int = 64, seed: int = 0) -> dict:
     t["chunked_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, []))  # the server's pass, nothing kept
     ort_gemm = head_scan.OrtGemm(d, threads=os.cpu_count() or 1)
     t["chunked_ort_gemm"] = _time_call(lambda: head_scan.scan(W, b, H, [], gemm=ort_gemm))
-    if (os.cpu_count() or 1) > 1:  # two one-thread GEMMs taking chunks in turn (softmax_impl ort_pair)
-        pair = tuple(head_scan.OrtGemm(d, threads=1) for _ in range(2))
-        need = batch * head_scan.pair_rows(batch, D)
-        bufs = (np.empty(need, np.float32), np.empty(need, np.float32))
+    if (os.cpu_count() or 1) > 1:  # two one-thread GEMMs taking chunks in turn (softmax_impl ort_pair, packed_pair)
+        rows = head_scan.pair_rows(batch, D)
+        pair = tuple(head_scan.over_rows(head_scan.OrtGemm(d, threads=1), W, b) for _ in range(2))
+        bufs = (np.empty(batch * rows, np.float32), np.empty(batch * rows, np.float32))
         with ThreadPoolExecutor(1) as pool:
-            t["chunked_ort_pair"] = _time_call(lambda: head_scan.scan_two(W, b, H, [], pair, bufs, pool))
+            t["chunked_ort_pair"] = _time_call(lambda: head_scan.scan_two(D, H, [], pair, bufs, pool, rows))
+            if D * d <= ONNX_HEAD_MAX_VALUES:  # what the server may hold: a packed copy of the head
+                packed = PackedHead(W, b, rows)
+                t["chunked_packed_pair"] = _time_call(lambda: head_scan.scan_two(D, H, [], (packed, packed), bufs,
+                                                                                 pool, rows))
+                del packed
     us = {
         "one_logit_per_input_single_us": t["one_logit_single"] * 1e6,
         "one_logit_per_input_batch64_us": t["one_logit_batch"] / batch * 1e6,
@@ -81,15 +88,16 @@ def head_alone(bundle: Path, batch: int = 64, seed: int = 0) -> dict:
         "all_logits_per_input_batch64_us": t["all_logits_batch"] / batch * 1e6,
         "softmax_per_input_batch64_us": t["softmax_batch"] / batch * 1e6,
         # the bound a full-softmax server is read against: the fastest of one [B, D] numpy GEMM and the
-        # chunked pass with numpy's or onnxruntime's GEMM, or two one-thread ones taking chunks in turn (logits
-        # only: no softmax, no HTTP, no backbone)
+        # chunked pass with numpy's or onnxruntime's GEMM, or two one-thread ones taking chunks in turn, over
+        # the mapped rows or pre-packed (logits only: no softmax, no HTTP, no backbone)
         "gemm_bound_inputs_per_s": batch / min(t[k] for k in ("all_logits_batch", "chunked_gemm", "chunked_ort_gemm",
-                                                               "chunked_ort_pair") if k in t),
+                                                               "chunked_ort_pair", "chunked_packed_pair") if k in t),
         "chunked_gemm_per_input_batch64_us": t["chunked_gemm"] / batch * 1e6,
         "chunked_ort_gemm_per_input_batch64_us": t["chunked_ort_gemm"] / batch * 1e6,
     }
-    if "chunked_ort_pair" in t:
-        us["chunked_ort_pair_per_input_batch64_us"] = t["chunked_ort_pair"] / batch * 1e6
+    for k in ("chunked_ort_pair", "chunked_packed_pair"):
+        if k in t:
+            us[f"{k}_per_input_batch64_us"] = t[k] / batch * 1e6
     us["all_over_one_single"] = us["all_logits_per_input_single_us"] / us["one_logit_per_input_single_us"]
     us["all_over_one_batch64"] = us["all_logits_per_input_batch64_us"] / us["one_logit_per_input_batch64_us"]
     return us

@@ -145,9 +145,10 @@ def test_a_bad_setting_is_one_line_before_the_server_starts(var, value, needle, 
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err and repr(value) in err
 
 
-def test_two_settings_that_do_not_go_together_are_one_line_before_the_server_starts(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("impl", ["ort_pair", "packed_pair"])
+def test_two_settings_that_do_not_go_together_are_one_line_before_the_server_starts(impl, tmp_path, capsys, monkeypatch):
     assert run(capsys, "bundle", "synthetic", "--classes", 5, "--dim", 4, "--input-dim", 3, "--out", tmp_path / "b")[0] == 0
-    monkeypatch.setenv("SLC_SOFTMAX_IMPL", "ort_pair")
+    monkeypatch.setenv("SLC_SOFTMAX_IMPL", impl)
     monkeypatch.setenv("SLC_INTRA_OP_THREADS", "1")
     code, _, err = run(capsys, "serve", tmp_path / "b", "--port", 1)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "ort_pair needs intra_op_threads >= 2" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{impl} needs intra_op_threads >= 2" in err

@@ -151,8 +151,20 @@ def test_two_threads_over_the_accumulators_give_every_job_the_dense_answer(sizes
             np.testing.assert_allclose(acc.result(), z, rtol=1e-5, atol=1e-5)
 
 
+def _pair_gemms(kind: str, W: np.ndarray, b: np.ndarray, rows: int):
+    """The two chunk GEMMs of a scan_two pass: one onnxruntime Gemm per thread over the rows
+    (ort_pair), or one pre-packed session per chunk shared by both threads (packed_pair)."""
+    if kind == "ort_pair":
+        return tuple(head_scan.over_rows(head_scan.OrtGemm(W.shape[1], threads=1), W, b) for _ in range(2))
+    from serving.packed_head import PackedHead
+
+    packed = PackedHead(W, b, rows)
+    return packed, packed
+
+
+@pytest.mark.parametrize("kind", ["ort_pair", "packed_pair"])
 @pytest.mark.parametrize("sizes", [[1] * 9, [4, 1, 1], [1, 7], [3]])
-def test_two_gemms_taking_chunks_in_turn_give_every_job_the_dense_answer(sizes):
+def test_two_gemms_taking_chunks_in_turn_give_every_job_the_dense_answer(sizes, kind):
     """scan_two: two one-thread GEMMs take class chunks as they finish theirs, in no set order; each
     job still gets exactly the float64 answer for its rows."""
     from concurrent.futures import ThreadPoolExecutor
@@ -163,10 +175,10 @@ def test_two_gemms_taking_chunks_in_turn_give_every_job_the_dense_answer(sizes):
     kinds = [lambda m, i=i: (head_scan.SoftmaxStats(m, 11 * i), head_scan.TopK(m, 5), head_scan.AllLogits(m, len(W)))[i % 3]
              for i in range(len(sizes))]
     parts = [(slice(starts[i], starts[i + 1]), kinds[i](sizes[i])) for i in range(len(sizes))]
-    gemms = tuple(head_scan.OrtGemm(W.shape[1], threads=1) for _ in range(2))
+    gemms = _pair_gemms(kind, W, b, rows=97)
     bufs = tuple(np.empty(n * 97, np.float32) for _ in range(2))
     with ThreadPoolExecutor(1) as pool:
-        head_scan.scan_two(W, b, h, parts, gemms, bufs, pool, rows=97)
+        head_scan.scan_two(len(W), h, parts, gemms, bufs, pool, rows=97)
     for i, (sl, acc) in enumerate(parts):
         z = z64[sl]
         if i % 3 == 0:
@@ -177,6 +189,19 @@ def test_two_gemms_taking_chunks_in_turn_give_every_job_the_dense_answer(sizes):
             np.testing.assert_array_equal(acc.result()[1], np.argsort(-z, axis=1)[:, :5])
         else:
             np.testing.assert_allclose(acc.result(), z, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_head_refuses_a_class_range_that_is_not_one_of_its_chunks():
+    from serving.packed_head import PackedHead
+
+    W, b, h, _ = _head(D=300, n=2)
+    packed = PackedHead(W, b, rows=100)
+    out = np.empty((2, 100), np.float32)
+    np.testing.assert_allclose(packed(h, 200, 300, out), h.astype(np.float64) @ W[200:].T.astype(np.float64) + b[200:],
+                               rtol=1e-5, atol=1e-5)
+    for start, stop in ((50, 150), (100, 150)):
+        with pytest.raises(ValueError, match="not one of this head's chunks of 100"):
+            packed(h, start, stop, out[:, :stop - start])
 
 
 def test_the_top_class_among_equal_maxima_is_the_smallest_id_whatever_the_chunk_order():

@@ -7,7 +7,9 @@ needs the backbone and whose measured cost is under `inline_max_s`: it runs on t
 hop to the thread and back costs the loop more than such a batch). A full queue refuses at once
 (Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits is answered
 504 and never computed, and one that gives up leaves the queue at once. A batch is handed to its
-worker thread as soon as it is taken, before the loop answers the batch that just finished.
+worker thread as soon as it is taken, before the loop answers the batch that just finished; and
+while a pass computes, a full batch of passes waiting behind it is handed to the same worker at
+once, which starts it the moment the pass ends, without a word from the loop.
 
 Up to `lanes` batches compute at once, each in a worker thread of its own. Backbone-only jobs
 (detect, v2 single logits) are batched apart from passes over the head and index searches, and
@@ -144,6 +146,7 @@ class Batcher:
         self._workers = [Worker("slc-batch" + (f"-{i}" if i else "")) for i in range(self.lanes)]
         self._worker = self._workers[0]  # warm-up and calibration calls (run_sync)
         self._busy: dict[int, bool] = {}  # lane computing a batch now -> whether it is backbone-only
+        self._staged: set[int] = set()  # lanes whose worker holds a next pass behind the one computing
         self._computing: set[asyncio.Task] = set()
         # for Retry-After (moving averages): inputs/s of backbone-only batches, whose cost grows with their
         # size, and seconds per batch of the others, a pass over the head costing the same for 1 input or 64
@@ -268,6 +271,8 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             if self._busy and (len(self._busy) >= self.lanes or self._first(True) is None):
+                if self._stage_next_pass(loop):
+                    continue
                 self._wakeup.clear()  # set again by a new job or a lane that is done
                 await self._wakeup.wait()
                 continue
@@ -288,12 +293,36 @@ class Batcher:
                 continue
             lane = min(set(range(self.lanes)) - self._busy.keys())
             self._busy[lane] = all(job.embed for job in batch)
-            # handed to the worker now: a task's first step would wait behind every callback already
-            # ready on the loop (after a pass, the answers of all its requests) and leave the worker idle
-            computed = self._workers[lane].run(self._timed_compute, batch, shared)
-            task = loop.create_task(self._finish_on(lane, batch, size, computed))
-            self._computing.add(task)
-            task.add_done_callback(self._computing.discard)
+            self._hand_over(loop, lane, batch, size, shared)
+
+    def _hand_over(self, loop, lane: int, batch: list[Job], size: int, shared: bool) -> None:
+        """Into the lane's worker now: a task's first step would wait behind every callback already
+        ready on the loop (after a pass, the answers of all its requests) and leave the worker idle."""
+        computed = self._workers[lane].run(self._timed_compute, batch, shared)
+        task = loop.create_task(self._finish_on(lane, batch, size, computed))
+        self._computing.add(task)
+        task.add_done_callback(self._computing.discard)
+
+    def _stage_next_pass(self, loop) -> bool:
+        """While a lane computes a pass and a full batch that may follow it waits (max_batch inputs of
+        passes and index searches, or of anything with one lane), take that batch and queue it in the
+        lane's worker behind the pass: the worker starts it the moment the pass ends. Otherwise the
+        end of the pass reaches the batcher only some loop iterations later, behind the answers of
+        the pass's requests and the new requests they bring: milliseconds of an idle worker per pass.
+        One batch is staged per lane at most; a staged batch computes with every thread."""
+        lane = next((i for i, embed in self._busy.items() if not embed and i not in self._staged), None)
+        if lane is None:
+            return False
+        first = next((job for job in self._jobs if self.lanes == 1 or not job.embed), None)
+        waiting = self._pending_inputs if self.lanes == 1 else self._queued[False]
+        if first is None or waiting < self.max_batch:
+            return False
+        batch, size = self._take(first=first)
+        if not batch:
+            return True  # only expired or cancelled jobs: look again
+        self._staged.add(lane)
+        self._hand_over(loop, lane, batch, size, shared=False)
+        return True
 
     def _first(self, shared: bool) -> Optional[Job]:
         """The job the next batch starts with: the oldest, or beside another batch the oldest that may
@@ -315,7 +344,10 @@ class Batcher:
             self._fail(batch, size, exc)
             return
         finally:
-            self._busy.pop(lane, None)
+            if lane in self._staged:  # the batch staged behind this one computes now: the lane stays busy
+                self._staged.discard(lane)
+            else:
+                self._busy.pop(lane, None)
             self._wakeup.set()  # the run loop may wait for a free lane
         self._deliver(batch, size, results, elapsed)
 
@@ -414,11 +446,12 @@ class Batcher:
                 break
         return not first.taken
 
-    def _take(self, shared: bool = False) -> tuple[list[Job], int]:
-        """Pop the jobs of the next batch, up to max_batch inputs (a larger single job goes alone);
-        drop the expired. Jobs that may not join it keep their place in the queue."""
+    def _take(self, shared: bool = False, first: Optional[Job] = None) -> tuple[list[Job], int]:
+        """Pop the jobs of the next batch, up to max_batch inputs (a larger single job goes alone),
+        starting with `first` (else _first); drop the expired. Jobs that may not join it keep their
+        place in the queue."""
         now = asyncio.get_running_loop().time()
-        first = self._first(shared)
+        first = first or self._first(shared)
         if first is None:
             return [], 0
         batch: list[Job] = []

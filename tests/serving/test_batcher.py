@@ -285,6 +285,62 @@ def test_the_next_batch_reaches_the_worker_before_the_last_one_is_answered(lanes
     assert events[:3] == ["handed", "handed", "answered 0"]
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_full_batch_waiting_behind_a_pass_starts_when_it_ends_without_the_loop(lanes):
+    """While a pass computes, a full batch of passes waiting is queued in the same worker: it starts
+    the moment the pass ends, even while the event loop is busy (here: blocked outright)."""
+    import threading
+
+    class Passes(Lanes):
+        def __init__(self):
+            super().__init__()
+            self.second_started = threading.Event()
+
+        def __call__(self, jobs, shared=False):
+            if len(self.calls) == 1:  # the second batch: noted before it computes
+                self.second_started.set()
+            return super().__call__(jobs, shared)
+
+    async def main():
+        passes = Passes()
+        b = Batcher(passes, max_batch=2, max_delay_ms=0, lanes=lanes)
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit(np.full((1, 1), float(i)), "logits")) for i in range(4)]
+        await asyncio.sleep(0.05)  # the first batch computes (blocked), the second fills the queue
+        staged = b.pending_inputs == 0
+        passes.release.set()
+        started_with_loop_blocked = passes.second_started.wait(10)  # the loop runs nothing meanwhile
+        outs = await asyncio.gather(*tasks)
+        await b.stop()
+        return staged, started_with_loop_blocked, outs, passes.most
+
+    staged, started, outs, most = run(main())
+    assert staged and started and most == 1
+    assert [float(o[0, 0]) for o in outs] == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_a_batch_short_of_full_is_not_staged_behind_a_pass():
+    async def main():
+        lanes = Lanes()
+        b = Batcher(lanes, max_batch=4, max_delay_ms=0, lanes=2, in_flight=lambda: 8)
+        b.start()
+        first = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
+        await asyncio.sleep(0.05)  # computing (blocked)
+        later = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        waiting = b.pending_inputs  # three of four: they wait for the pass to end, and for mates
+        more = asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits"))
+        await asyncio.sleep(0.05)
+        lanes.release.set()
+        await asyncio.gather(first, *later, more)
+        await b.stop()
+        return waiting, lanes
+
+    waiting, lanes = run(main())
+    assert waiting == 3
+    assert [sizes for _, sizes, _ in lanes.calls] == [[1], [1, 1, 1, 1]] and lanes.most == 1
+
+
 def test_a_request_that_gives_up_leaves_the_queue_at_once():
     async def main():
         lanes = Lanes()

@@ -6,6 +6,9 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from serving.bench import cpu
+
+
 def _ratio(a, b):
     return (a / b) if (a is not None and b not in (None, 0)) else None
 
@@ -83,6 +86,13 @@ def protocol_targets(add, by_d: dict, lo: int, hi: int) -> None:
             if D >= 100_000 and sat and bound:
                 add(f"softmax ({sat['concurrency']} connections) / GEMM bound at batch 64, D={D:,}",
                     _ratio(sat["rps"], bound), goal, note=f"{_fmt(sat['rps'])} vs {_fmt(bound)} inputs/s")
+        sat = by_d[D].get("softmax_saturated") or {}
+        ceiling = cpu.ceiling_over_bound(sat.get("cpu"), bound)
+        if D >= 100_000 and ceiling is not None:
+            per = sat["cpu"]["core_ms_per_request"]
+            add(f"ceiling of the same / GEMM bound at D={D:,}: a pass at the bound, the event loop and the client "
+                "at their measured CPU per request on the same cores", ceiling, None,
+                note=f"loop {per['loop']:.3f} + client {per['client']:.3f} core-ms per request")
 
 
 def _fmt(x, digits=1):
@@ -159,12 +169,21 @@ def _md_protocols(res: dict) -> list[str]:
           f"{conns('softmax_saturated')} connections keep the next full batch queued while one computes; "
           f"{conns('softmax_one_batch')} fill exactly one batch, so the event loop's work and the pass take turns)", "",
           "| D | saturated req/s | p50 ms | one batch req/s | GEMM bound at batch 64 (inputs/s) | saturated / bound | "
-          "one batch / bound |", "|---:|---:|---:|---:|---:|---:|---:|"]
+          "one batch / bound | saturated: cores of loop / workers / client; idle share | ceiling / bound |",
+          "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in res["rows"]:
         sat, one = r.get("softmax_saturated") or {}, r.get("softmax_one_batch") or {}
         bound = r["head_alone"].get("gemm_bound_inputs_per_s")
+        use = sat.get("cpu")
+        where = (f"{use['cores']['loop']:.2f} / {use['cores']['workers']:.2f} / {use['cores']['client']:.2f}; "
+                 f"{use['idle_share']:.2f}" if use else "–")
         L.append(f"| {r['classes']:,} | {_fmt(sat.get('rps'))} | {_fmt(sat.get('p50_ms'), 2)} | {_fmt(one.get('rps'))} | "
-                 f"{_fmt(bound)} | {_fmt(_ratio(sat.get('rps'), bound), 2)} | {_fmt(_ratio(one.get('rps'), bound), 2)} |")
+                 f"{_fmt(bound)} | {_fmt(_ratio(sat.get('rps'), bound), 2)} | {_fmt(_ratio(one.get('rps'), bound), 2)} | "
+                 f"{where} | {_fmt(cpu.ceiling_over_bound(use, bound), 2)} |")
+    L += ["", "Ceiling: the share of the bound a server would reach whose pass cost exactly the bound's GEMM (every "
+          "core), while its event loop and the load client cost, on the same cores, the CPU per request measured in "
+          "the saturated run. The bound is the fastest of the GEMM forms the server may use (numpy, onnxruntime over "
+          "the mapped rows, two one-thread GEMMs, pre-packed chunks), logits only."]
     L += ["", "## All D logits over KServe v2: JSON against raw float32 (one connection, median of alternating requests, "
           "the client's decoding included)", "",
           "| D | inputs per request | JSON ms | JSON MB | binary ms | binary MB | JSON / binary time |",

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from serving import loadtest as lt
+from serving.bench import cpu
 from serving.bench.head import head_alone
 from serving.bench.report import evaluate_targets, scale_markdown, scale_plot
 from serving.bench.server import grpc_available, peer_server, process_tree_memory, slc_server
@@ -183,8 +184,10 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
                               progress=True, grpc_port=srv.grpc_port)
         row["slc"]["protocols_single"] = _summary(one.report)
         for key, conns in (("softmax_one_batch", ONE_BATCH), ("softmax_saturated", SATURATE)):
+            before = cpu.snapshot(srv.proc.pid)  # (the warm-up's 2 s count too: the same load)
             full = lt.run_loadtest(srv.url, ["softmax"], concurrency=conns, duration=duration, warmup=2.0)
             row[key] = {"concurrency": conns, **_summary(full.report)["softmax"]}
+            row[key]["cpu"] = cpu.split(before, cpu.snapshot(srv.proc.pid), row[key]["rps"])
         row["recall"] = topk_recall(srv.url)
         row["full_logits"] = full_logits_formats(srv.url, model["name"], rounds=9 if D <= 100_000 else 5)
         loaded = process_tree_memory(srv.proc.pid)

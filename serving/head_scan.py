@@ -181,7 +181,8 @@ def scan_two(num_classes: int, h: np.ndarray, parts: Iterable[tuple[slice, Accum
     thread and the `pool` thread, each with its own one-thread GEMM and buffer. Two one-thread GEMMs
     side by side beat one GEMM split over two threads, and a thread the event loop preempts only
     slows itself down: the other takes the chunks it would have done (a GEMM split in two waits for
-    its slower half). Accumulators are updated under a lock, in whatever order chunks finish.
+    its slower half). Chunks finish in any order; the softmax statistics are kept per thread and
+    combined at the end, the other accumulators are updated under a lock.
     gemms: one per thread (over_rows(OrtGemm, ...)), or the same PackedHead twice (a session per
     chunk); bufs: flat float32 arrays of at least M x rows values each (rows: pair_rows unless given)."""
     parts = list(parts)
@@ -190,8 +191,13 @@ def scan_two(num_classes: int, h: np.ndarray, parts: Iterable[tuple[slice, Accum
     rows = rows or pair_rows(h.shape[0], num_classes)
     starts = iter(range(0, num_classes, rows))
     lock = threading.Lock()
+    # softmax statistics: each thread keeps its own over the chunks it takes, folded together at the
+    # end (no thread waits for the other's update); other accumulators are updated under the lock
+    own = [[(sl, acc) for sl, acc in parts if type(acc) is SoftmaxStats]]
+    own.append([(sl, acc.fresh()) for sl, acc in own[0]])
+    locked = [(sl, acc) for sl, acc in parts if type(acc) is not SoftmaxStats]
 
-    def work(gemm: ChunkGemm, buf: np.ndarray) -> None:
+    def work(gemm: ChunkGemm, buf: np.ndarray, mine: list) -> None:
         while True:
             with lock:
                 start = next(starts, None)
@@ -200,14 +206,18 @@ def scan_two(num_classes: int, h: np.ndarray, parts: Iterable[tuple[slice, Accum
             stop = min(start + rows, num_classes)
             out = buf[:h.shape[0] * (stop - start)].reshape(h.shape[0], stop - start)  # [M, C]
             z = gemm(h, start, stop, out)
-            with lock:
-                _update(parts, z, start)
+            _update(mine, z, start)  # rows of its own: apart from the locked accumulators' rows
+            if locked:
+                with lock:
+                    _update(locked, z, start)
 
-    other = pool.submit(work, gemms[1], bufs[1])
+    other = pool.submit(work, gemms[1], bufs[1], own[1])
     try:
-        work(gemms[0], bufs[0])
+        work(gemms[0], bufs[0], own[0])
     finally:  # the buffers are the caller's to reuse: never before the other thread is done
         other.result()
+    for (_, acc), (_, theirs) in zip(*own):
+        acc.combine(theirs)
     done()
 
 
@@ -301,6 +311,7 @@ class SoftmaxStats:
         self.m = np.full(n, -np.inf)  # running max, float64 [n]
         self.s = np.zeros(n)  # running sum of exp(z - m), float64 [n]
         self.zj = np.zeros(n)
+        self.has_j = np.zeros(n, dtype=bool)  # rows whose class j was in a chunk this accumulator saw
         self.top = np.zeros(n, dtype=np.int64)
         self.finite = np.ones(n, dtype=bool)
 
@@ -309,9 +320,11 @@ class SoftmaxStats:
         if np.ndim(self.j) == 0:
             if start <= self.j < start + c:
                 self.zj = z[:, self.j - start].astype(np.float64)
+                self.has_j[:] = True
         else:
             rows = np.flatnonzero((self.j >= start) & (self.j < start + c))
             self.zj[rows] = z[rows, self.j[rows] - start]
+            self.has_j[rows] = True
         am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
         cmax = z[np.arange(n), am].astype(np.float64)
         self.finite &= np.isfinite(cmax) & np.isfinite(z.min(axis=1))  # NaN, +inf show in the max; -inf in the min
@@ -323,15 +336,37 @@ class SoftmaxStats:
             self.s = self.s * np.exp(self.m - m_new) + np.exp(lse - m_new)
         self.m = m_new
 
+    def fresh(self) -> "SoftmaxStats":
+        """An empty accumulator for the same rows and classes (another thread's share of the chunks)."""
+        return SoftmaxStats(len(self.m), self.j, self.logsumexp)
+
+    def combine(self, other: "SoftmaxStats") -> None:
+        """Fold in the statistics of the same rows over other chunks (the online softmax's merge)."""
+        m_new = np.maximum(self.m, other.m)
+        self.s = _rescaled(self.s, self.m, m_new) + _rescaled(other.s, other.m, m_new)
+        better = (other.m > self.m) | ((other.m == self.m) & (other.top < self.top))  # ties: the smaller id
+        self.top[better] = other.top[better]
+        self.zj = np.where(other.has_j, other.zj, self.zj)
+        self.has_j |= other.has_j
+        self.finite &= other.finite
+        self.m = m_new
+
     def take(self, other: "SoftmaxStats", rows: slice) -> None:
         """This accumulator's state from rows of one that accumulated for several requests."""
-        for name in ("m", "s", "zj", "top", "finite"):
+        for name in ("m", "s", "zj", "has_j", "top", "finite"):
             setattr(self, name, getattr(other, name)[rows].copy())
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(probability [n], logit of j [n], is_top1 [n]), all float64 / bool."""
         lse = self.m + np.log(self.s)
         return np.exp(self.zj - lse), self.zj, self.top == self.j
+
+
+def _rescaled(s: np.ndarray, m_old: np.ndarray, m_new: np.ndarray) -> np.ndarray:
+    """s, a sum of exp(z - m_old), as a sum of exp(z - m_new) (m_new >= m_old); nothing seen
+    (m_old = -inf, s = 0) stays 0 whatever m_new."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return s * np.exp(np.where(np.isneginf(m_old), -np.inf, m_old - m_new))
 
 
 class TopK:

@@ -204,6 +204,28 @@ def test_a_packed_head_refuses_a_class_range_that_is_not_one_of_its_chunks():
             packed(h, start, stop, out[:, :stop - start])
 
 
+@pytest.mark.parametrize("mine", [[0, 1, 2, 3], [], [1, 3], [2]])
+def test_softmax_statistics_of_two_threads_combined_equal_one_pass_over_every_chunk(mine):
+    """scan_two's threads each keep statistics over the chunks they took (any share, none at all);
+    combined they give the float64 answer, and the top class among equal maxima is the smallest id."""
+    W, b, h, z64 = _head(D=1000, n=4)
+    W[5], W[990] = 100 * h[0], 100 * h[0]  # classes 5 and 990 tie for input 0's top, in two chunks
+    b[5] = b[990] = 0.0
+    z64 = h.astype(np.float64) @ W.astype(np.float64).T + b
+    z = z64.astype(np.float32)
+    j = np.array([5, 990, 300, 999])  # one class per row
+    first = head_scan.SoftmaxStats(len(h), j)
+    second = first.fresh()
+    for k, start in enumerate(range(0, 1000, 250)):
+        (first if k in mine else second).update(z[:, start:start + 250].copy(), start)
+    second.combine(first)
+    e = np.exp(z64 - z64.max(1, keepdims=True))
+    prob, zj, top1 = second.result()
+    np.testing.assert_allclose(prob, e[np.arange(4), j] / e.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(zj, z[np.arange(4), j])
+    assert top1.tolist() == [True, False, *(z64[2:].argmax(1) == j[2:]).tolist()]
+
+
 def test_the_top_class_among_equal_maxima_is_the_smallest_id_whatever_the_chunk_order():
     W, b, h, _ = _head(D=1000, n=3)
     W[5], W[900] = 100 * h[0], 100 * h[0]  # classes 5 and 900: the same logit for every input,

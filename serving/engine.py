@@ -23,11 +23,11 @@ from typing import Any, Optional
 import numpy as np
 
 from serving import head_scan
-from serving.packed_head import PackedHead
 from serving.batcher import Batcher, Job, JobFailed
 from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import GalleryUnavailable, StorageFull
 from serving.inputs import examples as read_examples
+from serving.packed_head import PackedHead
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,8 @@ class Engine:
     def _scan_head_pair(self, h: np.ndarray, parts: list, impl: str) -> None:
         """The pass on two threads taking chunks in turn: one-thread GEMMs over the mapped rows
         (ort_pair) or the packed head's chunk sessions (packed_pair)."""
+        if impl == "packed_pair" and len(h) > self.settings.max_batch:
+            impl = "ort_pair"  # a lone job above max_batch: chunks of max_batch x rows would grow with it
         gemms = (self._packed, self._packed) if impl == "packed_pair" else self._ort_pair
         rows = self._pair_rows(len(h), impl)
         head_scan.scan_two(self.num_classes, h, parts, gemms, self._pair_buffers(len(h), rows), self._scan_pool, rows)

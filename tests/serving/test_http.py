@@ -86,6 +86,16 @@ def test_every_softmax_impl_answers_softmax_and_exact_topk_as_offline_math(clien
     assert [[e["class_id"] for e in row] for row in top["results"]] == np.argsort(-z, axis=1)[:, :4].tolist()
 
 
+def test_packed_pair_answers_a_job_larger_than_a_batch_as_offline_math(client_factory, offline, inputs):
+    """A lone job above max_batch goes through the pass sized for it (ort_pair's chunks, not the
+    packed head's fixed ones) and gets the float64 answer."""
+    client = client_factory(softmax_impl="packed_pair", intra_op_threads=2, max_batch=2)
+    assert client.get("/v1/model").json()["softmax_impl"] == "packed_pair"
+    body = client.post("/v1/classes/3/softmax", json={"inputs": inputs.tolist()}).json()  # 5 inputs, batches of 2
+    np.testing.assert_allclose([r["probability"] for r in body["results"]], _softmax64(offline.logits(inputs))[:, 3],
+                               rtol=1e-4, atol=1e-7)
+
+
 def test_softmax_is_top1_true_for_the_argmax_class(client, offline, inputs):
     top = int(offline.logits(inputs[:1]).argmax())
     body = client.post(f"/v1/classes/{top}/softmax", json={"inputs": inputs[:1].tolist()}).json()

@@ -1,17 +1,9 @@
-"""Image request bodies: decode (Pillow) and preprocess exactly as the bundle's training data was
-made, into one example of the bundle's input shape.
+"""Image request bodies: the HTTP side (content types, 415 / 413 / 422 envelopes) of decoding an
+image body into one example of the bundle's input shape.
 
-A bundle whose input is an image records how in its manifest (`image`, docs/bundle-format.md):
-
-    {"height": 32, "width": 32, "channels": 1, "layout": "CHW", "scale": 1.0,
-     "background": "dark", "resample": "lanczos"}
-
-Preprocessing, in order: EXIF orientation applied; transparency flattened onto the background
-colour; converted to grey (channels 1) or RGB (3); resized to width × height when it differs
-(`resample`); for grey images whose border is brighter than mid-grey while training images are
-light-on-dark (`background: dark`), inverted, so dark-on-light drawings and scans work too;
-multiplied by `scale` (pixel values 0–255 → the training range); laid out as `layout` (`flat`,
-`CHW`, `HWC`). A training image itself (same size, dark border) goes through unchanged.
+The decoding and preprocessing themselves are serving/bundle/image.py, the one implementation
+the trainer also uses on image files, so a training image sent as a body gets exactly its
+offline logit. The manifest's `image` spec says how (docs/bundle-format.md).
 """
 from __future__ import annotations
 
@@ -20,12 +12,14 @@ from typing import Optional
 
 import numpy as np
 
+from serving.bundle.image import MAX_PIXELS, ImageTooLarge, UnsupportedImage, open_image, preprocess
 from serving.errors import InvalidInput, PayloadTooLarge
 from serving.inputs import UnsupportedMediaType
 
+__all__ = ["IMAGE_TYPES", "MAX_PIXELS", "content_type_of", "decode", "is_image", "preprocess"]
+
 IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/bmp": "BMP",
                "image/webp": "WEBP", "image/tiff": "TIFF"}  # content type -> the one Pillow decoder tried
-MAX_PIXELS = 16_000_000  # decoded pixels; a larger image (or a decompression bomb) is refused
 
 
 def content_type_of(scope) -> bytes:
@@ -49,48 +43,14 @@ def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: 
     from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(body), formats=[IMAGE_TYPES[content_type.decode("latin-1")]])
-        if img.width * img.height > MAX_PIXELS:
-            raise PayloadTooLarge(f"the image has {img.width}x{img.height} pixels; the limit is {MAX_PIXELS:,}",
-                                  code="image_too_large")
-        img.load()
-        if img.mode in ("I", "F") or img.mode.startswith("I;32"):
-            raise UnsupportedMediaType(f"{img.mode} images (32-bit samples) are not supported; send 8 or 16 bits")
+        img = open_image(io.BytesIO(body), formats=[IMAGE_TYPES[content_type.decode("latin-1")]])
         return preprocess(img, spec)
-    except (PayloadTooLarge, UnsupportedMediaType):
-        raise
+    except ImageTooLarge as exc:
+        raise PayloadTooLarge(str(exc), code="image_too_large") from None
+    except UnsupportedImage as exc:
+        raise UnsupportedMediaType(str(exc)) from None
     except Image.DecompressionBombError as exc:  # Pillow's own guard, far above MAX_PIXELS
         raise PayloadTooLarge(f"the image is too large to decode ({exc})", code="image_too_large") from None
     except Exception as exc:  # noqa: BLE001 - any decoder or EXIF failure is the image's fault, never a 500
         raise InvalidInput(f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})",
                            code="invalid_image") from None
-
-
-def preprocess(img, spec: dict) -> np.ndarray:
-    """A decoded PIL image -> float32 example laid out as the spec says (see the module doc)."""
-    from PIL import Image, ImageOps
-
-    h, w, c = int(spec["height"]), int(spec["width"]), int(spec["channels"])
-    dark = spec.get("background", "dark") == "dark"
-    img = ImageOps.exif_transpose(img)
-    if img.mode.startswith("I;16"):  # 16-bit grey: scaled to 8 bits, not clipped at 255
-        img = Image.fromarray(np.rint(np.asarray(img, dtype=np.float64) / 257.0).astype(np.uint8))
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
-        flat = Image.new("RGBA", rgba.size, (0, 0, 0, 255) if dark else (255, 255, 255, 255))
-        img = Image.alpha_composite(flat, rgba)
-    img = img.convert("L" if c == 1 else "RGB")
-    if img.size != (w, h):
-        method = {"lanczos": Image.LANCZOS, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}
-        img = img.resize((w, h), method[spec.get("resample", "lanczos")])
-    a = np.asarray(img, dtype=np.float32)  # [h, w] or [h, w, 3]
-    if c == 1:
-        border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
-        if (border.mean() > 127.5) == dark:  # background opposite to training's: invert
-            a = 255.0 - a
-    a = a * np.float32(spec.get("scale", 1.0))
-    if spec["layout"] == "flat":
-        return a.reshape(-1)
-    if spec["layout"] == "CHW":
-        return a.reshape(1, h, w) if c == 1 else np.ascontiguousarray(a.transpose(2, 0, 1))
-    return a.reshape(h, w, c)

@@ -3,6 +3,7 @@
 numpy, onnx and onnxruntime only: no torch, no trainer. Modules:
 format (names, manifest, hashes) · files (atomic writes) · home (SLC_HOME) · npy (.npy head) ·
 names, calibration (compact per-class data) · graphs (ONNX checks) · session (onnxruntime) ·
+image, imagespec (an image -> one input, for trainer and server alike; Pillow) ·
 verify (`slc verify`) · loader (`load_bundle`) · synthetic (random bundles for scale work).
 """
 from serving.bundle.calibration import PerClassCalibration, calibration_arrays

@@ -20,10 +20,18 @@ logit (it never matches there) and `"reached": false`.
 Platt scaling: probability = sigmoid(a * logit + b), (a, b) per class fitted by Newton's
 method on the class's column vs y == j, with a tiny ridge so separable classes (common with
 PoLS losses) still give finite (a, b).
+
+Bounded memory: `calibrate_chunks` reads the logits class chunk by class chunk ([N, c] at a time,
+never [N, D]), as trainer.metrics.streaming_slc_metrics does. Per-class thresholds, Platt fits and
+rates need only their own column; the pooled global threshold is exact too (PooledThreshold):
+its best cut is always at a positive's score, so the N true logits are the only candidates, and
+each needs only the count of all scores at or above it, summed over the chunks. `calibrate` on a
+dense [N, D] matrix is the same computation over slices of it.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -34,6 +42,12 @@ DEFAULT_TARGET = {"precision": 0.99}
 METHODS = ("per_class", "global", "shrink")
 DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
 PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
+# logits per class chunk: [N, c] float64 is 16 MiB, and a chunk's sort holds about a dozen such arrays
+CHUNK_VALUES = 2 * 1024 * 1024
+
+# () -> iterable of (first class id, logits [N, c] of classes first..first+c-1), in class order, covering 0..D-1;
+# called once per pass (the contract of trainer.metrics.streaming_slc_metrics and head_chunks)
+Chunks = Callable[[], Iterable[tuple[int, np.ndarray]]]
 
 
 def _check_target(target: dict) -> tuple[str, float]:
@@ -92,16 +106,22 @@ def choose_thresholds(scores: np.ndarray, positive: np.ndarray, target: dict) ->
     return {"threshold": threshold, "precision": prec, "recall": rec, "reached": reached, "positives": n_pos}
 
 
-def rates_at(scores: np.ndarray, positive: np.ndarray, threshold: np.ndarray) -> dict[str, np.ndarray]:
-    """Precision and recall per column of `scores` [N, C] at thresholds [C] (match = score >= t)."""
+def _counts_at(scores: np.ndarray, positive: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(true matches, matches, positives) [C] per column of `scores` [N, C] at thresholds [C]."""
     match = np.asarray(scores) >= np.asarray(threshold)[None, :]  # [N, C]
     positive = np.asarray(positive, dtype=bool)
-    tp = (match & positive).sum(axis=0)
-    predicted = match.sum(axis=0)
-    n_pos = positive.sum(axis=0)
+    return (match & positive).sum(axis=0), match.sum(axis=0), positive.sum(axis=0)
+
+
+def _rates(tp, predicted, n_pos) -> dict[str, np.ndarray]:
     precision = np.where(predicted > 0, tp / np.maximum(predicted, 1), 1.0)
     recall = np.where(n_pos > 0, tp / np.maximum(n_pos, 1), 0.0)
     return {"precision": precision, "recall": recall, "positives": n_pos, "matches": predicted}
+
+
+def rates_at(scores: np.ndarray, positive: np.ndarray, threshold: np.ndarray) -> dict[str, np.ndarray]:
+    """Precision and recall per column of `scores` [N, C] at thresholds [C] (match = score >= t)."""
+    return _rates(*_counts_at(scores, positive, threshold))
 
 
 def fit_platt(scores: np.ndarray, positive: np.ndarray, ridge: float = PLATT_RIDGE, iters: int = 100) -> tuple[np.ndarray, np.ndarray]:
@@ -182,15 +202,128 @@ def _f(x) -> float:
     return float(x)
 
 
-def _test_rates(logits_test, y_test, num_classes: int, per_thresholds: np.ndarray, global_t: float) -> dict:
+def chunk_classes(n: int, num_classes: int, values: int = CHUNK_VALUES) -> int:
+    """Classes per chunk so that a chunk's logits [n, c] hold about `values` numbers."""
+    return int(max(1, min(num_classes, values // max(n, 1))))
+
+
+def dense_chunks(logits: np.ndarray, chunk: int) -> Chunks:
+    """`Chunks` of a dense logit matrix [N, D]: column slices, `chunk` classes at a time."""
+    def gen():
+        for first in range(0, logits.shape[1], chunk):
+            yield first, logits[:, first:first + chunk]  # [N, c] view
+    return gen
+
+
+def _each_chunk(chunks: Chunks, y: np.ndarray, num_classes: int, bar=None):
+    """One pass over the chunks as float64 [N, c], checked to cover classes 0..D-1 in order."""
+    expected = 0
+    for first, z in chunks():
+        z = np.asarray(z, dtype=np.float64)  # [N, c]
+        if first != expected or z.ndim != 2 or z.shape[0] != len(y) or first + z.shape[1] > num_classes:
+            raise ValueError(f"class chunks must cover classes 0..{num_classes - 1} in order with {len(y)} rows; "
+                             f"got shape {z.shape} at class {first}, expected class {expected}")
+        yield first, z
+        expected += z.shape[1]
+        if bar is not None:
+            bar.update(z.shape[1])
+    if expected != num_classes:
+        raise ValueError(f"class chunks ended at class {expected}, expected {num_classes}")
+
+
+def _chunk_positive(y: np.ndarray, first: int, c: int) -> np.ndarray:
+    return (y - first)[:, None] == np.arange(c)[None, :]  # [N, c]: example i is of class first + k
+
+
+class PooledThreshold:
+    """The global threshold over all N·D (example, class) pairs pooled into one column, exactly as
+    choose_thresholds would choose it on that column, in O(N) memory from class chunks.
+
+    Every rule picks a cut at a positive's score: between two positive scores, lowering the
+    threshold only adds negatives (the same recall, a lower precision). So the candidates are the
+    distinct true logits u, each needing TP(u) (true logits >= u) and A(u) (all scores >= u, which
+    `add` counts chunk by chunk against the sorted candidates).
+    """
+
+    def __init__(self, true: np.ndarray):  # [N] each example's own logit
+        self.true = np.sort(np.asarray(true, dtype=np.float64))
+        self.u = np.unique(self.true)  # [K] ascending
+        self.counts = np.zeros(len(self.u) + 1, dtype=np.int64)  # [K+1]: scores with exactly k candidates <= them
+
+    def add(self, z: np.ndarray) -> None:
+        """Count the scores z [N, c] of one class chunk."""
+        above = z[z >= self.u[0]]  # [M] a score below every candidate is never accepted
+        self.counts += np.bincount(np.searchsorted(self.u, above, side="right"), minlength=len(self.counts))
+
+    def choose(self, target: dict) -> dict[str, np.ndarray]:
+        """choose_thresholds' answer for the pooled column: arrays [1]."""
+        kind, value = _check_target(target)
+        n = len(self.true)
+        u = self.u[::-1]  # [K] descending, as the dense sort runs
+        accepted = np.cumsum(self.counts[::-1])[:-1]  # [K] scores >= u[k]
+        tp = n - np.searchsorted(self.true, u, side="left")  # [K] true logits >= u[k]
+        if (accepted < tp).any():
+            raise RuntimeError("the class chunks gave different logits on two passes")
+        precision, recall = tp / accepted, tp / max(n, 1)  # [K]
+        primary, secondary = (precision, recall) if kind == "precision" else (recall, precision)
+        feasible = primary >= value - 1e-12
+        reached = bool(feasible.any())
+        # feasible: best secondary metric, then best primary; infeasible: best primary, then secondary
+        first, second, pool = (secondary, primary, feasible) if reached else (primary, secondary, np.ones_like(feasible))
+        first_m = np.where(pool, first, -np.inf)
+        k = int(np.where(pool & (first_m == first_m.max()), second, -np.inf).argmax())
+        return {"threshold": u[k:k + 1], "precision": precision[k:k + 1], "recall": np.array([recall[k]]),
+                "reached": np.array([reached]), "positives": np.array([n])}
+
+
+def _true_logits(chunks: Chunks, y: np.ndarray, num_classes: int, bar=None) -> np.ndarray:
+    """Each example's own logit [N], from one pass over the chunks."""
+    true = np.full(len(y), np.nan)
+    for first, z in _each_chunk(chunks, y, num_classes, bar):
+        local = y - first
+        mine = (local >= 0) & (local < z.shape[1])
+        true[mine] = z[mine, local[mine]]
+    return true
+
+
+def _per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, pooled: PooledThreshold,
+                    bar=None) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Per-class thresholds and Platt fits chunk by chunk (each needs its own column only); the
+    pooled counts on the way."""
+    parts, a, b = [], [], []
+    for first, z in _each_chunk(chunks, y, num_classes, bar):
+        if not np.isfinite(z).all():
+            raise ValueError("calibration logits contain NaN or inf")
+        positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
+        parts.append(choose_thresholds(z, positive, target))
+        a_c, b_c = fit_platt(z, positive)
+        a.append(a_c)
+        b.append(b_c)
+        pooled.add(z)
+    per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    return per, np.concatenate(a), np.concatenate(b)
+
+
+def _counts_pass(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: np.ndarray, global_t: float,
+                 bar=None) -> tuple[tuple, tuple]:
+    """(true matches, matches, positives) [D] per class at `thresholds` [D] and at the global threshold."""
+    at_t, at_g = [], []
+    for first, z in _each_chunk(chunks, y, num_classes, bar):
+        positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
+        at_t.append(_counts_at(z, positive, thresholds[first:first + z.shape[1]]))
+        at_g.append(_counts_at(z, positive, np.full(z.shape[1], global_t)))
+    return tuple(map(np.concatenate, zip(*at_t))), tuple(map(np.concatenate, zip(*at_g)))
+
+
+def _test_rates(chunks: Chunks, y_test, num_classes: int, per_thresholds: np.ndarray, global_t: float,
+                bar=None) -> dict:
     """Rates on the test split at the thresholds chosen on the calibration split (measured only)."""
-    logits_test = np.asarray(logits_test, dtype=np.float64)  # [N', D]
     y_test = np.asarray(y_test, dtype=np.int64)  # [N']
-    pos_test = y_test[:, None] == np.arange(num_classes)[None, :]  # [N', D]
+    at_t, at_g = _counts_pass(chunks, y_test, num_classes, per_thresholds, global_t, bar)
     return {
-        "per_class": rates_at(logits_test, pos_test, per_thresholds),
-        "global": rates_at(logits_test.reshape(-1, 1), pos_test.reshape(-1, 1), np.array([global_t])),
-        "per_class_at_global": rates_at(logits_test, pos_test, np.full(num_classes, global_t)),
+        "per_class": _rates(*at_t),
+        "global": _rates(*(np.array([c.sum()]) for c in at_g)),  # the pooled pairs: sums over classes
+        "per_class_at_global": _rates(*at_g),
         "examples": int(len(y_test)),
     }
 
@@ -266,20 +399,77 @@ def check_method(method: dict | None) -> dict:
     return {"name": method["name"]}
 
 
-def _apply_method(per: dict, global_t: float, method: dict, logits: np.ndarray, positive: np.ndarray,
-                  kind: str, value: float) -> dict:
-    """Per-class thresholds of `method` and their calibration rates (per_class: as chosen)."""
+def _method_thresholds(per: dict, global_t: float, method: dict) -> np.ndarray:
+    """Per-class thresholds [D] of `method`: per_class as chosen, others as stored by the server (float32)."""
     if method["name"] == "per_class":
-        return per
+        return per["threshold"]
     n = per["positives"].astype(np.float64)
     if method["name"] == "global":
         threshold = np.full(len(n), global_t)
     else:
         threshold = (n * per["threshold"] + method["kappa"] * global_t) / (n + method["kappa"])
-    threshold = threshold.astype(np.float32).astype(np.float64)  # as stored and compared by the server
-    rates = rates_at(logits, positive, threshold)
+    return threshold.astype(np.float32).astype(np.float64)  # as stored and compared by the server
+
+
+def _with_method(per: dict, method: dict, threshold: np.ndarray, rates: dict, kind: str, value: float) -> dict:
+    """The per-class entries of `method`: its thresholds and their calibration rates (per_class: as chosen)."""
+    if method["name"] == "per_class":
+        return per
     return {**per, "threshold": threshold, "precision": rates["precision"], "recall": rates["recall"],
             "reached": (rates[kind] >= value - 1e-12) & (per["positives"] > 0)}
+
+
+def _labels(y: np.ndarray, num_classes: int) -> np.ndarray:
+    y = np.asarray(y, dtype=np.int64)
+    if y.ndim != 1 or len(y) == 0:
+        raise ValueError("no calibration examples" if y.size == 0 else f"y_cal must be [N], got shape {y.shape}")
+    if y.min() < 0 or y.max() >= num_classes:
+        raise ValueError(f"labels outside 0..{num_classes - 1}")
+    return y
+
+
+def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: dict | None = None,
+                     test: Chunks | None = None, y_test: np.ndarray | None = None, method: dict | None = None,
+                     progress: bool = False) -> dict:
+    """calibration.json content from logits in class chunks (`Chunks`): [N, c] at a time, never [N, D].
+
+    Three passes over `cal` (the true logits; thresholds, Platt and the pooled counts; the rates at
+    the method's thresholds, which need the global one) and one over `test`, which is only measured.
+    Equal to the dense computation (tests/trainer/test_calibrate.py).
+    """
+    from tqdm.auto import tqdm
+
+    target = dict(target or DEFAULT_TARGET)
+    kind, value = _check_target(target)
+    method = check_method(method)
+    y_cal = _labels(y_cal, num_classes)
+    passes = 3 + (test is not None)
+    with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
+              disable=None if progress else True) as bar:
+        pooled = PooledThreshold(_true_logits(cal, y_cal, num_classes, bar))
+        per, a, b = _per_class_pass(cal, y_cal, num_classes, target, pooled, bar)
+        global_entry = pooled.choose(target)
+        global_t = float(global_entry["threshold"][0])
+        threshold = _method_thresholds(per, global_t, method)
+        at_t, at_g = _counts_pass(cal, y_cal, num_classes, threshold, global_t, bar)
+        per = _with_method(per, method, threshold, _rates(*at_t), kind, value)
+        rates_test = None if test is None else _test_rates(test, y_test, num_classes, per["threshold"], global_t, bar)
+    out = {
+        "target": {kind: value},
+        "method": method,
+        "decision": "match = logit >= threshold",
+        "probability": "sigmoid(a * logit + b)",
+        "split": "calibration",
+        "examples": int(len(y_cal)),
+        "global": _global_entry(global_entry, rates_test),
+        "per_class": _per_class_entries(per, a, b, rates_test),
+        # the global threshold read per class: how much does one number lose against D numbers?
+        "summary": _summary(per, _rates(*at_g), rates_test, kind, value),
+    }
+    if rates_test is not None:
+        out["test_examples"] = rates_test["examples"]
+    _assert_finite(out)
+    return out
 
 
 def calibrate(
@@ -289,47 +479,24 @@ def calibrate(
     logits_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
     method: dict | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """calibration.json content: global and per-class thresholds, Platt (a, b), and the rates.
 
     logits_cal [N, D], y_cal [N]; the test split (if given) is only measured, never used to choose.
     `method` says how the per-class thresholds are chosen (METHODS; default DEFAULT_METHOD).
+    calibrate_chunks over `chunk` columns at a time (default: chunk_classes), so the float64 work
+    arrays stay [N, chunk] whatever D.
     """
-    target = dict(target or DEFAULT_TARGET)
-    kind, value = _check_target(target)
-    method = check_method(method)
-    logits_cal = np.asarray(logits_cal, dtype=np.float64)
-    y_cal = np.asarray(y_cal, dtype=np.int64)
+    logits_cal = np.asarray(logits_cal)
+    if logits_cal.ndim != 2:
+        raise ValueError(f"logits_cal must be [N, D], got shape {logits_cal.shape}")
     n, num_classes = logits_cal.shape
-    if y_cal.shape != (n,):
-        raise ValueError(f"y_cal must have shape ({n},), got {y_cal.shape}")
-    if y_cal.min() < 0 or y_cal.max() >= num_classes:
-        raise ValueError(f"labels outside 0..{num_classes - 1}")
-    positive = y_cal[:, None] == np.arange(num_classes)[None, :]  # [N, D]
-
-    per = choose_thresholds(logits_cal, positive, target)
-    pooled = choose_thresholds(logits_cal.reshape(-1, 1), positive.reshape(-1, 1), target)
-    a, b = fit_platt(logits_cal, positive)
-    global_t = float(pooled["threshold"][0])
-    per = _apply_method(per, global_t, method, logits_cal, positive, kind, value)
-    # the global threshold read per class: how much does one number lose against D numbers?
-    per_at_global = rates_at(logits_cal, positive, np.full(num_classes, global_t))
-    test = _test_rates(logits_test, y_test, num_classes, per["threshold"], global_t) if logits_test is not None else None
-    out = {
-        "target": {kind: value},
-        "method": method,
-        "decision": "match = logit >= threshold",
-        "probability": "sigmoid(a * logit + b)",
-        "split": "calibration",
-        "examples": int(n),
-        "global": _global_entry(pooled, test),
-        "per_class": _per_class_entries(per, a, b, test),
-        "summary": _summary(per, per_at_global, test, kind, value),
-    }
-    if test is not None:
-        out["test_examples"] = test["examples"]
-    _assert_finite(out)
-    return out
+    if np.shape(y_cal) != (n,):
+        raise ValueError(f"y_cal must have shape ({n},), got {np.shape(y_cal)}")
+    chunk = chunk or chunk_classes(n, num_classes)
+    test = None if logits_test is None else dense_chunks(np.asarray(logits_test), chunk)
+    return calibrate_chunks(dense_chunks(logits_cal, chunk), y_cal, num_classes, target, test, y_test, method)
 
 
 def _assert_finite(obj, where: str = "calibration") -> None:

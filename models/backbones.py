@@ -1,15 +1,19 @@
 """Backbone registry: an open catalogue, so a registry with `list_backbones()`.
 
 Every backbone maps raw-normalised inputs [B, *input_shape] to embeddings [B, d] and
-exposes `embed_dim`.
+exposes `embed_dim`. Besides the built-ins, `timm:NAME` is an open family: any timm model
+(models/timm_backbone.py, docs/backbones.md).
 """
 from __future__ import annotations
 
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
+
+from models import timm_backbone
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
@@ -28,10 +32,49 @@ def list_backbones() -> list[str]:
     return sorted(_REGISTRY)
 
 
+class UnknownBackboneError(KeyError, ValueError):
+    """An unknown backbone name: a ValueError for the CLI's one line, a KeyError as before."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def check_backbone_name(name: str) -> None:
+    """One-line ValueError unless `name` is a built-in or an importable, known `timm:NAME`."""
+    if name in _REGISTRY:
+        return
+    if timm_backbone.is_timm(name):
+        timm_backbone.check_timm_name(name[len(timm_backbone.PREFIX):])
+        return
+    raise UnknownBackboneError(f"unknown backbone {name!r}; built-in: {', '.join(list_backbones())}, "
+                               f"or timm:NAME for a timm model (e.g. timm:resnet18)")
+
+
 def build_backbone(name: str, input_shape: tuple[int, ...] | list[int], **params) -> nn.Module:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown backbone {name!r}; known: {', '.join(list_backbones())}")
-    return _REGISTRY[name](tuple(int(s) for s in input_shape), **params)
+    """The backbone `name` for inputs [B, *input_shape]; `timm:NAME` also takes weights=FILE."""
+    check_backbone_name(name)
+    shape = tuple(int(s) for s in input_shape)
+    if timm_backbone.is_timm(name):
+        return timm_backbone.build_timm_backbone(name[len(timm_backbone.PREFIX):], shape, **params)
+    return _REGISTRY[name](shape, **params)
+
+
+def backbone_input_spec(name: str, **params) -> dict | None:
+    """The input a backbone's weights expect: {"height", "width", "channels": 3, "mean", "std" (RGB,
+    0..1 scale), "interpolation"} from timm's pretrained config; None for the built-ins (the data
+    decides their input and normalisation)."""
+    check_backbone_name(name)
+    if timm_backbone.is_timm(name):
+        return timm_backbone.timm_input_spec(name[len(timm_backbone.PREFIX):], **params)
+    return None
+
+
+def spec_normalisation(spec: dict) -> tuple[np.ndarray, np.ndarray]:
+    """SLCNet's mean/std buffers for raw 0..255 RGB pixels from an input spec: mean*255, std*255
+    per channel, float32 [3, 1, 1] (broadcast over [B, 3, H, W])."""
+    mean = np.asarray(spec["mean"], dtype=np.float32).reshape(-1, 1, 1) * 255.0  # [3, 1, 1]
+    std = np.asarray(spec["std"], dtype=np.float32).reshape(-1, 1, 1) * 255.0  # [3, 1, 1]
+    return mean, std
 
 
 class _Flatten(nn.Module):

@@ -145,7 +145,7 @@ def gather_head(shard_head, num_classes: int):
 
     rows = max(stop - start for start, stop in (shard_bounds(num_classes, r, world) for r in range(world)))
     dim = shard_head.weight.shape[1]
-    mine = torch.zeros(rows, dim + 1)  # [rows, d + 1]: weight | bias, padded to the largest shard
+    mine = torch.zeros(rows, dim + 1, device=shard_head.weight.device)  # [rows, d + 1]: weight | bias, padded to the largest shard
     mine[:shard_head.weight.shape[0], :dim] = shard_head.weight.detach()
     mine[:shard_head.weight.shape[0], dim] = shard_head.bias.detach()
     parts = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
@@ -153,7 +153,7 @@ def gather_head(shard_head, num_classes: int):
     if rank != 0:
         return None
     full = torch.cat([p[:stop - start] for p, (start, stop) in zip(parts, (shard_bounds(num_classes, r, world) for r in range(world)))])
-    head = ClassHead(dim, num_classes)
+    head = ClassHead(dim, num_classes).to(full.device)
     with torch.no_grad():
         head.weight.copy_(full[:, :dim])
         head.bias.copy_(full[:, dim])

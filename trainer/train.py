@@ -1,15 +1,27 @@
 """The training recipe: one linear function from config to a run directory.
 
-RUN/config.json    the resolved TrainConfig plus what it resolved to (sizes, steps, versions)
-RUN/checkpoint.pt  state_dict of SLCNet (normalisation mean/std are buffers in it)
-RUN/data.json      dataset name, input_shape, classes, normalisation mean/std (train split)
+RUN/config.json    the resolved TrainConfig plus what it resolved to (sizes, steps, device,
+                   versions); `status` is running, interrupted or completed
+RUN/data.json      dataset, input_shape, classes, normalisation mean/std (train split), the image
+                   spec, the data's fingerprint and how to load it again
+RUN/checkpoint.pt  state_dict of SLCNet (normalisation mean/std are buffers in it): the weights
+                   export reads (the best validated epoch's, unless --no-restore-best)
+RUN/best.pt        the best validated weights so far (per-epoch validation on the calibration split)
+RUN/checkpoints/   training state every --checkpoint-every steps and at each epoch end, the last
+                   --keep-checkpoints kept: `slc train --resume RUN` continues exactly from the newest
+RUN/history.csv    per-step loss, lr, gradient norm; per-epoch calibration metrics (trainer/history.py)
+RUN/curves.png     history.csv drawn
 RUN/metrics.json   {"calibration": slc_metrics + separation, "test": ...} on raw logits
 
+Batches come from trainer/loader.py (a DataLoader over the arrays as stored; the batch order is a
+function of (seed, epoch) alone, whatever the number of workers). Device and precision:
+trainer/device.py.
+
 Data-parallel: under `torchrun` (WORLD_SIZE > 1 in the environment) the process group is
-initialised with gloo, every rank draws the same permutation and takes its own interleaved
-shard of each global batch (`batch_size` is the global batch), the model is wrapped in
+initialised (NCCL on GPUs, gloo on CPUs), every rank draws the same permutation and reads its own
+interleaved share of each global batch (`batch_size` is the global batch), the model is wrapped in
 DistributedDataParallel, and batch losses gather the global batch themselves
-(trainer.distributed). Only rank 0 evaluates and writes.
+(trainer.distributed). Only rank 0 validates and writes.
 
 The last incomplete batch of each epoch is dropped: batch losses and BatchNorm both need
 a full batch of examples to mean what they say.
@@ -21,8 +33,11 @@ import math
 import os
 import platform
 import random
+import shutil
+import signal
 import time
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +45,15 @@ import torch
 from torch import nn
 
 from models import ClassHead, SLCNet, build_backbone
+from trainer.augment import augment_generator, build_augment
+from trainer.checkpoint import atomic_save, checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.data import Splits, load_dataset
+from trainer.device import autocast, check_precision, grad_scaler, process_group_backend, resolve_device
+from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadcast_parameters, sum_gradients
+from trainer.history import History, plot_curves
+from trainer.loader import EpochBatches, batch_loader
 from trainer.losses import build_loss
 from trainer.metrics import head_chunks, pooled_separation, slc_metrics, streaming_slc_metrics
-from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadcast_parameters, sum_gradients
 from trainer.sampled_head import ClassSampler
 from trainer.sharded_head import Shard, gather_head, keep_shard, sharded_losses
 
@@ -58,6 +78,22 @@ class TrainConfig:
     seed: int = 0
     head_sample: float = 1.0  # R: logits for the batch's classes + a uniform sample, R·D columns (trainer/sampled_head.py)
     head_shard: bool = False  # each torchrun rank holds D/world class rows (trainer/sharded_head.py)
+    warmup_steps: int = -1  # linear LR warmup; -1 = auto: 5% of the steps, at most 1,000
+    clip_grad_norm: float = 0.0  # clip the global gradient norm to this; 0 = off (the norm is logged either way)
+    device: str = "auto"  # auto | cpu | cuda[:N] (trainer/device.py)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler, CUDA only)
+    channels_last: bool = False  # NHWC memory layout for conv backbones
+    compile: bool = False  # torch.compile the network
+    workers: int = 0  # DataLoader worker processes
+    augment: str = "none"  # none | geometry (trainer/augment.py), image datasets only
+    val_every: int = 1  # validate on the calibration split every N epochs; 0 = never (metrics at the end only)
+    patience: int = 0  # early stopping: stop after N validations without a better accuracy; 0 = off
+    restore_best: bool = True  # the run's checkpoint.pt holds the best validated weights, not the last
+    checkpoint_every: int = 0  # training-state checkpoint every N steps (and at every epoch end); 0 = epoch ends
+    keep_checkpoints: int = 2  # how many training-state checkpoints to keep
+    tensorboard: bool = False  # also write RUN/tensorboard events
+    image: dict | None = None  # image files decoded to {height, width, channels} (imagefolder:, csv:)
+    skip_bad_images: bool = False  # unreadable image files counted and skipped instead of refused
 
 
 def seed_everything(seed: int) -> None:
@@ -80,12 +116,25 @@ def _optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; known: adam, sgd")
 
 
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    """The LR warmup's length: as configured, or (-1) 5% of the run, at most 1,000 steps."""
+    return min(1000, round(0.05 * total_steps)) if cfg.warmup_steps < 0 else cfg.warmup_steps
+
+
 def _schedule(cfg: TrainConfig, optimizer, total_steps: int):
-    if cfg.schedule == "cosine":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total_steps) / total_steps)))
-    if cfg.schedule == "constant":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    raise ValueError(f"unknown schedule {cfg.schedule!r}; known: cosine, constant")
+    """Per step: linear warmup from ~0 to lr, then cosine decay to 0 (or constant)."""
+    warm = warmup_steps(cfg, total_steps)
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; known: cosine, constant")
+
+    def factor(s: int) -> float:
+        if s < warm:
+            return (s + 1) / (warm + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(s - warm, total_steps - warm) / max(1, total_steps - warm)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def check_head_options(cfg: TrainConfig) -> None:
@@ -98,35 +147,66 @@ def check_head_options(cfg: TrainConfig) -> None:
         raise ValueError("nce with a class prior q cannot be trained with --head-sample (docs/losses.md)")
 
 
-def _batch_loss(cfg: TrainConfig, net: nn.Module, model: SLCNet, loss_fn: nn.Module, sampler, x, y,
-                global_idx: torch.Tensor, rank: int, world: int, num_classes: int) -> torch.Tensor:
-    """The loss of one global batch as this rank computes it: full head, sampled head, or sharded."""
-    idx = global_idx[rank::world]  # this rank's examples
+class _Forward:
+    """The network's forward passes under the run's precision, always giving float32 out."""
+
+    def __init__(self, net: nn.Module, model: SLCNet, precision: str, device: torch.device, channels_last: bool):
+        self.net, self.model, self.precision, self.device = net, model, precision, device
+        self.channels_last = channels_last
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
+
+    def logits(self, x: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        with autocast(self.precision, self.device):
+            return (self.net(x) if cols is None else self.net(x, cols)).float()
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast(self.precision, self.device):
+            return self.model.embed(x).float()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        with autocast(self.precision, self.device):
+            return self.model.head(h).float()
+
+
+def _batch_loss(cfg: TrainConfig, fwd: _Forward, loss_fn: nn.Module, sampler, x: torch.Tensor, y: torch.Tensor,
+                y_global: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The loss of one global batch as this rank computes it from its share x [B_rank, ...], y [B_rank]:
+    full head, sampled head, or sharded."""
     if cfg.head_shard:
-        features = all_gather_with_grad(model.embed(x[idx]))  # [B, d]: the global batch, in rank order
-        targets = all_gather_no_grad(y[idx])  # [B]
-        return loss_fn.sharded(model.head(features), Shard.of_rank(num_classes, targets))  # [B, D_r]
+        features = all_gather_with_grad(fwd.embed(x))  # [B, d]: the global batch, in rank order
+        targets = all_gather_no_grad(y)  # [B]
+        return loss_fn.sharded(fwd.head(features), Shard.of_rank(num_classes, targets))  # [B, D_r]
     if sampler is None and getattr(loss_fn, "mode", None) == "sampled":  # nce: only the targets' and noise logits
-        draws = loss_fn.draw_noise(len(idx))  # [B_rank, t]
-        cols = torch.unique(torch.cat([y[idx], draws.flatten()]))  # [K] sorted
+        draws = loss_fn.draw_noise(len(y)).to(y.device)  # [B_rank, t]
+        cols = torch.unique(torch.cat([y, draws.flatten()]))  # [K] sorted
         pos = torch.searchsorted
-        return loss_fn.on_columns(net(x[idx], cols), cols, pos(cols, y[idx]), pos(cols, draws))  # [B_rank, K]
+        return loss_fn.on_columns(fwd.logits(x, cols), cols, pos(cols, y), pos(cols, draws))  # [B_rank, K]
     if sampler is None:
-        return loss_fn(net(x[idx]), y[idx])  # [B_rank, D]
-    cols = sampler(y[global_idx])  # [K], the same on every rank
-    return loss_fn(net(x[idx], cols), ClassSampler.positions(cols, y[idx]))  # [B_rank, K]
+        return loss_fn(fwd.logits(x), y)  # [B_rank, D]
+    cols = sampler(y_global.cpu()).to(y.device)  # [K], the same on every rank
+    return loss_fn(fwd.logits(x, cols), ClassSampler.positions(cols, y))  # [B_rank, K]
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world_size); initialises gloo when launched by torchrun with more than one rank."""
+def _distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world_size); initialises the process group (NCCL on GPUs, gloo on CPUs) when
+    launched by torchrun with more than one rank."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(process_group_backend(device))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
@@ -134,8 +214,10 @@ def run_logits(model: nn.Module, x, batch_size: int = 2048) -> np.ndarray:
     """Logits float32 [N, D] of raw inputs x [N, *shape], in eval mode, batch by batch."""
     was_training = model.training
     model.eval()
+    device = _device_of(model)
     # batch by batch from the (possibly memory-mapped, uint8) array: never a float copy of all of x
-    out = [model(torch.tensor(np.asarray(x[i : i + batch_size], dtype=np.float32))) for i in range(0, len(x), batch_size)]
+    out = [model(torch.tensor(np.asarray(x[i : i + batch_size], dtype=np.float32), device=device)).cpu()
+           for i in range(0, len(x), batch_size)]
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros((0, 0), dtype=np.float32)
 
@@ -157,11 +239,12 @@ def model_metrics(model: SLCNet, x, labels: np.ndarray) -> dict[str, float]:
         return split_metrics(run_logits(model, x), labels)
     was_training = model.training
     model.eval()
-    h = torch.cat([model.embed(torch.tensor(np.asarray(x[i:i + 2048], dtype=np.float32)))
+    device = _device_of(model)
+    h = torch.cat([model.embed(torch.tensor(np.asarray(x[i:i + 2048], dtype=np.float32), device=device)).cpu()
                    for i in range(0, len(x), 2048)]).double().numpy()  # [N, d]
     model.train(was_training)
-    w = model.head.weight.detach().double().numpy()  # [D, d]
-    b = model.head.bias.detach().double().numpy()  # [D]
+    w = model.head.weight.detach().cpu().double().numpy()  # [D, d]
+    b = model.head.bias.detach().cpu().double().numpy()  # [D]
     return streaming_slc_metrics(head_chunks(h, w, b), labels, num_classes)
 
 
@@ -179,6 +262,8 @@ def _versions() -> dict[str, str]:
 
 
 def _data_info(cfg: TrainConfig, splits: Splits) -> dict:
+    from trainer.data import image_spec
+
     return {
         "dataset": cfg.dataset,
         "input_shape": list(splits.input_shape),
@@ -186,34 +271,188 @@ def _data_info(cfg: TrainConfig, splits: Splits) -> dict:
         "mean": np.asarray(splits.mean).tolist(),
         "std": np.asarray(splits.std).tolist(),
         "sizes": {name: len(splits.split(name)[1]) for name in ("train", "calibration", "test")},
+        "image": getattr(splits, "image", None) or image_spec(cfg.dataset),
+        "fingerprint": getattr(splits, "fingerprint", None),
+        "source": getattr(splits, "source", None),
     }
 
 
-def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
-    """Fit SLCNet on cfg.dataset with cfg.loss; write the run directory `out` and return it."""
-    from tqdm.auto import tqdm
+def _load_data(cfg: TrainConfig) -> Splits:
+    """The dataset; image-file datasets decoded to cfg.image, bad files refused or skipped."""
+    if cfg.dataset.startswith(("imagefolder:", "csv:")):
+        return load_dataset(cfg.dataset, image=cfg.image, skip_bad=cfg.skip_bad_images)
+    return load_dataset(cfg.dataset)
 
-    out = Path(out)
-    check_head_options(cfg)
-    rank, world = _distributed()
-    seed_everything(cfg.seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
-    splits = load_dataset(cfg.dataset)
-    x_train = torch.tensor(splits.train[0])  # [N, *shape] raw
-    y_train = torch.tensor(splits.train[1])  # [N]
-    n_train, num_classes = len(y_train), splits.num_classes
+def resolve_backbone(cfg: TrainConfig, splits: Splits) -> str:
+    """`auto`: the small residual CNN for images of 16 pixels and more a side, else the MLP."""
+    if cfg.backbone != "auto":
+        return cfg.backbone
+    shape = tuple(splits.input_shape)
+    return "resnet_glyph" if len(shape) == 3 and min(shape[1:]) >= 16 else "mlp"
 
+
+def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to train onto an existing run (one line) unless resuming it or told to overwrite."""
+    if resume:
+        resume_config(out)  # one line when there is nothing to resume
+        return
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"--out {out} already holds a run; choose another --out, add --overwrite to replace it, "
+                             f"or --resume {out} to continue it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _model_state(model: SLCNet) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped before its last step (Ctrl-C / SIGTERM, or `stop_at_step`); the state of
+    the last completed step is saved and `slc train --resume RUN` continues from it."""
+
+    def __init__(self, run: Path, step: int, total: int):
+        super().__init__(f"interrupted at step {step} of {total}; state saved. Resume with: slc train --resume {run}")
+        self.run, self.step, self.total = run, step, total
+
+
+@dataclass
+class _Progress:
+    """Where a run is: what a training-state checkpoint restores besides the tensors."""
+
+    step: int = 0  # completed optimizer steps
+    best: float | None = None  # best calibration accuracy seen by a validation
+    best_epoch: int | None = None
+    best_step: int | None = None
+    stale: int = 0  # validations since the best one
+    stopped_early: bool = False
+
+
+class _StopRequest:
+    """SIGINT / SIGTERM ask the loop to stop after the step in progress (a step cut in half would
+    leave the optimizer's state torn); a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _build(cfg: TrainConfig, splits: Splits, num_classes: int, n_train: int):
+    """(model, loss, class sampler or None) with the loss's initial head bias."""
     model = build_model(cfg.backbone, cfg.backbone_params, splits.input_shape, num_classes, splits.mean, splits.std)
     sampler = ClassSampler(num_classes, cfg.head_sample, min(cfg.batch_size, n_train), cfg.seed) \
         if cfg.head_sample < 1.0 else None
     loss_fn = build_loss(cfg.loss, sampler.size if sampler else num_classes, **cfg.loss_params)
-    net: nn.Module = model
+    initial = getattr(loss_fn, "initial_bias", None)
+    value = initial(num_classes) if callable(initial) else None
+    if value is not None:  # where the loss's optimum puts false logits far below 0 (docs/losses.md)
+        with torch.no_grad():
+            model.head.bias.copy_(torch.as_tensor(value, dtype=torch.float32).expand(num_classes))
+    return model, loss_fn, sampler
+
+
+def _checkpoint_state(cfg, model, optimizer, schedule, scaler, sampler, progress: _Progress) -> dict:
+    return {"config": asdict(cfg), "progress": asdict(progress), "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
+            "rng": rng_state(), "sampler": sampler.generator.get_state() if sampler is not None else None}
+
+
+def _restore(path: Path, model, optimizer, schedule, scaler, sampler) -> _Progress:
+    state = load_checkpoint(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    if sampler is not None and state["sampler"] is not None:
+        sampler.generator.set_state(state["sampler"])
+    return _Progress(**state["progress"])
+
+
+def _validate(model: SLCNet, splits: Splits, progress: _Progress, epoch: int, history: History, out: Path,
+              cfg: TrainConfig, echo) -> None:
+    """Calibration-split metrics after an epoch; the best weights kept in RUN/best.pt."""
+    t0 = time.perf_counter()
+    m = model_metrics(model, *splits.calibration)
+    history.log_epoch(progress.step, epoch, **{f"cal_{k}": m[k] for k in
+                                               ("accuracy", "top5_accuracy", "auprc", "p_at_r99", "separation")},
+                      val_seconds=time.perf_counter() - t0)
+    if progress.best is None or m["accuracy"] > progress.best:
+        progress.best, progress.best_epoch, progress.best_step, progress.stale = m["accuracy"], epoch, progress.step, 0
+        atomic_save(_model_state(model), out / "best.pt")
+    else:
+        progress.stale += 1
+    chance = 1.0 / splits.num_classes
+    if epoch == 0 and m["accuracy"] < 2 * chance:
+        echo(f"warning: calibration accuracy {m['accuracy']:.4f} after the first epoch is chance (1/{splits.num_classes}):"
+             f" {cfg.loss} with lr {cfg.lr:g} has not started learning; try another --lr or --warmup-steps "
+             f"(docs/losses.md, docs/training.md)")
+    if cfg.patience and progress.stale >= cfg.patience:
+        progress.stopped_early = True
+
+
+def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = False, overwrite: bool = False,
+          stop_at_step: int | None = None) -> Path:
+    """Fit SLCNet on cfg.dataset with cfg.loss; write the run directory `out` and return it.
+    `resume` continues `out` from its newest checkpoint; `stop_at_step` stops there as Ctrl-C would."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    check_head_options(cfg)
+    device = resolve_device(cfg.device)
+    check_precision(cfg.precision, device)
+    rank, world = _distributed(device)
+    if rank == 0:
+        prepare_run_dir(out, resume, overwrite)
+    seed_everything(cfg.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    splits = _load_data(cfg)
+    data_info = _data_info(cfg, splits)
+    cfg = replace(cfg, backbone=resolve_backbone(cfg, splits))
+    augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])
+    y_train = torch.tensor(np.asarray(splits.train[1], dtype=np.int64))  # [N]: labels in memory, pixels not
+    n_train, num_classes = len(y_train), splits.num_classes
+    model, loss_fn, sampler = _build(cfg, splits, num_classes, n_train)
     if cfg.head_shard:  # no DDP: the backbone's gradients are summed by hand (sum_gradients)
         model.head = keep_shard(model.head, num_classes)
+    model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    net: nn.Module = model
+    if cfg.head_shard:
         broadcast_parameters(model.backbone)
     elif world > 1:
-        net = nn.parallel.DistributedDataParallel(model)
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        net = torch.compile(net)
 
     batch = min(cfg.batch_size, n_train)
     if batch < 2 * world:
@@ -222,64 +461,146 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> Path:
     total_steps = max(1, cfg.epochs * steps_per_epoch)
     optimizer = _optimizer(cfg, net.parameters())
     schedule = _schedule(cfg, optimizer, total_steps)
-    permutation_rng = torch.Generator().manual_seed(cfg.seed)  # the same on every rank
+    scaler = grad_scaler(cfg.precision, device)
+    ckpt_dir = checkpoint_dir(out, rank if cfg.head_shard and world > 1 else None)
+    history = History(out, tensorboard=cfg.tensorboard and rank == 0)
+    state = _Progress()
+    if resume:
+        state = _restore(latest_checkpoint(ckpt_dir), model, optimizer, schedule, scaler, sampler)
+        history.resume(state.step)
+    resolved = {**asdict(cfg), "num_classes": num_classes, "input_shape": list(splits.input_shape),
+                "embed_dim": int(model.backbone.embed_dim), "loss_pols": bool(getattr(loss_fn, "pols", False)),
+                "steps": total_steps, "steps_per_epoch": steps_per_epoch, "world_size": world,
+                "warmup_steps_resolved": warmup_steps(cfg, total_steps), "device_resolved": str(device),
+                "versions": _versions(), "status": "running"}
+    if rank == 0:
+        _write_json(out / "config.json", resolved)
+        _write_json(out / "data.json", data_info)
+
+    fwd = _Forward(net, model, cfg.precision, device, cfg.channels_last)
+    echo = tqdm.write
+    bar = tqdm(total=total_steps, initial=state.step, desc=f"{cfg.loss} lr={cfg.lr:g}",
+               disable=not progress or rank != 0, leave=False)
+    started, steps_at_start = time.perf_counter(), state.step
+
+    def save(step_state: _Progress) -> None:
+        if rank == 0 or cfg.head_shard:
+            save_checkpoint(ckpt_dir, _checkpoint_state(cfg, model, optimizer, schedule, scaler, sampler, step_state),
+                            step_state.step, cfg.keep_checkpoints)
+        if rank == 0:
+            history.write()
 
     net.train()
-    started = time.perf_counter()
-    bar = tqdm(total=total_steps, desc=f"{cfg.loss} lr={cfg.lr:g}", disable=not progress or rank != 0, leave=False)
-    step = 0
-    for epoch in range(cfg.epochs):
-        permutation = torch.randperm(n_train, generator=permutation_rng)
-        for b in range(steps_per_epoch):
-            global_idx = permutation[b * batch : (b + 1) * batch]
-            if hasattr(loss_fn, "set_progress"):
-                loss_fn.set_progress(step / total_steps)
-            loss = _batch_loss(cfg, net, model, loss_fn, sampler, x_train, y_train, global_idx, rank, world, num_classes)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss {cfg.loss} is {loss.item()} at epoch {epoch} step {step} (lr={cfg.lr})")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.head_shard:
-                sum_gradients(model.backbone.parameters())
-            optimizer.step()
-            schedule.step()
-            step += 1
-            bar.update()
-            if step % 10 == 0:
-                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
+    with _StopRequest() as stop:
+        for epoch in range(state.step // steps_per_epoch, cfg.epochs):
+            batches = EpochBatches(n_train, batch, cfg.seed, epoch, state.step - epoch * steps_per_epoch, rank, world)
+            loader = batch_loader(splits.train[0], y_train.numpy(), batches, cfg.workers,
+                                  pin_memory=device.type == "cuda")
+            tick = time.perf_counter()
+            for global_idx, (x, y, _) in zip(batches.global_batches(), loader):
+                x, y = fwd.input(x), y.to(device, non_blocking=True)
+                if augment is not None:
+                    x = augment(x, augment_generator(cfg.seed, state.step))
+                if hasattr(loss_fn, "set_progress"):
+                    loss_fn.set_progress(state.step / total_steps)
+                loss = _batch_loss(cfg, fwd, loss_fn, sampler, x, y, y_train[global_idx].to(device), num_classes)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"loss {cfg.loss} is {loss.item()} at epoch {epoch} step {state.step} "
+                                             f"(lr={cfg.lr}); try a lower --lr or --clip-grad-norm")
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                if cfg.head_shard:
+                    sum_gradients(model.backbone.parameters())
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.clip_grad_norm or float("inf"))
+                lr = optimizer.param_groups[0]["lr"]
+                scaler.step(optimizer)
+                scaler.update()
+                schedule.step()
+                state.step += 1
+                now = time.perf_counter()
+                history.log_step(state.step, epoch, loss=loss.item(), lr=lr, grad_norm=float(grad_norm),
+                                 images_per_s=batch / max(now - tick, 1e-9))
+                tick = now
+                bar.update()
+                if state.step % 10 == 0:
+                    bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
+                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                    save(state)
+                if stop.requested or state.step == stop_at_step:
+                    break
+            del loader
+            epoch_done = state.step == (epoch + 1) * steps_per_epoch
+            if epoch_done and rank == 0 and not cfg.head_shard and cfg.val_every and (epoch + 1) % cfg.val_every == 0:
+                _validate(model, splits, state, epoch, history, out, cfg, echo)
+                net.train()
+            state.stopped_early = _agree(state.stopped_early, world, device)
+            if epoch_done or stop.requested or state.step == stop_at_step:
+                save(state)
+            if stop.requested or state.step == stop_at_step:
+                bar.close()
+                if rank == 0:
+                    _write_json(out / "config.json", {**resolved, "status": "interrupted", "step": state.step})
+                raise TrainingInterrupted(out, state.step, total_steps)
+            if state.stopped_early:
+                echo(f"early stop after epoch {epoch + 1}: no better calibration accuracy in {cfg.patience} validations")
+                break
     bar.close()
+    history.close()
     train_seconds = time.perf_counter() - started
     if cfg.head_shard:  # rank 0 gets the full head back: checkpoint and export see one head
         model.head = gather_head(model.head, num_classes)
-
     if rank == 0:
-        model.eval()
-        metrics = {name: model_metrics(model, *splits.split(name)) for name in ("calibration", "test")}
-        out.mkdir(parents=True, exist_ok=True)
-        resolved = {
-            **asdict(cfg),
-            "num_classes": num_classes,
-            "input_shape": list(splits.input_shape),
-            "embed_dim": int(model.backbone.embed_dim),
-            "loss_pols": bool(getattr(loss_fn, "pols", False)),
-            "steps": total_steps,
-            "steps_per_epoch": steps_per_epoch,
-            "world_size": world,
-            "train_seconds": round(train_seconds, 1),
-            "train_images_per_second": round(total_steps * batch / train_seconds, 1),
-            "eval_seconds": round(time.perf_counter() - started - train_seconds, 1),
-            "versions": _versions(),
-        }
-        (out / "config.json").write_text(json.dumps(resolved, indent=2))
-        (out / "data.json").write_text(json.dumps(_data_info(cfg, splits), indent=2))
-        torch.save(model.state_dict(), out / "checkpoint.pt")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        _finish(out, model, splits, state, resolved, cfg, train_seconds, (state.step - steps_at_start) * batch)
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()
         dist.destroy_process_group()  # every rank is here (slc train then ends it with exit_rank)
     return out
+
+
+def _agree(flag: bool, world: int, device: torch.device) -> bool:
+    """Rank 0's decision, on every rank (early stopping is decided where validation runs)."""
+    if world == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], device=device)
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def _finish(out: Path, model: SLCNet, splits: Splits, state: _Progress, resolved: dict, cfg: TrainConfig,
+            train_seconds: float, images: int) -> None:
+    """The run's final files: chosen weights, metrics on both held-out splits, curves."""
+    t0 = time.perf_counter()
+    chosen = "last"
+    if cfg.restore_best and (out / "best.pt").is_file() and state.best_step is not None:
+        model.load_state_dict(torch.load(out / "best.pt", map_location="cpu", weights_only=True))
+        chosen = "best"
+    model.eval()
+    metrics = {name: model_metrics(model, *splits.split(name)) for name in ("calibration", "test")}
+    torch.save(_model_state(model), out / "checkpoint.pt")
+    _write_json(out / "metrics.json", metrics)
+    _write_json(out / "config.json", {
+        **resolved, "status": "completed", "step": state.step, "stopped_early": state.stopped_early,
+        "weights": {"chosen": chosen, "best_epoch": state.best_epoch, "best_step": state.best_step,
+                    "best_calibration_accuracy": state.best},
+        "train_seconds": round(train_seconds, 1), "train_images_per_second": round(images / max(train_seconds, 1e-9), 1),
+        "eval_seconds": round(time.perf_counter() - t0, 1)})
+    plot_curves(out, title=f"{out.name}: {cfg.loss} on {cfg.dataset}")
+
+
+def resume_config(run: Path, epochs: int | None = None) -> TrainConfig:
+    """The TrainConfig a run was started with (its checkpoint's copy), `epochs` optionally raised."""
+    path = latest_checkpoint(checkpoint_dir(run)) or latest_checkpoint(checkpoint_dir(run, 0))
+    if path is None:
+        raise ValueError(f"{run} has no training checkpoint to resume (RUN/checkpoints/step-*.pt)")
+    saved = load_checkpoint(path)["config"]
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in fields})
+    return replace(cfg, epochs=epochs) if epochs else cfg
 
 
 def load_run(run: Path) -> tuple[SLCNet, dict, dict]:

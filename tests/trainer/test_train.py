@@ -239,7 +239,7 @@ def test_sampled_nce_computes_only_the_targets_and_noise_columns(tmp_path, monke
 
     monkeypatch.setattr(ClassHead, "forward", spy)
     cfg = TrainConfig(dataset="synthetic:C=300,d=16,n=12,sep=3.0", loss="nce", loss_params={"mode": "sampled", "t": 2},
-                      epochs=3, batch_size=32, lr=0.01)
+                      epochs=3, batch_size=32, lr=0.01, val_every=0)  # no per-epoch full-head validation
     train(cfg, tmp_path / "run", progress=False)
     steps = 3 * (len(load_dataset(cfg.dataset).train[1]) // 32)
     training = widths[:steps]

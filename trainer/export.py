@@ -8,11 +8,13 @@ BatchNormalization / Shape-Concat clutter in the graph.
 
 Every graph is checked at export: onnx.checker (full_check) and a parity run with
 onnxruntime against the torch module on real calibration inputs, at batch 1 and at a full
-batch (max |ort - torch| / max(1, max |torch|) <= 1e-4) — export fails loudly otherwise.
+batch of up to 256 inputs, fewer for large heads so that batch × D stays near PARITY_VALUES
+(max |ort - torch| / max(1, max |torch|) <= 1e-4) — export fails loudly otherwise.
 
-Calibration (thresholds, Platt) uses the logits of full.onnx run by onnxruntime on the
-calibration split: the numbers the server will compare with the thresholds. The test split
-is only measured.
+Calibration (thresholds, Platt) uses the logits the server's detect compares with the
+thresholds: backbone.onnx embeddings run by onnxruntime on the calibration split, times the
+head rows in float64. They stream over class chunks (trainer.calibrate.calibrate_chunks), so
+memory stays O(N · chunk + D) whatever D. The test split is only measured.
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ from serving.bundle import (
     write_manifest,
 )
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
-from trainer.calibrate import calibrate
-from trainer.data import image_spec
+from trainer.calibrate import calibrate_chunks, chunk_classes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ PARITY_TOL = 1e-4
 EXTERNAL_DATA_BYTES = 1 << 30  # heads above 1 GiB go to external data (protobuf's hard limit is 2 GiB)
 N_SAMPLES = 8
 PARITY_BATCH = 256
+PARITY_VALUES = 1 << 22  # logits of the full-batch parity run: fewer inputs for large heads
 
 
 class ExportError(RuntimeError):
@@ -142,9 +144,11 @@ def parity(path: Path, kind: str, module, x: np.ndarray, class_id: np.ndarray) -
     return worst
 
 
-def _ort_logits(path: Path, x: np.ndarray, batch: int = 1024) -> np.ndarray:
+def _ort_embeddings(path: Path, x: np.ndarray, batch: int = 1024) -> np.ndarray:
+    """backbone.onnx under onnxruntime: embeddings [N, d] float32 of inputs x, batch by batch."""
     sess = ort_session(path, threads=os.cpu_count() or 1)
-    return np.concatenate([sess.run(None, {"input": x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+    return np.concatenate([sess.run(None, {"input": np.asarray(x[i:i + batch], dtype=np.float32)})[0]
+                           for i in range(0, len(x), batch)])
 
 
 def _target(target_precision: float | None, target_recall: float | None) -> dict:
@@ -178,6 +182,7 @@ class _Run:
     y_cal: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+    image: dict | None = None  # the dataset's image spec (trainer.data.Splits.image)
 
     @property
     def head(self) -> tuple[np.ndarray, np.ndarray]:
@@ -186,17 +191,18 @@ class _Run:
         return (h.weight.detach().cpu().numpy().astype(np.float32), h.bias.detach().cpu().numpy().astype(np.float32))
 
 
-def _open_run(run: Path) -> _Run:
-    from trainer.data import load_dataset
+def _open_run(run: Path, data: str | None = None) -> _Run:
+    """The run and its data (from `data` when it has moved; ValueError, one line, when gone or changed)."""
+    from trainer.data import load_run_data
     from trainer.train import load_run
 
     net, config, data_info = load_run(run)
     net.eval()
-    splits = load_dataset(data_info["dataset"])
+    splits = load_run_data(data_info, override=data)
     (x_cal, y_cal), (x_test, y_test) = splits.calibration, splits.test
     return _Run(path=run, net=net, config=config, data_info=data_info,
                 x_cal=np.ascontiguousarray(x_cal, dtype=np.float32), y_cal=np.asarray(y_cal),
-                x_test=np.ascontiguousarray(x_test, dtype=np.float32), y_test=np.asarray(y_test))
+                x_test=np.ascontiguousarray(x_test, dtype=np.float32), y_test=np.asarray(y_test), image=splits.image)
 
 
 def _export_graphs(r: _Run, stage: Path, D: int, external: bool) -> dict[str, float]:
@@ -206,7 +212,8 @@ def _export_graphs(r: _Run, stage: Path, D: int, external: bool) -> dict[str, fl
     rng = np.random.default_rng(0)
     example_x = torch.from_numpy(r.x_cal[:max(2, min(4, len(r.x_cal)))].copy())
     example_c = torch.from_numpy(np.array(r.y_cal[:len(example_x)], dtype=np.int64))
-    parity_x = np.array(r.x_cal[:PARITY_BATCH], dtype=np.float32)  # writable copy for torch.from_numpy
+    rows = max(2, min(PARITY_BATCH, PARITY_VALUES // D))  # the full graph's output is [rows, D]
+    parity_x = np.array(r.x_cal[:rows], dtype=np.float32)  # writable copy for torch.from_numpy
     parity_c = rng.integers(0, D, len(parity_x)).astype(np.int64)
     report = {}
     for kind, module in _wrappers(r.net).items():
@@ -227,11 +234,18 @@ def _write_head(stage: Path, weight: np.ndarray, bias: np.ndarray) -> None:
 
 
 def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None) -> dict:
-    """Thresholds chosen on the calibration split's logits as the server computes them (full.onnx)."""
-    logits_cal = _ort_logits(stage / "full.onnx", r.x_cal)
+    """Thresholds chosen on the calibration split's logits as the server's detect computes them
+    (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]."""
+    from trainer.metrics import head_chunks
+
+    weight, bias = r.head  # [D, d], [D]
     has_test = len(r.x_test) > 0
-    logits_test = _ort_logits(stage / "full.onnx", r.x_test) if has_test else None
-    cal = calibrate(logits_cal, r.y_cal, target, logits_test, r.y_test if has_test else None, method=method)
+    h_cal = _ort_embeddings(stage / "backbone.onnx", r.x_cal).astype(np.float64)  # [N, d]
+    h_test = _ort_embeddings(stage / "backbone.onnx", r.x_test).astype(np.float64) if has_test else None  # [N', d]
+    chunk = chunk_classes(max(len(r.x_cal), len(r.x_test)), len(weight))
+    cal = calibrate_chunks(head_chunks(h_cal, weight, bias, chunk), r.y_cal, len(weight), target,
+                           head_chunks(h_test, weight, bias, chunk) if has_test else None,
+                           r.y_test if has_test else None, method=method, progress=True)
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
     return cal
 
@@ -276,15 +290,16 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         onnx={"opset": int(opset), "ir_version": int(full_model.ir_version),
               "exporter": f"torch {torch.__version__} dynamo", "parity_max_rel_diff": parity_report},
         calibration_target=cal["target"],
-        **({"image": spec} if (spec := image_spec(r.data_info.get("dataset") or "")) is not None else {}))
+        **({"image": spec} if (spec := r.data_info.get("image", r.image)) else {}))
 
 
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
-                  method: dict | None = None) -> Path:
-    """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful."""
+                  method: dict | None = None, data: str | None = None) -> Path:
+    """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful.
+    `data`: the run's dataset at its new place, when it has moved (trainer.data.load_run_data)."""
     run, out = Path(run), Path(out)
     target = _target(target_precision, target_recall)
-    r = _open_run(run)
+    r = _open_run(run, data)
     weight, bias = r.head  # [D, d], [D]
     D, d = weight.shape
     classes = [str(c) for c in r.data_info["classes"]]

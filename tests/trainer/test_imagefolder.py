@@ -277,3 +277,43 @@ def test_built_in_datasets_record_their_spec_and_load_again():
     assert s.image == image_spec("digits") and s.source["dataset"] == "digits" and len(s.fingerprint) == 64
     assert load_run_data(_info(s, "digits")).fingerprint == s.fingerprint
     assert load_dataset("synthetic").image is None
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.mark.integration
+def test_a_trained_exported_served_folder_answers_each_test_png_with_its_offline_logit(folder, tmp_path):
+    """slc train on imagefolder:, slc export, the server: each test file POSTed as an image/png body
+    to detect of its class gets the logit of the exported backbone (onnxruntime) + head in float64
+    and of the trained torch model, on load_image_file(path), within 1e-4."""
+    from urllib.parse import quote
+
+    from fastapi.testclient import TestClient
+
+    from serving.app import create_app
+    from serving.bundle import load_bundle
+    from tests.serving.helpers import Offline, make_settings, wait_ready
+    from trainer.export import export_bundle
+    from trainer.train import TrainConfig, load_run, run_logits, train
+
+    name = f"imagefolder:{folder}"
+    cfg = TrainConfig(dataset=name, backbone="resnet_glyph", backbone_params={"width": 8}, loss="batch_ce",
+                      epochs=2, lr=0.01, batch_size=16, seed=0)
+    run = train(cfg, tmp_path / "run", progress=False)
+    bundle = export_bundle(run, tmp_path / "bundle", target_precision=0.9)
+    splits = load_dataset(name, progress=False)
+    assert load_bundle(bundle).image == splits.image
+    files = imagefiles.row_files(splits)["test"]
+    x = np.stack([load_image_file(folder / rel, splits.image) for rel in files])  # [n, 1, 32, 32]
+    labels = [splits.classes.index(rel.split("/")[0]) for rel in files]
+    offline = Offline(load_bundle(bundle)).logits(x)[np.arange(len(files)), labels]  # [n] float64
+    torch_logits = run_logits(load_run(run)[0], x)[np.arange(len(files)), labels]  # [n]
+    np.testing.assert_allclose(torch_logits, offline, rtol=1e-4, atol=1e-4)
+    app = create_app(make_settings(bundle, tmp_path, max_inputs=64))
+    with TestClient(app) as client:
+        wait_ready(client.get)
+        for rel, j, want in zip(files, labels, offline):
+            r = client.post(f"/v1/classes/{quote(splits.classes[j], safe='')}/detect",
+                            content=(folder / rel).read_bytes(), headers={"content-type": "image/png"})
+            assert r.status_code == 200, r.text
+            assert r.json()["class_id"] == j
+            assert r.json()["results"][0]["logit"] == pytest.approx(want, rel=1e-4, abs=1e-4), rel

@@ -12,7 +12,7 @@ comma := ,
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
 
-.PHONY: setup serve test test-unit test-all lint docs bench robustness table1 server-venv clean
+.PHONY: setup serve test test-unit test-all lint docs bench robustness table1 server-venv clean gpu-check
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ test-unit: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q -ra -m "not bench"
+
+# Where torch sees CUDA: glyphs-latin trained on cuda in bf16 against the CPU in fp32, exported, served
+# with --device cuda and checked against offline math (a table; exit 1 on a mismatch). Else one line, exit 0.
+gpu-check: setup
+	$(BIN)/python tools/gpu_check.py
 
 lint: setup
 	$(BIN)/ruff check --select F,E9 slc serving trainer models tests

@@ -75,7 +75,7 @@ def choose_thresholds(scores: np.ndarray, positive: np.ndarray, target: dict) ->
     s_sorted = np.take_along_axis(scores, order, axis=0)  # [N, C]
     tp = np.cumsum(np.take_along_axis(positive, order, axis=0), axis=0)  # [N, C]: accepting the top k+1
     accepted = np.arange(1, n + 1, dtype=np.float64)[:, None]  # [N, 1]
-    n_pos = tp[-1]  # [C]
+    n_pos = tp[-1].copy()  # [C]; a copy, as a view would keep all of tp [N, C] alive in the result
     precision = tp / accepted  # [N, C]
     recall = tp / np.maximum(n_pos, 1)  # [N, C]; 0 when the class has no positive
     # a cut after row k is a real threshold only where the next score is strictly lower

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from trainer import calibrate as cal_mod
 from trainer.calibrate import calibrate, choose_thresholds, fit_platt
 
 
@@ -186,3 +187,151 @@ def test_an_unknown_method_or_a_bad_kappa_is_refused(method):
     logits, y = overlapping_logits(np.random.default_rng(0), n=50, classes=3, sep=1.0)
     with pytest.raises(ValueError):
         calibrate(logits, y, method=method)
+
+
+# ----------------------------------------------------------------------------- by class chunks = dense
+def dense_reference(logits, y, target, logits_t=None, y_t=None, method=None) -> dict:
+    """calibrate() as it was before it streamed (commit 51b1760): one float64 [N, D] matrix, the pooled
+    threshold by sorting all N·D pairs in one column. The independent truth for the chunked path."""
+    kind, value = next(iter(target.items()))
+    method = cal_mod.check_method(method)
+    logits = np.asarray(logits, dtype=np.float64)
+    D = logits.shape[1]
+    positive = y[:, None] == np.arange(D)[None, :]  # [N, D]
+    per = choose_thresholds(logits, positive, target)
+    pooled = choose_thresholds(logits.reshape(-1, 1), positive.reshape(-1, 1), target)
+    a, b = fit_platt(logits, positive)
+    g = float(pooled["threshold"][0])
+    if method["name"] != "per_class":
+        n = per["positives"].astype(np.float64)
+        t = np.full(D, g) if method["name"] == "global" else (n * per["threshold"] + method["kappa"] * g) / (n + method["kappa"])
+        t = t.astype(np.float32).astype(np.float64)
+        r = dense_rates(logits, positive, t)
+        per = {**per, "threshold": t, "precision": r["precision"], "recall": r["recall"],
+               "reached": (r[kind] >= value - 1e-12) & (per["positives"] > 0)}
+    test = None
+    if logits_t is not None:
+        pos_t = y_t[:, None] == np.arange(D)[None, :]
+        test = {"per_class": dense_rates(logits_t, pos_t, per["threshold"]),
+                "global": dense_rates(logits_t.reshape(-1, 1), pos_t.reshape(-1, 1), np.array([g])),
+                "per_class_at_global": dense_rates(logits_t, pos_t, np.full(D, g)), "examples": len(y_t)}
+    out = {"target": {kind: float(value)}, "method": method, "decision": "match = logit >= threshold",
+           "probability": "sigmoid(a * logit + b)", "split": "calibration", "examples": len(y),
+           "global": cal_mod._global_entry(pooled, test), "per_class": cal_mod._per_class_entries(per, a, b, test),
+           "summary": cal_mod._summary(per, dense_rates(logits, positive, np.full(D, g)), test, kind, value)}
+    if test is not None:
+        out["test_examples"] = len(y_t)
+    return out
+
+
+def dense_rates(scores, positive, threshold) -> dict:
+    match = scores >= threshold[None, :]
+    tp, predicted, n_pos = (match & positive).sum(axis=0), match.sum(axis=0), positive.sum(axis=0)
+    return {"precision": np.where(predicted > 0, tp / np.maximum(predicted, 1), 1.0),
+            "recall": np.where(n_pos > 0, tp / np.maximum(n_pos, 1), 0.0), "positives": n_pos}
+
+
+def assert_same_document(got: dict, want: dict) -> None:
+    """Equal in every field; Platt (a, b) within 1e-9 (its sums run in another order by chunks)."""
+    got, want = json.loads(json.dumps(got)), json.loads(json.dumps(want))
+    platt_got = [e.pop("platt") for e in got["per_class"]]
+    platt_want = [e.pop("platt") for e in want["per_class"]]
+    assert got == want
+    for pg, pw in zip(platt_got, platt_want):
+        assert pg["a"] == pytest.approx(pw["a"], rel=1e-9, abs=1e-9)
+        assert pg["b"] == pytest.approx(pw["b"], rel=1e-9, abs=1e-9)
+
+
+def tied_logits(rng, n=160, classes=13, absent=(4, 11)):
+    """Rounded logits (ties within classes, across classes and between positives and negatives),
+    some classes without a calibration positive."""
+    present = np.setdiff1d(np.arange(classes), absent)
+    y = rng.choice(present, n)
+    logits = np.round(rng.standard_normal((n, classes)), 1)
+    logits[np.arange(n), y] += np.round(rng.uniform(0, 2.5, n), 1)
+    return logits, y
+
+
+TARGETS = [{"precision": 0.9}, {"precision": 0.999}, {"recall": 0.8}, {"recall": 1.0}]
+
+
+@pytest.mark.parametrize("method", [{"name": "per_class"}, {"name": "global"}, {"name": "shrink", "kappa": 3.0}])
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("chunk", [1, 4, 5, 13, 40])  # 13 = D; 4 and 5 do not divide it
+def test_calibration_by_class_chunks_equals_the_dense_computation(chunk, target, method):
+    rng = np.random.default_rng(11)
+    logits, y = tied_logits(rng)
+    logits_t, y_t = tied_logits(rng, n=90, absent=(2,))
+    want = dense_reference(logits, y, target, logits_t, y_t, method)
+    assert_same_document(calibrate(logits, y, target, logits_t, y_t, method=method, chunk=chunk), want)
+    assert_same_document(calibrate(logits, y, target, method=method, chunk=chunk),
+                         dense_reference(logits, y, target, method=method))
+
+
+@pytest.mark.parametrize("target", TARGETS + [{"precision": 1e-13}, {"precision": 1.0}, {"recall": 1e-13}])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_pooled_threshold_is_the_brute_force_one(target, seed):
+    """PooledThreshold (counts at the true logits only) against every distinct pooled score tried."""
+    rng = np.random.default_rng(seed)
+    n, classes = int(rng.integers(1, 60)), int(rng.integers(1, 9))
+    y = rng.integers(0, classes, n)
+    logits = rng.integers(-3, 4, (n, classes)).astype(np.float64)  # few values: ties everywhere
+    logits[np.arange(n), y] += rng.integers(0, 3, n)
+    pooled = cal_mod.PooledThreshold(logits[np.arange(n), y])
+    for first in range(0, classes, 2):
+        pooled.add(logits[:, first:first + 2])
+    got = pooled.choose(target)
+    positive = (y[:, None] == np.arange(classes)).ravel()
+    t, p, r, reached = brute_force(logits.ravel(), positive, target)
+    assert (got["threshold"][0], got["reached"][0]) == (t, reached)
+    assert got["precision"][0] == pytest.approx(p, abs=1e-15) and got["recall"][0] == pytest.approx(r, abs=1e-15)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_calibration_from_a_head_by_chunks_equals_the_dense_logits(chunk):
+    """Export's route: embeddings [N, d] and a head W [D, d], b [D] (trainer.metrics.head_chunks).
+    Small integers, so every logit is exact whatever the GEMM's summation order (and ties abound)."""
+    from trainer.metrics import head_chunks
+
+    rng = np.random.default_rng(12)
+    n, d, classes = 120, 5, 70
+    h, h_t = rng.integers(-2, 3, (n, d)).astype(np.float64), rng.integers(-2, 3, (50, d)).astype(np.float64)
+    w, b = rng.integers(-2, 3, (classes, d)).astype(np.float32), rng.integers(-1, 2, classes).astype(np.float32)
+    y, y_t = rng.integers(0, classes - 3, n), rng.integers(0, classes, 50)  # the last 3 classes: no positive
+    got = cal_mod.calibrate_chunks(head_chunks(h, w, b, chunk), y, classes, {"precision": 0.7},
+                                   head_chunks(h_t, w, b, chunk), y_t)
+    want = dense_reference(h @ w.T.astype(np.float64) + b, y, {"precision": 0.7}, h_t @ w.T.astype(np.float64) + b, y_t)
+    assert_same_document(got, want)
+
+
+def test_chunks_that_do_not_cover_the_classes_in_order_are_refused():
+    logits, y = tied_logits(np.random.default_rng(13))
+    whole = cal_mod.dense_chunks(logits, 5)
+    for chunks in (lambda: [c for c in whole()][::-1],  # out of order
+                   lambda: list(whole())[:-1],  # one missing
+                   lambda: [(f, z[:-1]) for f, z in whole()]):  # rows missing
+        with pytest.raises(ValueError):
+            cal_mod.calibrate_chunks(chunks, y, logits.shape[1])
+
+
+@pytest.mark.slow
+def test_calibration_memory_grows_with_the_chunk_not_with_d():
+    """tracemalloc sees numpy's buffers: by chunks of 64 classes the peak stays far below one dense
+    float64 [N, D] matrix (N·D = 1.6·10^7 values, 128 MB)."""
+    import tracemalloc
+
+    from trainer.metrics import head_chunks
+
+    rng = np.random.default_rng(14)
+    n, d, classes = 2000, 8, 8000
+    h, w, b = rng.standard_normal((n, d)), rng.standard_normal((classes, d)), rng.standard_normal(classes)
+    y = rng.integers(0, classes, n)
+    tracemalloc.start()
+    try:
+        cal = cal_mod.calibrate_chunks(head_chunks(h, w, b, 32), y, classes, method={"name": "shrink"})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(cal["per_class"]) == classes
+    assert peak < n * classes * 8 / 8, f"peak {peak / 1e6:.1f} MB"
+    print(f"peak {peak / 1e6:.1f} MB")

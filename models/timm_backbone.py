@@ -152,7 +152,7 @@ def _head_prefixes(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{n}." for n in names)
 
 
-def _few(keys: list[str], n: int = 3) -> str:
+def _few(keys: list[str], n: int = 2) -> str:
     return ", ".join(keys[:n]) + (f" … ({len(keys)} in all)" if len(keys) > n else "")
 
 
@@ -176,7 +176,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, model_name: str = "m
     """Load every backbone tensor from `path` into `model`, ignoring the classifier's keys.
 
     Strict: a backbone key missing from the file, a key the model lacks (other than the head's),
-    or a shape that differs is a one-line ValueError naming the first few keys.
+    or a shape that differs is a one-line ValueError naming the first keys of each kind.
     """
     state = read_state_dict(path)
     head = _head_prefixes(model)
@@ -187,8 +187,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike, model_name: str = "m
     shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
               if k in state and state[k].shape != own[k].shape]
     problems = ([f"missing {_few(missing)}"] if missing else []) + \
-               ([f"unexpected {_few(unexpected)}"] if unexpected else []) + \
-               ([f"shapes differ: {_few(shapes)}"] if shapes else [])
+               ([f"unexpected {_few(unexpected)}"] if unexpected else [])
+    problems = problems or ([f"shapes differ: {_few(shapes)}"] if shapes else [])  # shapes alone: same keys
     if problems:
         raise ValueError(f"weights {str(path)!r} do not fit timm:{model_name}: {'; '.join(problems)}")
     model.load_state_dict(state, strict=True)

@@ -39,6 +39,10 @@ def _dataset(ctx: click.Context, param: click.Parameter, value: Optional[str]) -
 
 def _run_dir(ctx: click.Context, param: click.Parameter, value: Path) -> Path:
     missing = [name for name in RUN_FILES if not (value / name).is_file()]
+    if missing == ["checkpoint.pt"] and (value / "checkpoints").is_dir():
+        status = json.loads((value / "config.json").read_text()).get("status", "running")
+        raise click.BadParameter(f"{value} has not finished training ({status}); continue it with "
+                                 f"slc train --resume {value}", ctx, param)
     if missing:
         raise click.BadParameter(f"{value} is not a run directory of `slc train` (missing {', '.join(missing)})",
                                  ctx, param)
@@ -224,11 +228,15 @@ def _check_params(cfg) -> None:
 @click.command()
 @click.argument("run", **RUN)
 @click.option("--split", type=click.Choice(["calibration", "test"]), default="test", show_default=True)
-def evaluate(run: Path, split: str) -> None:
+@click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
+def evaluate(run: Path, split: str, data: Optional[str]) -> None:
     """Single-logit metrics of a trained RUN on a split."""
     from trainer.train import evaluate_run
 
-    metrics = evaluate_run(run, split=split, print_table=True)
+    try:
+        metrics = evaluate_run(run, split=split, print_table=True, data=data)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     click.echo(f"{run} on {split}: accuracy {metrics['accuracy']:.4f}, auprc {metrics['auprc']:.4f}")
 
 
@@ -243,8 +251,9 @@ def evaluate(run: Path, split: str) -> None:
               show_default=True, help="per-class thresholds: pulled toward the global one (shrink), alone, or one for all")
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
+@click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
 def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float],
-           threshold_method: str, kappa: float) -> None:
+           threshold_method: str, kappa: float, data: Optional[str]) -> None:
     """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
@@ -253,7 +262,10 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
 
     t0 = time.perf_counter()
     method = {"name": threshold_method, "kappa": kappa} if threshold_method == "shrink" else {"name": threshold_method}
-    export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method)
+    try:
+        export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method, data=data)
+    except ValueError as exc:  # the run's data gone or changed: one line
+        raise click.UsageError(str(exc)) from None
     b = load_bundle(out, verify=False)
     test = (b.calibration.get("summary") or {}).get("test") or {}
     extra = (f", test per-class mean precision {test['per_class_mean_precision']:.3f} recall "

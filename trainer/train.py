@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from models import ClassHead, SLCNet, build_backbone
+from models import ClassHead, SLCNet, backbone_input_spec, build_backbone, spec_normalisation
 from trainer.augment import augment_generator, build_augment
 from trainer.checkpoint import atomic_save, checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.data import Splits, load_dataset
@@ -278,10 +278,18 @@ def _data_info(cfg: TrainConfig, splits: Splits) -> dict:
 
 
 def _load_data(cfg: TrainConfig) -> Splits:
-    """The dataset; image-file datasets decoded to cfg.image, bad files refused or skipped."""
-    if cfg.dataset.startswith(("imagefolder:", "csv:")):
-        return load_dataset(cfg.dataset, image=cfg.image, skip_bad=cfg.skip_bad_images)
-    return load_dataset(cfg.dataset)
+    """The dataset; image files decoded to cfg.image (or the size and RGB a pretrained backbone
+    expects), bad files refused or skipped. A pretrained backbone's normalisation replaces the
+    data's statistics (its weights were trained with it)."""
+    spec = backbone_input_spec(cfg.backbone, **cfg.backbone_params) if cfg.backbone != "auto" else None
+    if not cfg.dataset.startswith(("imagefolder:", "csv:")):
+        return load_dataset(cfg.dataset)
+    image = cfg.image or ({"height": spec["height"], "width": spec["width"], "channels": 3} if spec else None)
+    splits = load_dataset(cfg.dataset, image=image, skip_bad=cfg.skip_bad_images)
+    if spec is not None:
+        mean, std = spec_normalisation(spec)
+        splits = replace(splits, mean=mean, std=std)
+    return splits
 
 
 def resolve_backbone(cfg: TrainConfig, splits: Splits) -> str:
@@ -614,10 +622,13 @@ def load_run(run: Path) -> tuple[SLCNet, dict, dict]:
     return model.eval(), config, data_info
 
 
-def evaluate_run(run: Path, split: str = "test", print_table: bool = False) -> dict[str, float]:
-    """Recompute the single-logit metrics (+ separation) of a run on a split of its dataset."""
+def evaluate_run(run: Path, split: str = "test", print_table: bool = False, data: str | None = None) -> dict[str, float]:
+    """Recompute the single-logit metrics (+ separation) of a run on a split of its dataset
+    (`data`: the dataset at its new place, when it has moved)."""
+    from trainer.data import load_run_data
+
     model, config, data_info = load_run(run)
-    x, y = load_dataset(data_info["dataset"]).split(split)
+    x, y = load_run_data(data_info, override=data).split(split)
     metrics = model_metrics(model, x, y)
     if print_table:
         from rich.console import Console

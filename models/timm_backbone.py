@@ -49,7 +49,7 @@ def _torchvision_op_schemas() -> None:
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
         return
-    libs = glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "_C*.so"))
+    libs = glob.glob(os.path.join(next(iter(spec.submodule_search_locations)), "_C*.so"))
     try:
         for lib in libs:
             torch.ops.load_library(lib)  # what torchvision.extension does; loading twice is a no-op

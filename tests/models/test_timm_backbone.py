@@ -15,7 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 from models import (
-    ClassHead, SLCNet, backbone_input_spec, build_backbone, check_backbone_name, list_backbones, spec_normalisation,
+    ClassHead,
+    SLCNet,
+    backbone_input_spec,
+    build_backbone,
+    check_backbone_name,
+    list_backbones,
+    spec_normalisation,
 )
 from models.timm_backbone import import_timm
 from trainer.export import PARITY_TOL, _export_graph, _wrappers, check_graph, parity
@@ -176,7 +182,9 @@ def _one_line_error(match: str, fn, *args, **kwargs) -> str:
 
 
 def test_weights_errors_are_one_line(tmp_path):
-    build = lambda w: build_backbone(f"timm:{FAST}", SHAPE, weights=w)  # noqa: E731
+    def build(weights):
+        return build_backbone(f"timm:{FAST}", SHAPE, weights=weights)
+
     _one_line_error("does not exist", build, tmp_path / "absent.safetensors")
     other = tmp_path / "resnet.safetensors"  # another architecture's weights
     save_file(import_timm().create_model("test_resnet", num_classes=0).state_dict(), str(other))

@@ -24,42 +24,44 @@ import numpy as np
 
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")  # the Pillow decoders ever tried
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # image files of a dataset
-MAX_PIXELS = 16_000_000  # decoded pixels; a larger image (or a decompression bomb) is refused
+MAX_PIXELS = 16_000_000  # decoded pixels of an image body; a larger one (or a decompression bomb) is refused
+FILE_MAX_PIXELS = 89_478_485  # of an image file (Pillow's own decompression-bomb limit): camera photos pass
 
 
 class ImageTooLarge(ValueError):
-    """More than MAX_PIXELS pixels."""
+    """More pixels than the limit."""
 
 
 class UnsupportedImage(ValueError):
     """A pixel format the preprocessing does not take (32-bit integer or float samples)."""
 
 
-def check_header(img) -> None:
+def check_header(img, max_pixels: int = MAX_PIXELS) -> None:
     """ImageTooLarge / UnsupportedImage from what `Image.open` read (size, mode): no pixel is decoded."""
-    if img.width * img.height > MAX_PIXELS:
-        raise ImageTooLarge(f"the image has {img.width}x{img.height} pixels; the limit is {MAX_PIXELS:,}")
+    if img.width * img.height > max_pixels:
+        raise ImageTooLarge(f"the image has {img.width}x{img.height} pixels; the limit is {max_pixels:,}")
     if img.mode in ("I", "F") or img.mode.startswith("I;32"):
         raise UnsupportedImage(f"{img.mode} images (32-bit samples) are not supported; send 8 or 16 bits")
 
 
-def open_image(fp: BinaryIO, formats: Iterable[str] = FORMATS):
+def open_image(fp: BinaryIO, formats: Iterable[str] = FORMATS, max_pixels: int = MAX_PIXELS):
     """A decoded PIL image from an open binary file; the header is checked before any pixel is decoded.
     Pillow's own errors (not an image, truncated, DecompressionBombError) pass through."""
     from PIL import Image
 
     img = Image.open(fp, formats=list(formats))
-    check_header(img)
+    check_header(img, max_pixels)
     img.load()
-    check_header(img)  # the mode a decoder settles on after loading
+    check_header(img, max_pixels)  # the mode a decoder settles on after loading
     return img
 
 
 def load_image_file(path: str | Path, spec: dict) -> np.ndarray:
     """One example float32 [*input shape of spec] from an image file, exactly as the server
-    preprocesses the same bytes sent as an image body."""
+    preprocesses the same bytes sent as an image body (files may be larger than bodies:
+    FILE_MAX_PIXELS)."""
     with open(path, "rb") as f:
-        return preprocess(open_image(f), spec)
+        return preprocess(open_image(f, max_pixels=FILE_MAX_PIXELS), spec)
 
 
 def is_grey(img) -> bool:

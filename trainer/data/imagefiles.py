@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving.bundle import atomic_write_text, replace_dir, slc_home
-from serving.bundle.image import EXTENSIONS, FORMATS, check_header, is_grey, open_image, preprocess
+from serving.bundle.image import EXTENSIONS, FILE_MAX_PIXELS, FORMATS, check_header, is_grey, open_image, preprocess
 from serving.bundle.imagespec import LAYOUTS, check_image_spec, input_shape_of
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def _scan_chunk(paths: list[str]) -> list[tuple[int, int, bool, str | None]]:
     for p in paths:
         try:
             with Image.open(p, formats=list(FORMATS)) as img:
-                check_header(img)
+                check_header(img, FILE_MAX_PIXELS)
                 out.append((img.width, img.height, is_grey(img), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
             out.append((0, 0, False, _one_line(exc)))
@@ -191,7 +191,7 @@ def _decode_chunk(x_path: str, start: int, paths: list[str], spec: dict) -> list
     for i, p in enumerate(paths):
         try:
             data = Path(p).read_bytes()
-            x[start + i] = preprocess(open_image(io.BytesIO(data)), spec)  # whole numbers 0..255 (scale 1)
+            x[start + i] = preprocess(open_image(io.BytesIO(data), max_pixels=FILE_MAX_PIXELS), spec)  # 0..255, whole
             out.append((hashlib.sha256(data).hexdigest(), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
             out.append((None, _one_line(exc)))

@@ -112,3 +112,16 @@ def test_check_image_spec_takes_any_and_hw_and_refuses_what_preprocess_cannot_do
     assert "out of range" in check_image_spec({**hw, "channels": 3}, (28, 28))
     assert "background" in check_image_spec({**hw, "background": "grey"}, (28, 28))
     assert "input shape" in check_image_spec(hw, (1, 28, 28))
+
+
+def test_image_files_may_be_larger_than_image_bodies(tmp_path):
+    """A 17.5-megapixel file is training data; the same bytes as a body are 413 (MAX_PIXELS)."""
+    from serving.bundle.image import MAX_PIXELS
+    from serving.errors import PayloadTooLarge
+
+    Image.new("L", (5000, 3500), 0).save(tmp_path / "big.png")
+    assert 5000 * 3500 > MAX_PIXELS
+    spec = SPECS["grey CHW any"]
+    assert load_image_file(tmp_path / "big.png", spec).shape == (1, 32, 32)
+    with pytest.raises(PayloadTooLarge):
+        decode((tmp_path / "big.png").read_bytes(), b"image/png", spec, input_shape_of(spec))

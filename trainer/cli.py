@@ -178,8 +178,7 @@ def _train_config(out: Optional[Path], resume: Optional[Path], options: dict):
     if options["dataset"] is None or out is None:
         raise click.UsageError("give --dataset and --out (or --resume RUN)")
     weights, size, channels = options.pop("weights"), options.pop("image_size"), options.pop("channels")
-    if weights is not None:
-        options["backbone_params"] = {**options["backbone_params"], "weights": str(weights)}
+    options["weights"] = str(weights.resolve()) if weights is not None else None
     image = {"height": size[0], "width": size[1]} if size else {}
     if channels:
         image["channels"] = int(channels)
@@ -192,7 +191,7 @@ def _summary(out: Path, seconds: float) -> None:
     metrics_path = out / "metrics.json"
     if metrics_path.is_file() and os.environ.get("RANK", "0") == "0":  # one summary under torchrun
         test = json.loads(metrics_path.read_text())["test"]
-        chosen = json.loads((out / "config.json").read_text()).get("weights", {})
+        chosen = json.loads((out / "config.json").read_text()).get("kept_weights", {})
         best = f" (best epoch {chosen['best_epoch'] + 1})" if chosen.get("chosen") == "best" else ""
         click.echo(f"trained {out} in {seconds:.0f} s{best}: test accuracy {test['accuracy']:.4f}, "
                    f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}; curves {out / 'curves.png'}"

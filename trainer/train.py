@@ -92,6 +92,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # training-state checkpoint every N steps (and at every epoch end); 0 = epoch ends
     keep_checkpoints: int = 2  # how many training-state checkpoints to keep
     tensorboard: bool = False  # also write RUN/tensorboard events
+    weights: str | None = None  # pretrained backbone weights file, read once when training starts (not on resume)
     image: dict | None = None  # image files decoded to {height, width, channels} (imagefolder:, csv:)
     skip_bad_images: bool = False  # unreadable image files counted and skipped instead of refused
 
@@ -372,9 +373,11 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _build(cfg: TrainConfig, splits: Splits, num_classes: int, n_train: int):
-    """(model, loss, class sampler or None) with the loss's initial head bias."""
-    model = build_model(cfg.backbone, cfg.backbone_params, splits.input_shape, num_classes, splits.mean, splits.std)
+def _build(cfg: TrainConfig, splits: Splits, num_classes: int, n_train: int, resume: bool):
+    """(model, loss, class sampler or None) with the loss's initial head bias; the pretrained
+    weights file is read for a new run only (a resumed run's checkpoint holds them)."""
+    params = {**cfg.backbone_params, **({"weights": cfg.weights} if cfg.weights and not resume else {})}
+    model = build_model(cfg.backbone, params, splits.input_shape, num_classes, splits.mean, splits.std)
     sampler = ClassSampler(num_classes, cfg.head_sample, min(cfg.batch_size, n_train), cfg.seed) \
         if cfg.head_sample < 1.0 else None
     loss_fn = build_loss(cfg.loss, sampler.size if sampler else num_classes, **cfg.loss_params)
@@ -448,7 +451,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = 
     augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])
     y_train = torch.tensor(np.asarray(splits.train[1], dtype=np.int64))  # [N]: labels in memory, pixels not
     n_train, num_classes = len(y_train), splits.num_classes
-    model, loss_fn, sampler = _build(cfg, splits, num_classes, n_train)
+    model, loss_fn, sampler = _build(cfg, splits, num_classes, n_train, resume)
     if cfg.head_shard:  # no DDP: the backbone's gradients are summed by hand (sum_gradients)
         model.head = keep_shard(model.head, num_classes)
     model.to(device)
@@ -593,7 +596,7 @@ def _finish(out: Path, model: SLCNet, splits: Splits, state: _Progress, resolved
     _write_json(out / "metrics.json", metrics)
     _write_json(out / "config.json", {
         **resolved, "status": "completed", "step": state.step, "stopped_early": state.stopped_early,
-        "weights": {"chosen": chosen, "best_epoch": state.best_epoch, "best_step": state.best_step,
+        "kept_weights": {"chosen": chosen, "best_epoch": state.best_epoch, "best_step": state.best_step,
                     "best_calibration_accuracy": state.best},
         "train_seconds": round(train_seconds, 1), "train_images_per_second": round(images / max(train_seconds, 1e-9), 1),
         "eval_seconds": round(time.perf_counter() - t0, 1)})

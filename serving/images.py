@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from serving.bundle.image import MAX_PIXELS, ImageTooLarge, UnsupportedImage, open_image, preprocess
+from serving.bundle.image import MAX_PIXELS, ImageTooLarge, UnsupportedImage, decode_image, preprocess
 from serving.errors import InvalidInput, PayloadTooLarge
 from serving.inputs import UnsupportedMediaType
 
@@ -43,8 +43,7 @@ def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: 
     from PIL import Image
 
     try:
-        img = open_image(io.BytesIO(body), formats=[IMAGE_TYPES[content_type.decode("latin-1")]])
-        return preprocess(img, spec)
+        return decode_image(io.BytesIO(body), spec, formats=[IMAGE_TYPES[content_type.decode("latin-1")]])
     except ImageTooLarge as exc:
         raise PayloadTooLarge(str(exc), code="image_too_large") from None
     except UnsupportedImage as exc:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving.bundle import atomic_write_text, replace_dir, slc_home
-from serving.bundle.image import EXTENSIONS, FILE_MAX_PIXELS, FORMATS, check_header, is_grey, open_image, preprocess
+from serving.bundle.image import EXTENSIONS, FILE_MAX_PIXELS, FORMATS, check_header, decode_image, is_grey
 from serving.bundle.imagespec import LAYOUTS, check_image_spec, input_shape_of
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def _decode_chunk(x_path: str, start: int, paths: list[str], spec: dict) -> list
     for i, p in enumerate(paths):
         try:
             data = Path(p).read_bytes()
-            x[start + i] = preprocess(open_image(io.BytesIO(data), max_pixels=FILE_MAX_PIXELS), spec)  # 0..255, whole
+            x[start + i] = decode_image(io.BytesIO(data), spec, max_pixels=FILE_MAX_PIXELS)  # whole numbers 0..255
             out.append((hashlib.sha256(data).hexdigest(), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
             out.append((None, _one_line(exc)))

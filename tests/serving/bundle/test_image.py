@@ -125,3 +125,24 @@ def test_image_files_may_be_larger_than_image_bodies(tmp_path):
     assert load_image_file(tmp_path / "big.png", spec).shape == (1, 32, 32)
     with pytest.raises(PayloadTooLarge):
         decode((tmp_path / "big.png").read_bytes(), b"image/png", spec, input_shape_of(spec))
+
+
+def test_a_large_photo_is_decoded_reduced_the_same_both_ways_and_close_to_a_full_decode(tmp_path):
+    """A 2400x1800 JPEG (EXIF-rotated) to 64x64: libjpeg's reduced decode and the box reduction
+    (REDUCE_GAP) give the file and the body the same array, within a grey level on average of
+    the plain reference (full decode, rotation, one Lanczos resize)."""
+    from PIL import ImageOps
+
+    yy, xx = np.mgrid[0:1800, 0:2400]
+    rgb = np.stack([(xx // 9) % 256, (yy // 7) % 256, ((xx + yy) // 13) % 256], axis=-1).astype(np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(rgb).save(tmp_path / "photo.jpg", quality=92, exif=exif)
+    spec = {"height": 64, "width": 64, "channels": 3, "layout": "HWC", "scale": 1.0, "background": "any",
+            "resample": "lanczos"}
+    offline = load_image_file(tmp_path / "photo.jpg", spec)
+    served = decode((tmp_path / "photo.jpg").read_bytes(), b"image/jpeg", spec, (64, 64, 3))
+    assert offline.tobytes() == served.tobytes()
+    full = ImageOps.exif_transpose(Image.open(tmp_path / "photo.jpg")).convert("RGB")
+    reference = np.asarray(full.resize((64, 64), Image.LANCZOS), dtype=np.float32)
+    assert np.abs(offline - reference).mean() < 1.0

@@ -242,25 +242,24 @@ class PooledThreshold:
     Every rule picks a cut at a positive's score: between two positive scores, lowering the
     threshold only adds negatives (the same recall, a lower precision). So the candidates are the
     distinct true logits u, each needing TP(u) (true logits >= u) and A(u) (all scores >= u, which
-    `add` counts chunk by chunk against the sorted candidates).
+    `add` counts chunk by chunk: the chunk's scores sorted, the candidates looked up in them).
     """
 
     def __init__(self, true: np.ndarray):  # [N] each example's own logit
         self.true = np.sort(np.asarray(true, dtype=np.float64))
         self.u = np.unique(self.true)  # [K] ascending
-        self.counts = np.zeros(len(self.u) + 1, dtype=np.int64)  # [K+1]: scores with exactly k candidates <= them
+        self.accepted = np.zeros(len(self.u), dtype=np.int64)  # [K] scores >= u[k] so far
 
     def add(self, z: np.ndarray) -> None:
         """Count the scores z [N, c] of one class chunk."""
-        above = z[z >= self.u[0]]  # [M] a score below every candidate is never accepted
-        self.counts += np.bincount(np.searchsorted(self.u, above, side="right"), minlength=len(self.counts))
+        s = np.sort(z, axis=None)  # [N·c]
+        self.accepted += len(s) - np.searchsorted(s, self.u, side="left")
 
     def choose(self, target: dict) -> dict[str, np.ndarray]:
         """choose_thresholds' answer for the pooled column: arrays [1]."""
         kind, value = _check_target(target)
         n = len(self.true)
-        u = self.u[::-1]  # [K] descending, as the dense sort runs
-        accepted = np.cumsum(self.counts[::-1])[:-1]  # [K] scores >= u[k]
+        u, accepted = self.u[::-1], self.accepted[::-1]  # [K] descending, as the dense sort runs
         tp = n - np.searchsorted(self.true, u, side="left")  # [K] true logits >= u[k]
         if (accepted < tp).any():
             raise RuntimeError("the class chunks gave different logits on two passes")

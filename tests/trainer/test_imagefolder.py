@@ -136,6 +136,17 @@ def test_the_cache_is_found_again_without_reading_an_image(folder, tmp_path, mon
     assert load_dataset(f"imagefolder:{work}", progress=False).fingerprint != first.fingerprint
 
 
+def test_worker_processes_build_the_same_cache(folder, tmp_path, monkeypatch):
+    serial = load_dataset(f"imagefolder:{folder}", progress=False)
+    monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(imagefiles, "PARALLEL_MIN", 1)
+    monkeypatch.setattr(imagefiles, "CHUNK", 7)  # many chunks, finishing in any order
+    parallel = imagefiles.load(f"imagefolder:{folder}", progress=False, workers=2)
+    assert parallel.fingerprint == serial.fingerprint
+    for name in ("train", "calibration", "test"):
+        np.testing.assert_array_equal(parallel.split(name)[0], serial.split(name)[0])
+
+
 def test_unreadable_files_are_one_line_naming_them_or_skipped_with_one_warning(folder, tmp_path, caplog):
     work = shutil.copytree(folder, tmp_path / "letters")
     (work / "C" / "3.png").write_bytes(b"not a png at all")  # the header check finds it

@@ -38,10 +38,13 @@ if str(ROOT) not in sys.path:  # tests.serving.helpers: the server process and r
 TRAIN = ["--dataset", "glyphs-latin", "--backbone", "resnet_glyph", "--loss", "ce", "--epochs", "1"]
 REFERENCE = ("cpu", "fp32")  # (--device, --precision) of the run the GPU's is compared with
 
-# The training comparison: bf16 against fp32 from the same weights and batches (docs/results/gpu-check.md).
-FIRST_LOSS_REL = 0.05  # step 0's loss: same weights, same batch, only the rounding differs
-CURVE_REL = 0.15  # mean |smoothed CUDA curve - smoothed CPU curve| over the mean smoothed CPU loss
-METRIC_ABS = {"accuracy": 0.10, "auprc": 0.10}  # test metrics after one epoch, absolute
+# The training comparison: bf16 on the GPU against fp32 on the CPU, same seed. A GPU run may not
+# drift from the CPU's further than another seed does; the limits are about twice the largest
+# seed-to-seed difference measured on the CPU (docs/results/gpu-check.md), where bf16 alone moved
+# the curve 1.3 %, accuracy 0.033 and AUPRC 0.008 at most.
+FIRST_LOSS_REL = 0.02  # step 0's loss: same weights, same batch, only the rounding differs (measured 0.0002)
+CURVE_REL = 0.08  # mean |smoothed test curve - smoothed CPU curve| / mean smoothed CPU loss (seeds: 0.040)
+METRIC_ABS = {"accuracy": 0.10, "auprc": 0.03}  # test metrics after one epoch, absolute (seeds: 0.045, 0.0054)
 # The serving comparison: CUDA kernels (TF32 and cuDNN's algorithms allowed) against onnxruntime on
 # the CPU, in float64 after the float32 graph. Relative to the input's largest |logit| (at least 1).
 LOGIT_REL = 1e-2
@@ -90,9 +93,10 @@ def train_both(work: Path, seed: int, device: str) -> tuple[list[Check], dict[st
 
 
 def loss_curve(run: Path) -> np.ndarray:
-    """Training loss per step [steps] from history.csv (rows without a loss, e.g. per-epoch ones, skipped)."""
+    """Training loss per step [steps] from history.csv (its `step` rows; the per-epoch ones have no loss)."""
     with open(run / "history.csv", newline="") as f:
-        by_step = {int(float(r["step"])): float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")}
+        by_step = {int(float(r["step"])): float(r["loss"]) for r in csv.DictReader(f)
+                   if r.get("kind", "step") == "step" and r.get("loss")}
     return np.array([by_step[s] for s in sorted(by_step)], dtype=np.float64)
 
 
@@ -102,7 +106,8 @@ def smooth(curve: np.ndarray) -> np.ndarray:
     return np.convolve(curve, np.ones(w) / w, mode="valid")
 
 
-def compare_training(cpu: Path, cuda: Path) -> list[Check]:
+def compare_training(cpu: Path, cuda: Path, label: str) -> list[Check]:
+    """The run under test (`label`, e.g. "cpu / cuda") against the reference: curves and test metrics."""
     a, b = loss_curve(cpu), loss_curve(cuda)  # [steps] each
     checks = [Check("loss curves: steps, all finite", f"{len(a)} / {len(b)}", "equal, finite",
                     len(a) == len(b) > 0 and bool(np.isfinite(a).all() and np.isfinite(b).all()))]
@@ -116,8 +121,7 @@ def compare_training(cpu: Path, cuda: Path) -> list[Check]:
     ma, mb = (json.loads((r / "metrics.json").read_text())["test"] for r in (cpu, cuda))
     for key, limit in METRIC_ABS.items():
         d = abs(float(mb[key]) - float(ma[key]))
-        checks.append(Check(f"test {key}: cpu / cuda", f"{ma[key]:.4f} / {mb[key]:.4f}", f"|diff| <= {limit}",
-                            d <= limit))
+        checks.append(Check(f"test {key}: {label}", f"{ma[key]:.4f} / {mb[key]:.4f}", f"|diff| <= {limit}", d <= limit))
     return checks
 
 
@@ -242,7 +246,7 @@ def gpu_checks(work: Path, seed: int, device: str) -> list[Check]:
     train_checks, runs = train_both(work, seed, device)
     checks += train_checks
     if len(runs) == 2:
-        checks += compare_training(runs["reference"], runs["test"])
+        checks += compare_training(runs["reference"], runs["test"], f"{REFERENCE[0]} / {device}")
     if "test" not in runs:
         return checks
     available = ort.get_available_providers()

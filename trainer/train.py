@@ -278,15 +278,17 @@ def _data_info(cfg: TrainConfig, splits: Splits) -> dict:
     }
 
 
-def _load_data(cfg: TrainConfig) -> Splits:
+def _load_data(cfg: TrainConfig, progress: bool) -> Splits:
     """The dataset; image files decoded to cfg.image (or the size and RGB a pretrained backbone
     expects), bad files refused or skipped. A pretrained backbone's normalisation replaces the
     data's statistics (its weights were trained with it)."""
     spec = backbone_input_spec(cfg.backbone, **cfg.backbone_params) if cfg.backbone != "auto" else None
+    if cfg.dataset.startswith("npz:"):
+        return load_dataset(cfg.dataset, image=cfg.image, progress=progress)
     if not cfg.dataset.startswith(("imagefolder:", "csv:")):
-        return load_dataset(cfg.dataset)
+        return load_dataset(cfg.dataset, progress=progress)
     image = cfg.image or ({"height": spec["height"], "width": spec["width"], "channels": 3} if spec else None)
-    splits = load_dataset(cfg.dataset, image=image, skip_bad=cfg.skip_bad_images)
+    splits = load_dataset(cfg.dataset, image=image, skip_bad=cfg.skip_bad_images, progress=progress)
     if spec is not None:
         mean, std = spec_normalisation(spec)
         splits = replace(splits, mean=mean, std=std)
@@ -445,7 +447,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = 
     seed_everything(cfg.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
 
-    splits = _load_data(cfg)
+    splits = _load_data(cfg, progress and rank == 0)
     data_info = _data_info(cfg, splits)
     cfg = replace(cfg, backbone=resolve_backbone(cfg, splits))
     augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])

@@ -18,6 +18,7 @@ from torch import nn
 
 from trainer.distributed import gather_batch
 from trainer.losses import register_loss
+from trainer.losses.init import ZERO_HEAD, expected_present, prior_logit
 from trainer.losses.standard import max_false_logits, true_logits
 
 
@@ -29,12 +30,18 @@ class SelfNormalization(nn.Module):
     """
 
     pols = True
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, alpha: float = 0.1):
         super().__init__()
         if alpha <= 0:
             raise ValueError("alpha must be > 0 (alpha = 0 is plain ce, which is not PoLS)")
         self.num_classes, self.alpha = num_classes, float(alpha)
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
+        """−log C: equal logits then have logsumexp 0, so the penalty starts at its minimum and
+        e^{z_j} = 1/C, the prior (C = the columns this loss sees)."""
+        return -math.log(self.num_classes)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         log_norm = torch.logsumexp(logits, dim=1)  # [B]
@@ -58,6 +65,7 @@ class NoiseContrastive(nn.Module):
     """
 
     pols = True
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, t: int = 10, q: Sequence[float] | None = None, mode: str = "exact"):
         super().__init__()
@@ -71,6 +79,17 @@ class NoiseContrastive(nn.Module):
             raise ValueError(f"q must hold {num_classes} positive values")
         self.num_classes, self.t, self.mode = num_classes, int(t), mode
         self.register_buffer("q", prior / prior.sum(), persistent=False)  # [C]
+        self.uniform = q is None
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float | torch.Tensor:
+        """log q_j, where g_j = σ(z_j − log(t·q_j)) = 1/(1 + t): the posterior that an example of
+        class j is data, not one of the t noise draws, and the constant logit minimising the
+        expected loss when the classes occur with frequencies q. Uniform q: −log C, a float."""
+        if self.uniform:
+            return -math.log(self.num_classes)
+        if num_classes != self.num_classes:
+            raise ValueError(f"nce with a prior q of {self.num_classes} classes cannot start a head of {num_classes}")
+        return torch.log(self.q).float()  # [C]
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         q = self.q.to(device=logits.device, dtype=logits.dtype)  # [C]
@@ -121,10 +140,15 @@ class BinaryCrossEntropy(nn.Module):
     """One-vs-all logistic loss −log σ(z_y) − Σ_{j≠y} log(1 − σ(z_j)) ("LGL"), summed over classes."""
 
     pols = True
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int):
         super().__init__()
         self.num_classes = num_classes
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
+        """−log(C − 1): σ(b) = 1/C, the prior of each one-vs-all logit."""
+        return prior_logit(self.num_classes)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         onehot = F.one_hot(target, logits.shape[1]).to(logits.dtype)  # [B, C]
@@ -144,10 +168,15 @@ class BatchCrossEntropy(nn.Module):
     """
 
     pols = True
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int):
         super().__init__()
         self.num_classes = num_classes
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: adding one constant to every logit of the batch leaves the loss unchanged."""
+        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]
@@ -166,10 +195,15 @@ class BatchMaxMargin(nn.Module):
     """
 
     pols = True
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, gamma: float = 1.0):
         super().__init__()
         self.num_classes, self.gamma = num_classes, float(gamma)
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: only differences of logits enter the loss."""
+        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]
@@ -197,12 +231,22 @@ class LogisticInNegativeReweighted(nn.Module):
     """
 
     pols = True
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, beta: float = 1.0, detach_weights: bool = False):
         super().__init__()
         if beta < 0:
             raise ValueError("beta must be >= 0")
         self.num_classes, self.beta, self.detach_weights = num_classes, float(beta), bool(detach_weights)
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
+        """log(P/C), P the expected number of classes present in a batch: at equal logits b the
+        loss is P·softplus(−b) + C·softplus(b) (each column's negative weights λ sum to 1), which
+        is smallest there. Without the batch size: −log(C − 1), bce's prior."""
+        if batch_size is None:
+            return prior_logit(self.num_classes)
+        present = min(expected_present(num_classes, batch_size), self.num_classes)
+        return math.log(present / self.num_classes)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]

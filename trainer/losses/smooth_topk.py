@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.losses import register_loss
+from trainer.losses.init import ZERO_HEAD
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -375,6 +376,7 @@ class SmoothTopkSVM(nn.Module):
     """
 
     pols = False
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, k: int = 5, tau: float = 1.0, alpha: float = 1.0, order: int = 2):
         super().__init__()
@@ -385,6 +387,10 @@ class SmoothTopkSVM(nn.Module):
         if order < 0:
             raise ValueError(f"order must be >= 0, got {order}")
         self.num_classes, self.k, self.tau, self.alpha, self.order = num_classes, k, float(tau), float(alpha), order
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: only differences of logits enter the loss."""
+        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return smooth_topk_loss(logits, target, self.k, self.tau, self.alpha, self.order).mean()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.losses import register_loss
+from trainer.losses.init import ZERO_HEAD
 
 
 def true_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -40,10 +41,15 @@ class CrossEntropy(nn.Module):
     """−log p_y, the softmax cross-entropy (not PoLS: logits only compete within an example)."""
 
     pols = False
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int):
         super().__init__()
         self.num_classes = num_classes
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: softmax is unchanged by one constant added to every logit."""
+        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target)
@@ -58,10 +64,15 @@ class MaxMargin(nn.Module):
     """Multiclass hinge max(0, γ − z_y + max_{j≠y} z_j). Default gamma=1."""
 
     pols = False
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, gamma: float = 1.0):
         super().__init__()
         self.num_classes, self.gamma = num_classes, float(gamma)
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: only differences of logits enter the loss."""
+        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         margin = self.gamma - true_logits(logits, target) + max_false_logits(logits, target)  # [B]
@@ -79,10 +90,17 @@ class TaylorSoftmax(nn.Module):
     """
 
     pols = False
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int):
         super().__init__()
         self.num_classes = num_classes
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None (0): equal logits give p_y = 1/C at any value; at 0 the true logit's gradient
+        −f'(b)/f(b)·(1 − 1/C) is largest, while −1 (f's minimum, the false logits' optimum) is a
+        stationary point of a zero head where nothing would move."""
+        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         log_f = log_square_plus(logits + 1.0, 1.0)  # [B, C]
@@ -98,12 +116,20 @@ class SphericalSoftmax(nn.Module):
     """
 
     pols = False
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, eps: float = 1e-6):
         super().__init__()
         if eps <= 0:
             raise ValueError("eps must be > 0")
         self.num_classes, self.eps = num_classes, float(eps)
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
+        """1.0: equal logits give p_y = 1/C at any value, but f = z² + ε is symmetric about 0, so a
+        zero head at bias 0 has no gradient at all, and a random one lets a true logit grow to
+        either sign; at 1 every true logit is pushed up (gradient ≈ −2/b) and every false one
+        down toward f's minimum, so large positive logits mean "yes", as a single logit needs."""
+        return 1.0
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         log_f = log_square_plus(logits, self.eps)  # [B, C]
@@ -132,12 +158,17 @@ class CrossEntropyExpectation(nn.Module):
     """
 
     pols = False
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, schedule: Sequence[float] | str = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)):
         super().__init__()
         self.num_classes = num_classes
         self.schedule = _parse_schedule(schedule)
         self.progress = 0.0
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: softmax is unchanged by one constant added to every logit."""
+        return None
 
     def set_progress(self, fraction: float) -> None:
         self.progress = min(max(float(fraction), 0.0), 1.0)

@@ -97,7 +97,7 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, S
     return tuple((x[np.sort(i)], y[np.sort(i)]) for i in (train_idx, cal_idx, test_idx))  # type: ignore[return-value]
 
 
-DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "npz:PATH",
+DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "strokes[:C=..,n=..,size=..]", "npz:PATH",
             "imagefolder:DIR", "csv:FILE", "glyphs-latin", "glyphs3755",
             "glyphs6763")
 
@@ -120,6 +120,11 @@ def check_dataset_name(name: str) -> None:
         return
     if name == "synthetic" or name.startswith("synthetic:"):
         _parse_synthetic(name)
+        return
+    if name == "strokes" or name.startswith("strokes:"):  # trainer/data/manyclass.py
+        from trainer.data import manyclass
+
+        manyclass.parse(name)
         return
     if name.startswith("npz:"):
         if not Path(name[4:]).is_file():
@@ -211,6 +216,11 @@ def _load_cached(name: str, seed: int) -> Splits:
         per_feature = False
     elif name == "synthetic" or name.startswith("synthetic:"):
         x, y = _synthetic(**_parse_synthetic(name), seed=seed)
+    elif name == "strokes" or name.startswith("strokes:"):
+        from trainer.data import manyclass
+
+        x, y = manyclass.generate(**manyclass.parse(name), seed=seed)
+        per_feature = False
     elif name.startswith("npz:"):
         path = name[len("npz:"):]
         if not Path(path).is_file():

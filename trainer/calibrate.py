@@ -23,10 +23,12 @@ PoLS losses) still give finite (a, b).
 
 Bounded memory: `calibrate_chunks` reads the logits class chunk by class chunk ([N, c] at a time,
 never [N, D]), as trainer.metrics.streaming_slc_metrics does. Per-class thresholds, Platt fits and
-rates need only their own column; the pooled global threshold is exact too (PooledThreshold):
-its best cut is always at a positive's score, so the N true logits are the only candidates, and
-each needs only the count of all scores at or above it, summed over the chunks. `calibrate` on a
-dense [N, D] matrix is the same computation over slices of it.
+rates need only their own column; the pooled global threshold is exact too (PooledThreshold).
+Both use one fact: every rule's best cut is at a positive's score (below it, down to the next
+positive, only negatives are added), so the positives' scores are the only candidates, each
+needing the count of scores at or above it: for a class with few positives, a few compare passes
+instead of a sort (class_thresholds); for the pooled column, the N true logits looked up in each
+chunk's sorted scores. `calibrate` on a dense [N, D] matrix is the same computation over slices.
 """
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
 PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
 # logits per class chunk: [N, c] float64 is 16 MiB, and a chunk's sort holds about a dozen such arrays
 CHUNK_VALUES = 2 * 1024 * 1024
+# the per-class kernels (thresholds, Platt) run on column groups [N, g] of about this many values:
+# cache-sized, they run 2-3x faster than on a whole chunk (same results: each column is on its own)
+KERNEL_VALUES = 1 << 17
+# up to this many positives per class, class_thresholds counts at the positives' scores instead of sorting
+FEW_POSITIVES = 16
 
 # () -> iterable of (first class id, logits [N, c] of classes first..first+c-1), in class order, covering 0..D-1;
 # called once per pass (the contract of trainer.metrics.streaming_slc_metrics and head_chunks)
@@ -122,6 +129,57 @@ def _rates(tp, predicted, n_pos) -> dict[str, np.ndarray]:
 def rates_at(scores: np.ndarray, positive: np.ndarray, threshold: np.ndarray) -> dict[str, np.ndarray]:
     """Precision and recall per column of `scores` [N, C] at thresholds [C] (match = score >= t)."""
     return _rates(*_counts_at(scores, positive, threshold))
+
+
+def _select(primary: np.ndarray, secondary: np.ndarray, valid: np.ndarray, value: float) -> tuple[np.ndarray, ...]:
+    """choose_thresholds' rule over candidate cuts [K, C] (`valid` ones only): (row k [C], reached [C])."""
+    feasible = valid & (primary >= value - 1e-12)
+    reached = feasible.any(axis=0)  # [C]
+    # feasible: best secondary metric, then best primary; infeasible: best primary, then secondary
+    first = np.where(reached[None, :], secondary, primary)
+    second = np.where(reached[None, :], primary, secondary)
+    pool = np.where(reached[None, :], feasible, valid)
+    first_m = np.where(pool, first, -np.inf)
+    second_m = np.where(pool & (first_m == first_m.max(axis=0)[None, :]), second, -np.inf)
+    return second_m.argmax(axis=0), reached
+
+
+def class_thresholds(scores: np.ndarray, positive: np.ndarray, target: dict) -> dict[str, np.ndarray]:
+    """choose_thresholds' answer [C], without sorting the columns when classes have few positives.
+
+    Every rule picks a cut at a positive's score (between two positive scores, lowering the
+    threshold adds only negatives: the same recall, a lower precision), so with at most m
+    positives per class the candidates are those m scores per column, each needing the count of
+    the column's scores at or above it: m compare passes over [N, C] instead of a sort.
+    """
+    kind, value = _check_target(target)
+    positive = np.asarray(positive, dtype=bool)
+    n_pos = positive.sum(axis=0)  # [C]
+    m = int(n_pos.max(initial=0))
+    if m > FEW_POSITIVES or len(positive) == 0:
+        return choose_thresholds(scores, positive, target)
+    scores = np.asarray(scores, dtype=np.float64)  # [N, C]
+    c = scores.shape[1]
+    rows, cols = np.nonzero(positive)  # [P]
+    vals = scores[rows, cols]
+    order = np.lexsort((-vals, cols))  # by class, best first
+    cols, vals = cols[order], vals[order]
+    cand = np.full((max(m, 1), c), -np.inf)  # [m, C] each class's positive scores, best first
+    cand[np.arange(len(cols)) - np.searchsorted(cols, cols), cols] = vals
+    valid = np.arange(len(cand))[:, None] < n_pos[None, :]  # [m, C]
+    accepted = np.stack([(scores >= row[None, :]).sum(axis=0) for row in cand])  # [m, C] scores >= candidate
+    tp = ((cand[None, :, :] >= cand[:, None, :]) & valid[None, :, :]).sum(axis=1)  # [m, C] positives >= candidate
+    precision = tp / np.maximum(accepted, 1)  # [m, C]; accepted >= tp >= 1 where valid
+    recall = tp / np.maximum(n_pos, 1)[None, :]
+    primary, secondary = (precision, recall) if kind == "precision" else (recall, precision)
+    k, reached = _select(primary, secondary, valid, value)
+    at = np.arange(c)
+    threshold, prec, rec = cand[k, at], precision[k, at], recall[k, at]
+    none = n_pos == 0
+    if none.any():  # never match on calibration data: the next float32 above the top score
+        threshold[none] = np.nextafter(scores[:, none].max(axis=0).astype(np.float32), np.float32(np.inf))
+        prec[none], rec[none] = 1.0, 0.0
+    return {"threshold": threshold, "precision": prec, "recall": rec, "reached": reached, "positives": n_pos}
 
 
 def fit_platt(scores: np.ndarray, positive: np.ndarray, ridge: float = PLATT_RIDGE, iters: int = 100) -> tuple[np.ndarray, np.ndarray]:
@@ -252,7 +310,7 @@ class PooledThreshold:
 
     def add(self, z: np.ndarray) -> None:
         """Count the scores z [N, c] of one class chunk."""
-        s = np.sort(z, axis=None)  # [N·c]
+        s = np.sort(z[z >= self.u[0]])  # [M <= N·c] a score below every candidate is never counted
         self.accepted += len(s) - np.searchsorted(s, self.u, side="left")
 
     def choose(self, target: dict) -> dict[str, np.ndarray]:
@@ -265,14 +323,9 @@ class PooledThreshold:
             raise RuntimeError("the class chunks gave different logits on two passes")
         precision, recall = tp / accepted, tp / max(n, 1)  # [K]
         primary, secondary = (precision, recall) if kind == "precision" else (recall, precision)
-        feasible = primary >= value - 1e-12
-        reached = bool(feasible.any())
-        # feasible: best secondary metric, then best primary; infeasible: best primary, then secondary
-        first, second, pool = (secondary, primary, feasible) if reached else (primary, secondary, np.ones_like(feasible))
-        first_m = np.where(pool, first, -np.inf)
-        k = int(np.where(pool & (first_m == first_m.max()), second, -np.inf).argmax())
-        return {"threshold": u[k:k + 1], "precision": precision[k:k + 1], "recall": np.array([recall[k]]),
-                "reached": np.array([reached]), "positives": np.array([n])}
+        (k,), reached = _select(primary[:, None], secondary[:, None], np.ones((len(u), 1), dtype=bool), value)
+        return {"threshold": u[k:k + 1], "precision": precision[k:k + 1], "recall": recall[k:k + 1],
+                "reached": reached, "positives": np.array([n])}
 
 
 def _true_logits(chunks: Chunks, y: np.ndarray, num_classes: int, bar=None) -> np.ndarray:
@@ -294,10 +347,12 @@ def _per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dic
         if not np.isfinite(z).all():
             raise ValueError("calibration logits contain NaN or inf")
         positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
-        parts.append(choose_thresholds(z, positive, target))
-        a_c, b_c = fit_platt(z, positive)
-        a.append(a_c)
-        b.append(b_c)
+        group = max(1, KERNEL_VALUES // len(y))
+        for g in range(0, z.shape[1], group):
+            parts.append(class_thresholds(z[:, g:g + group], positive[:, g:g + group], target))
+            a_g, b_g = fit_platt(z[:, g:g + group], positive[:, g:g + group])
+            a.append(a_g)
+            b.append(b_g)
         pooled.add(z)
     per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     return per, np.concatenate(a), np.concatenate(b)

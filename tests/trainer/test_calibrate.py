@@ -287,6 +287,25 @@ def test_the_pooled_threshold_is_the_brute_force_one(target, seed):
     assert got["precision"][0] == pytest.approx(p, abs=1e-15) and got["recall"][0] == pytest.approx(r, abs=1e-15)
 
 
+@pytest.mark.parametrize("few", [None, 0, 10**9])  # as shipped; always sort; always count
+@pytest.mark.parametrize("target", TARGETS + [{"precision": 1e-13}, {"precision": 1.0}])
+@pytest.mark.parametrize("seed", range(4))
+def test_counting_at_the_positives_equals_sorting_the_columns(seed, target, few, monkeypatch):
+    """class_thresholds (candidates = the positives' scores) against choose_thresholds (every
+    distinct score), for classes with 0, 1, a few and many positives, ties everywhere."""
+    if few is not None:
+        monkeypatch.setattr(cal_mod, "FEW_POSITIVES", few)
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 120))
+    y = rng.choice(8, n, p=[0.4, 0.2, 0.15, 0.1, 0.1, 0.04, 0.01, 0.0])  # class 7 never, 6 rarely
+    scores = rng.integers(-4, 5, (n, 8)).astype(np.float64)
+    scores[np.arange(n), y] += rng.integers(0, 4, n)
+    positive = y[:, None] == np.arange(8)
+    got, want = cal_mod.class_thresholds(scores, positive, target), choose_thresholds(scores, positive, target)
+    for key in ("threshold", "precision", "recall", "reached", "positives"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
 def test_calibration_from_a_head_by_chunks_equals_the_dense_logits(chunk):
     """Export's route: embeddings [N, d] and a head W [D, d], b [D] (trainer.metrics.head_chunks).

@@ -7,9 +7,15 @@ Pillow and numpy only (no torch, no web framework). The spec is the manifest's `
     {"height": 32, "width": 32, "channels": 1, "layout": "CHW", "scale": 1.0,
      "background": "dark", "resample": "lanczos"}
 
+Before any decoder runs, the bytes are walked for work that no legitimate image asks for
+(`check_structure`: JPEG segments and scans, PNG chunks), and refused as ImageTooComplex: a
+progressive JPEG whose refinement scan is repeated thousands of times decodes for minutes, a PNG
+of 700k empty chunks costs seconds of Python in Pillow's chunk reader.
+
 Decoding: a JPEG much larger than the spec is decoded at a reduced scale (libjpeg's 1/2, 1/4,
 1/8; `Image.draft`) still at least REDUCE_GAP times the spec's size. Preprocessing, in order:
-EXIF orientation applied; 16-bit grey scaled to 8 bits; transparency
+EXIF orientation applied; 16-bit grey scaled to 8 bits (round(v / 257), by a table, a band of
+rows at a time: no wide copy of the image); transparency
 flattened onto the background colour (black for `dark`, white for `light` and `any`); converted to
 grey (channels 1) or RGB (3); resized to width × height when it differs (`resample`, after an
 integer box reduction down to REDUCE_GAP times the size: Pillow's `reducing_gap`); for grey
@@ -20,6 +26,8 @@ inverted, so dark-on-light drawings and scans work too (`any`: never inverted); 
 """
 from __future__ import annotations
 
+import re
+import struct
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
@@ -31,6 +39,17 @@ MAX_PIXELS = 16_000_000  # decoded pixels of an image body; a larger one (or a d
 FILE_MAX_PIXELS = 89_478_485  # of an image file (Pillow's own decompression-bomb limit): camera photos pass
 REDUCE_GAP = 3  # large images are reduced cheaply to >= 3x the target size before resampling (10x faster
 #                 on a 12-megapixel photo, a mean difference of 0.1 grey level: tests/serving/bundle/test_image.py)
+# Structure limits (check_structure), far above what encoders write: libjpeg writes 6 (grey) to 18
+# (CMYK) scans for a progressive JPEG, libpng one IDAT chunk per 8 KiB.
+MAX_JPEG_SCANS = 100  # libjpeg-turbo's djpeg -maxscans idea: more scans than this is refused
+SCANS_AT_MAX_PIXELS = 32  # and scans x pixels at most this many full scans of an image of max_pixels
+MAX_JPEG_SEGMENTS = 1000  # markers with a length (APPn, COM, DHT, DQT, SOF, SOS ...)
+MAX_PNG_CHUNKS = 10_000
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xff\xd0-\xd7]")  # a marker; skips stuffed 0xFF00, RSTn and fill bytes
+_JPEG_SOF = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))
+_JPEG_PROGRESSIVE = frozenset((0xC2, 0xC6, 0xCA, 0xCE))
+_TO_8BIT = ((np.arange(65536, dtype=np.uint32) + 128) // 257).astype(np.uint8)  # == rint(v / 257): 257 is odd, no ties
+_BAND_ROWS = 256  # rows of a 16-bit image converted at a time
 
 
 class ImageTooLarge(ValueError):
@@ -39,6 +58,62 @@ class ImageTooLarge(ValueError):
 
 class UnsupportedImage(ValueError):
     """A pixel format the preprocessing does not take (32-bit integer or float samples)."""
+
+
+class ImageTooComplex(ValueError):
+    """More decoding work than any legitimate image needs (scans, segments, chunks): refused unread."""
+
+
+def check_structure(data: bytes, max_pixels: int = MAX_PIXELS) -> None:
+    """ImageTooComplex for a JPEG or PNG whose structure asks for pathological work, from its bytes
+    alone (no decoder runs; a bounded walk, at most a few thousand steps). Other formats and
+    malformed files pass: the decoder then answers for them."""
+    if data[:2] == b"\xff\xd8":
+        _check_jpeg(data, max_pixels)
+    elif data[:8] == b"\x89PNG\r\n\x1a\n":
+        _check_png(data)
+
+
+def _check_jpeg(data: bytes, max_pixels: int) -> None:
+    """Walk the markers to EOI (segments skipped by their length, entropy-coded data by a regex in C):
+    count segments and scans; a scan costs about its image's pixels to decode, however few bytes it holds."""
+    pos, segments, scans, pixels, progressive = 2, 0, 0, 0, False
+    while (m := _JPEG_MARKER.search(data, pos)) is not None and m.end() + 2 <= len(data):
+        marker = data[m.end() - 1]
+        if marker == 0xD9:  # EOI
+            break
+        if marker in (0x01, 0xD8):  # TEM, SOI: no length
+            pos = m.end()
+            continue
+        segments += 1
+        if segments > MAX_JPEG_SEGMENTS:
+            raise ImageTooComplex(f"the JPEG has more than {MAX_JPEG_SEGMENTS} segments")
+        if marker in _JPEG_SOF and m.end() + 7 <= len(data):
+            height, width = struct.unpack_from(">HH", data, m.end() + 3)
+            pixels, progressive = width * height, marker in _JPEG_PROGRESSIVE
+            if pixels > max_pixels:
+                return  # too large anyway: check_header says so (413 image_too_large)
+        elif marker == 0xDA:
+            scans += 1
+            budget = SCANS_AT_MAX_PIXELS * max_pixels
+            if scans > MAX_JPEG_SCANS or (scans > 1 and scans * pixels > budget):
+                kind = "progressive " if progressive else ""
+                raise ImageTooComplex(f"the {kind}JPEG has more than {scans - 1} scans of {pixels:,} pixels; the "
+                                      f"limit is {MAX_JPEG_SCANS} scans and {budget:,} scanned pixels")
+        pos = m.end() + struct.unpack_from(">H", data, m.end())[0]
+
+
+def _check_png(data: bytes) -> None:
+    """Count the chunks (length and type headers only) up to IEND: Pillow reads each in Python."""
+    pos, chunks, end = 8, 0, len(data) - 8
+    while pos <= end:
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        chunks += 1
+        if chunks > MAX_PNG_CHUNKS:
+            raise ImageTooComplex(f"the PNG has more than {MAX_PNG_CHUNKS:,} chunks")
+        if kind == b"IEND":
+            break
+        pos += 12 + length
 
 
 def check_header(img, max_pixels: int = MAX_PIXELS) -> None:
@@ -51,10 +126,14 @@ def check_header(img, max_pixels: int = MAX_PIXELS) -> None:
 
 def open_image(fp: BinaryIO, formats: Iterable[str] = FORMATS, max_pixels: int = MAX_PIXELS, side: int = 0):
     """A decoded PIL image from an open binary file; the header is checked before any pixel is decoded.
-    `side`: a JPEG may be decoded at a reduced scale keeping both sides >= side. Pillow's own errors
+    `side`: a JPEG may be decoded at a reduced scale keeping both sides >= side. ImageTooComplex
+    before Pillow reads anything (check_structure). Pillow's own errors
     (not an image, truncated, DecompressionBombError) pass through."""
     from PIL import Image
 
+    start = fp.tell()
+    check_structure(fp.read(), max_pixels)
+    fp.seek(start)
     img = Image.open(fp, formats=list(formats))
     check_header(img, max_pixels)
     if side and img.format == "JPEG":
@@ -100,6 +179,18 @@ def _flatten_transparency(img, background: str):
     return img
 
 
+def _sixteen_to_eight_bits(img):
+    """An I;16 image -> L of round(v / 257), through a table, _BAND_ROWS rows at a time: one byte per
+    pixel more than the image itself (a float64 copy was 16 bytes per pixel: 256 MB at 16 Mpx)."""
+    from PIL import Image
+
+    out = np.empty((img.height, img.width), np.uint8)  # [h, w]
+    for top in range(0, img.height, _BAND_ROWS):
+        bottom = min(top + _BAND_ROWS, img.height)
+        out[top:bottom] = _TO_8BIT[np.asarray(img.crop((0, top, img.width, bottom)))]  # uint16 band -> uint8
+    return Image.fromarray(out)
+
+
 def preprocess(img, spec: dict) -> np.ndarray:
     """A decoded PIL image -> float32 example laid out as the spec says (see the module doc)."""
     from PIL import Image, ImageOps
@@ -108,7 +199,7 @@ def preprocess(img, spec: dict) -> np.ndarray:
     background = spec.get("background", "dark")
     img = ImageOps.exif_transpose(img)
     if img.mode.startswith("I;16"):  # 16-bit grey: scaled to 8 bits, not clipped at 255
-        img = Image.fromarray(np.rint(np.asarray(img, dtype=np.float64) / 257.0).astype(np.uint8))
+        img = _sixteen_to_eight_bits(img)
     img = _flatten_transparency(img, background).convert("L" if c == 1 else "RGB")
     if img.size != (w, h):
         method = {"lanczos": Image.LANCZOS, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}

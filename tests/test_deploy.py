@@ -266,10 +266,7 @@ def test_the_training_job_runs_torchrun_with_the_sharded_head(train_rendered):
     assert job["spec"]["completionMode"] == "Indexed"  # pods slc-train-0 ... with stable host names
     train_args = args[args.index("train") + 1:]
     train_flags = {opt for p in train.params for opt in p.opts}
-    unknown = [a for a in train_args if a.split("=")[0] not in train_flags]
-    if set(unknown) <= {"--device=cuda", "--precision=bf16"} and unknown:
-        pytest.skip(f"slc train has no {', '.join(unknown)} yet (issue 26 item 1)")
-    assert "--head-shard" in train_args and unknown == []
+    assert "--head-shard" in train_args and [a for a in train_args if a.split("=")[0] not in train_flags] == []
     service = next(d for d in docs if d["kind"] == "Service")
     (port,) = service["spec"]["ports"]
     assert _flag(args, "--rdzv-endpoint") == f"{job['metadata']['name']}-0.{_pod(job)['subdomain']}:{port['port']}"

@@ -25,6 +25,9 @@ from serving.bundle.cliopts import bundle_dir
               help="on SIGTERM, seconds of readiness 503 while still accepting [default: 0, or SLC_DRAIN_DELAY_S]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
               help="[default: auto: CUDA when onnxruntime can use a GPU, else CPU]")
+@click.option("--allow-open-writes", is_flag=True, default=None,
+              help="accept gallery writes without SLC_API_KEY on a non-loopback --host (anyone who reaches the port "
+                   "may write) [default: refused with 403, or SLC_ALLOW_OPEN_WRITES]")
 def serve(bundle: Optional[Path], **flags) -> None:
     """Serve BUNDLE over HTTP (docs/api.md); without one, the embedded default model.
 
@@ -36,12 +39,16 @@ def serve(bundle: Optional[Path], **flags) -> None:
 
     overrides = {k: v for k, v in dict(bundle=bundle, **flags).items() if v is not None}
     try:
-        Settings(**overrides)  # every SLC_* variable checked before anything starts
+        settings = Settings(**overrides)  # every SLC_* variable checked before anything starts
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else "settings"
         flag = f" / --{field.replace('_', '-')}" if field in flags else ""
         raise click.UsageError(f"SLC_{field.upper()}{flag}: {first['msg']} (got {first.get('input')!r})") from None
+    if settings.open_writes_refused():
+        from serving.http import OPEN_WRITES_REFUSED
+
+        click.echo("warning: " + OPEN_WRITES_REFUSED.format(host=settings.host), err=True)
     run_server(overrides)
 
 

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+import orjson
 
 from serving import head_scan
 from serving.batcher import Batcher, Job, JobFailed
 from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import GalleryUnavailable, StorageFull
+from serving.gallery.executor import GalleryExecutor
 from serving.inputs import examples as read_examples
 from serving.packed_head import PackedHead
 
@@ -99,6 +101,8 @@ class Engine:
             raise ValueError(f"softmax_impl={self.softmax_impl} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
+        # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
+        self.gallery_pool = GalleryExecutor(settings.gallery_threads, settings.gallery_queue_size)
         self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
                                queue_size=settings.queue_size, metrics=metrics, inline_max_s=settings.inline_max_ms / 1000,
                                in_flight=(lambda: metrics.in_flight) if metrics is not None and settings.adaptive_delay else None,
@@ -110,6 +114,7 @@ class Engine:
 
     async def stop(self) -> None:
         await self.batcher.stop()
+        self.gallery_pool.shutdown()
         if self._scan_pool is not None:
             self._scan_pool.shutdown(wait=True)
 
@@ -409,27 +414,34 @@ class Engine:
                                          patience=self.scan_patience)
 
     # ------------------------------------------------------------------ gallery
-    async def _gallery(self, method: str, *args, nothing: str = "nothing was written"):
-        """gallery.<method>(*args) in a thread; storage errors become the envelope's 507 / 503."""
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the gallery's own executor (parsing and serialising gallery bodies)."""
+        return await self.gallery_pool.run(fn, *args)
+
+    async def _gallery(self, method, *args, nothing: str = "nothing was written"):
+        """gallery.<method>(*args) (or method(*args) when it is a function) on the gallery's executor;
+        storage errors become the envelope's 507 / 503."""
+        fn = getattr(self.gallery, method) if isinstance(method, str) else method
         try:
-            return await asyncio.to_thread(getattr(self.gallery, method), *args)
+            return await self.gallery_pool.run(fn, *args)
         except StorageFull as exc:
             raise InsufficientStorage(f"{exc}; {nothing}, retry once space is freed") from None
         except GalleryUnavailable as exc:
             raise GalleryDown(f"{exc}; retry") from None
 
-    async def gallery_upsert(self, items: list[dict], bools_possible: bool = True) -> list[str]:
+    async def gallery_upsert(self, items: list[dict], x: np.ndarray) -> list[str]:
+        """Embed the items' inputs x [N, *input_shape] (checked: serving/gallery/bodies.py) and store them."""
         from serving.gallery import GalleryRecord
 
-        x = self.to_batch([it["input"] for it in items], what="item inputs", bools_possible=bools_possible)
         h = await self.batcher.submit(x, "embed", lambda rows: finite_output(np.array(rows, np.float32)), self._timeout())
-        records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"])
-                   for i, it in enumerate(items)]
+        records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"],
+                                 metadata_json=it.get("metadata_json")) for i, it in enumerate(items)]
         await self._gallery("upsert", records)
         return [it["id"] for it in items]
 
-    async def gallery_get(self, item_id: str) -> dict:
-        item = await self._gallery("get", item_id)
+    async def gallery_get(self, item_id: str) -> bytes:
+        """The item's JSON answer {id, metadata, input}, spliced from its stored texts off the loop."""
+        item = await self._gallery("get_json", item_id)
         if item is None:
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
         return item
@@ -438,15 +450,23 @@ class Engine:
         if not await self._gallery("delete", item_id, nothing="nothing was deleted"):  # a delete writes too
             raise NotFound(f"no gallery item {item_id!r}", code="unknown_item")
 
-    async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> dict:
+    async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> bytes:
+        """The search's JSON answer, built off the loop from the items' stored metadata texts."""
         j = cls.id
         thr = self.threshold_of(j) if threshold is None else float(threshold)
         w = np.array(self._weight[j], dtype=np.float32)  # [d]
-        hits = await self._gallery("search", w, float(self._bias[j]), thr, limit)
-        return {"class_id": j, "class_name": cls.name, "threshold": thr,
-                "results": [{"id": i, "logit": float(z), "metadata": m} for i, z, m in hits]}
+        gallery = self.gallery
+
+        def answer() -> bytes:
+            hits = gallery.search_raw(w, float(self._bias[j]), thr, limit)
+            head = orjson.dumps({"class_id": j, "class_name": cls.name, "threshold": thr})[:-1]
+            results = b",".join(b"".join((b'{"id":', orjson.dumps(i), b',"logit":', orjson.dumps(z),
+                                          b',"metadata":', m.encode(), b"}")) for i, z, m in hits)
+            return b"".join((head, b',"results":[', results, b"]}"))
+
+        return await self._gallery(answer)
 
     async def gallery_info(self) -> dict:
         gallery = self.gallery
-        count = await asyncio.to_thread(gallery.count)
+        count = await self._gallery("count")
         return {"count": int(count), "index_kind": str(gallery.index_kind)}

@@ -19,8 +19,9 @@ from fastapi import APIRouter, Body, Depends, Path, Request
 from starlette.responses import Response
 
 from serving import fast_json, images, inputs as read
-from serving.body_routes import app_state, body_route
-from serving.errors import InvalidInput, NotReady, OrjsonResponse, Unauthorized
+from serving.gallery import bodies
+from serving.body_routes import RawAnswer, app_state, body_route
+from serving.errors import ApiError, InvalidInput, NotReady, OrjsonResponse, Unauthorized
 from serving.inputs import UnsupportedMediaType
 from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
                              GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
@@ -45,7 +46,8 @@ def _read_object(scope, body: bytes, optional: bool = False) -> dict:
 
 
 def error_responses(*codes: int) -> dict:
-    text = {400: "malformed JSON", 401: "missing or wrong API key", 404: "unknown class, item or route",
+    text = {400: "malformed JSON", 401: "missing or wrong API key",
+            403: "no API key is set on a host others can reach (writes refused)", 404: "unknown class, item or route",
             408: "the body did not arrive in time", 413: "body over the limit",
             415: "the body is not declared as application/json",
             422: "schema or shape violation, NaN/inf, too many inputs", 429: "queue full (Retry-After)",
@@ -55,8 +57,8 @@ def error_responses(*codes: int) -> dict:
 
 
 _QUERY_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
-_WRITE_ERRORS = error_responses(400, 401, 408, 413, 415, 422, 429, 503, 504, 507)
-_SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 503, 504)
+_WRITE_ERRORS = error_responses(400, 401, 403, 408, 413, 415, 422, 429, 503, 504, 507)
+_SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
 
 
 # Dependencies are `async def`: a sync one runs in the AnyIO thread pool on every request.
@@ -71,8 +73,21 @@ async def ready_engine(request: Request):
 
 async def require_api_key(request: Request) -> None:
     """Write routes need the key when SLC_API_KEY is set: `Authorization: Bearer KEY` or `X-API-Key: KEY`."""
-    check_api_key(request.app.state.slc.settings.api_key_value(), request.headers.get("x-api-key"),
-                  request.headers.get("authorization", ""))
+    settings = request.app.state.slc.settings
+    refuse_open_writes(settings)
+    check_api_key(settings.api_key_value(), request.headers.get("x-api-key"), request.headers.get("authorization", ""))
+
+
+OPEN_WRITES_REFUSED = ("gallery writes are refused: this server listens on {host} (reachable from other machines) "
+                       "and has no API key. Set one (SLC_API_KEY=$(openssl rand -hex 32); clients then send "
+                       "`Authorization: Bearer KEY`), or let anyone write with SLC_ALLOW_OPEN_WRITES=1 / "
+                       "--allow-open-writes, or listen on 127.0.0.1")
+
+
+def refuse_open_writes(settings) -> None:
+    """403 on a write when no key is set on a non-loopback host and open writes are not allowed."""
+    if settings.open_writes_refused():
+        raise ApiError(OPEN_WRITES_REFUSED.format(host=settings.host), code="writes_need_api_key", status=403)
 
 
 def check_api_key(expected: Optional[str], given: Optional[str], auth: str) -> None:
@@ -199,40 +214,12 @@ async def _topk_body(scope, body: bytes):
     return 200, await engine.topk(x, p["k"], p["mode"])
 
 
-METADATA_VALUES = 65536  # room for metadata in the gallery body's structure bound
-
-
 def _require_key(scope) -> None:
     headers = dict(scope["headers"])
     given, auth = headers.get(b"x-api-key"), headers.get(b"authorization", b"")
-    check_api_key(app_state(scope).settings.api_key_value(), None if given is None else given.decode("latin-1"),
-                  auth.decode("latin-1"))
-
-
-def _item_id(value: Any, where: str) -> str:
-    """A gallery item id: 1..256 characters, no NUL (PostgreSQL text cannot store it)."""
-    item_id = read.string(value, where, 256)
-    if "\x00" in item_id:
-        raise InvalidInput(f"{where} must not contain the NUL character", code="validation_error")
-    return item_id
-
-
-def _gallery_items(obj: dict, max_items: int) -> list[dict]:
-    """items [{id, input, metadata?}], checked before any input is converted; last one wins per id."""
-    read.check_keys(obj, ("items",), required=("items",))
-    items = obj["items"]
-    if type(items) is not list or not items:
-        raise InvalidInput("items must be a non-empty list of {id, input, metadata?}", code="validation_error")
-    if len(items) > max_items:
-        raise InvalidInput(f"{len(items)} items in one request; the limit is {max_items}", code="too_many_inputs")
-    for k, it in enumerate(items):
-        if type(it) is not dict:
-            raise InvalidInput(f"items[{k}] must be an object {{id, input, metadata?}}", code="validation_error")
-        read.check_keys(it, ("id", "input", "metadata"), required=("id", "input"), where=f"items[{k}]")
-        _item_id(it["id"], f"items[{k}].id")
-        if it.get("metadata") is not None and type(it["metadata"]) is not dict:
-            raise InvalidInput(f"items[{k}].metadata must be an object or null", code="validation_error")
-    return list({it["id"]: {"metadata": None, **it} for it in items}.values())
+    settings = app_state(scope).settings
+    refuse_open_writes(settings)
+    check_api_key(settings.api_key_value(), None if given is None else given.decode("latin-1"), auth.decode("latin-1"))
 
 
 @router.post("/gallery/items", status_code=201, response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS,
@@ -244,20 +231,16 @@ async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine
 
 @body_route(gallery_upsert)
 async def _gallery_upsert_body(scope, body: bytes):
+    """Counts on the raw bytes here; the parse and every per-value check on the gallery's executor
+    (serving/gallery/bodies.py)."""
     _require_key(scope)  # 401 before the body is parsed
     engine = app_state(scope).ready_engine()
-    n, shape = engine.settings.max_inputs, engine.input_shape
-    lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))
-    # metadata strings may hold any character: no bound on commas here; generous ones on brackets and
-    # on the number of strings (4 per item: "id", its value, "input", "metadata"; the rest is metadata)
-    read.check_structure(body, max_values=None, what="items", max_lists=1 + n * lists_per_example + METADATA_VALUES,
-                         max_objects=1 + n + METADATA_VALUES, max_strings=1 + 4 * n + METADATA_VALUES)
-    obj = _read_object(scope, body)
-    items = _gallery_items(obj, n)
-    for k, it in enumerate(items):
-        if it["metadata"]:
-            read.check_metadata(it["metadata"], body, f"items[{k}].metadata")
-    ids = await engine.gallery_upsert(items, bools_possible=read.has_bool_token(body))
+    s = engine.settings
+    bodies.check_upsert_structure(body, s.max_inputs, engine.input_shape, s.max_metadata_values)
+    if not _is_json(scope):
+        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+    items, x = await engine.off_loop(bodies.read_upsert, body, s, engine.to_batch)
+    ids = await engine.gallery_upsert(items, x)
     return 201, {"upserted": len(ids), "ids": ids}
 
 
@@ -273,35 +256,33 @@ async def gallery_put(body: GalleryPutRequest, item_id: str, engine=Depends(read
 async def _gallery_put_body(scope, body: bytes):
     _require_key(scope)
     engine = app_state(scope).ready_engine()
-    item_id = _item_id(scope["path_params"]["item_id"], "item id")
+    s = engine.settings
+    item_id = bodies.item_id(scope["path_params"]["item_id"], "item id")
     content_type = images.content_type_of(scope)
-    if images.is_image(content_type):
-        obj = _query_string(scope)
-        read.check_keys(obj, ("metadata",), where="query string")
-        x = await engine.image_batch(body, content_type)
-        item = {"id": item_id, "input": x[0].tolist(), "metadata": obj.get("metadata")}
-        source = unquote_plus(scope.get("query_string", b"").decode("latin-1")).encode()  # metadata's raw text
-    else:
-        source = body
-        read.check_structure(body, max_values=None, what="item", max_lists=1 + math.prod(engine.input_shape)
-                             + METADATA_VALUES, max_objects=1 + METADATA_VALUES, max_strings=4 + METADATA_VALUES)
-        obj = _read_object(scope, body)
-        read.check_keys(obj, ("input", "metadata"), required=("input",))
-        item = {"id": item_id, "input": obj["input"], "metadata": obj.get("metadata")}
-    if item["metadata"] is not None:
-        if type(item["metadata"]) is not dict:
-            raise InvalidInput("metadata must be a JSON object or null", code="validation_error")
-        read.check_metadata(item["metadata"], source, "metadata")
-    ids = await engine.gallery_upsert([item], bools_possible=read.has_bool_token(source))
+    if not images.is_image(content_type):
+        bodies.check_upsert_structure(body, 1, engine.input_shape, s.max_metadata_values, what="item")
+        if not _is_json(scope):
+            raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+        items, x = await engine.off_loop(bodies.read_put, body, item_id, s, engine.to_batch)
+        ids = await engine.gallery_upsert(items, x)
+        return 201, {"upserted": len(ids), "ids": ids}
+    obj = _query_string(scope)  # metadata as JSON in ?metadata= (bounded by the header size limit)
+    read.check_keys(obj, ("metadata",), where="query string")
+    source = unquote_plus(scope.get("query_string", b"").decode("latin-1")).encode()  # metadata's raw text
+    meta = bodies.metadata_json(obj.get("metadata"), source, "metadata", s.max_metadata_values, s.max_metadata_bytes)
+    x = await engine.image_batch(body, content_type)
+    item = {"id": item_id, "input": x[0].tolist(), "metadata": obj.get("metadata"), "metadata_json": meta}
+    ids = await engine.gallery_upsert([item], x)
     return 201, {"upserted": len(ids), "ids": ids}
 
 
-@router.get("/gallery/items/{item_id:path}", response_model=GalleryItem, responses=error_responses(404, 503), tags=["gallery"])
+@router.get("/gallery/items/{item_id:path}", response_model=GalleryItem, responses=error_responses(404, 429, 503),
+            tags=["gallery"])
 async def gallery_get(item_id: str, engine=Depends(ready_engine)):
-    return OrjsonResponse(await engine.gallery_get(item_id))
+    return Response(await engine.gallery_get(item_id), media_type="application/json")
 
 
-@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=error_responses(401, 404, 503, 507),
+@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=error_responses(401, 403, 404, 429, 503, 507),
                dependencies=[Depends(require_api_key)], tags=["gallery"])
 async def gallery_delete(item_id: str, engine=Depends(ready_engine)):
     await engine.gallery_delete(item_id)
@@ -323,10 +304,10 @@ async def _class_search_body(scope, body: bytes):
     limit = read.integer(obj, "limit", 100, 1, 100_000)
     threshold = read.number(obj, "threshold")
     cls = engine.resolve_class(scope["path_params"]["class"])
-    return 200, await engine.gallery_search(cls, threshold, limit)
+    return 200, RawAnswer(await engine.gallery_search(cls, threshold, limit), b"application/json")
 
 
-@router.get("/gallery", response_model=GalleryInfo, responses=error_responses(503), tags=["gallery"])
+@router.get("/gallery", response_model=GalleryInfo, responses=error_responses(429, 503), tags=["gallery"])
 async def gallery_info(engine=Depends(ready_engine)):
     return OrjsonResponse(await engine.gallery_info())
 

@@ -57,14 +57,20 @@ def has_bool_token(body: bytes) -> bool:
 MAX_METADATA_DEPTH = 64
 
 
-def check_metadata(metadata: Any, body: bytes, where: str) -> None:
+def check_metadata(metadata: Any, body: bytes, where: str, max_values: Optional[int] = None) -> None:
     """Metadata is answered back as it came: nesting deeper than MAX_METADATA_DEPTH and integers
     beyond ±2^53 (which JSON readers do not keep exactly) are refused. orjson keeps 64-bit integers
     as int; longer literals become floats, so an integral float that large sends us to the raw
-    body for an integer literal of exactly that value (1e20 written as such is a float, and kept)."""
+    body for an integer literal of exactly that value (1e20 written as such is a float, and kept).
+    With `max_values`, more values (lists and objects included) than that are refused too, the walk
+    stopping there."""
     stack = [(metadata, 1)]
+    seen = 0
     while stack:
         v, depth = stack.pop()
+        seen += 1
+        if max_values is not None and seen > max_values:
+            raise InvalidInput(f"{where} holds more than {max_values} values", code="metadata_too_large")
         if depth > MAX_METADATA_DEPTH:
             raise InvalidInput(f"{where} is nested deeper than {MAX_METADATA_DEPTH} levels", code="validation_error")
         if type(v) is dict:

@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: Optional[SecretStr] = Field(None, description="when set, write routes need `Authorization: Bearer KEY` or `X-API-Key: KEY`")
+    allow_open_writes: bool = Field(False, description=(
+        "accept gallery writes without an API key on a non-loopback host (anyone who reaches the port may write); "
+        "without it, a server on such a host with no SLC_API_KEY answers every write 403"))
 
     # --- batching (serving/batcher.py)
     max_batch: int = Field(64, ge=1, description="inputs per backbone call")
@@ -55,6 +58,16 @@ class Settings(BaseSettings):
 
     grpc_port: Optional[int] = Field(None, ge=0, le=65535, description=(
         "also serve KServe v2 over gRPC on this port (needs slc[grpc]); unset: HTTP only"))
+    grpc_max_concurrent_rpcs: int = Field(32, ge=1, description=(
+        "gRPC calls in progress at once (their request messages buffered included), over every connection; "
+        "more get RESOURCE_EXHAUSTED at once"))
+    grpc_max_streams_per_connection: int = Field(16, ge=1, description=(
+        "HTTP/2 streams one gRPC connection may open at once (SETTINGS_MAX_CONCURRENT_STREAMS); more are refused"))
+    grpc_idle_timeout_s: float = Field(300.0, gt=0, description=(
+        "a gRPC connection with no call in progress for this long is closed"))
+    grpc_max_connection_age_s: float = Field(3600.0, gt=0, description=(
+        "a gRPC connection is asked to close (GOAWAY) after this long, and closed "
+        "request_timeout_s later whatever it holds: no connection keeps buffers forever"))
 
     # --- storage (serving/gallery/)
     gallery_max_bytes: Optional[int] = Field(None, ge=65536, description="quota of the SQLite gallery; a write "
@@ -62,6 +75,17 @@ class Settings(BaseSettings):
     gallery_url: Optional[str] = Field(None, pattern=r"^postgres(ql)?://", description=(
         "postgresql://… : keep the gallery in a PostgreSQL shared by every replica (needs slc[postgres]); "
         "default: SQLite under data_dir, for one process"))
+    gallery_threads: int = Field(4, ge=1, le=64, description=(
+        "threads of the gallery's own executor: its database calls and the parsing and serialising of gallery "
+        "bodies run there, never on the event loop or beside image decoding (a frozen database only slows "
+        "gallery routes)"))
+    gallery_queue_size: int = Field(64, ge=1, description=(
+        "gallery calls waiting or running at once; more get 429 with Retry-After"))
+    max_metadata_bytes: int = Field(1024 * 1024, ge=2, description=(
+        "an item's metadata as compact JSON (as the server stores and answers it) at most this long; 422 beyond"))
+    max_metadata_values: int = Field(131072, ge=1, description=(
+        "values, lists and objects in the metadata of one gallery request: counted on the raw body before it is "
+        "parsed (commas inside strings count as values there) and again per item after; 422 beyond"))
 
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -114,3 +138,19 @@ class Settings(BaseSettings):
 
     def api_key_value(self) -> Optional[str]:
         return self.api_key.get_secret_value() if self.api_key else None
+
+    def open_writes_refused(self) -> bool:
+        """No API key on a host others can reach, and open writes not allowed: writes get 403."""
+        return not self.api_key_value() and not self.allow_open_writes and not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host`: localhost, 127.0.0.0/8, ::1 (0.0.0.0 and :: are every address)."""
+    import ipaddress
+
+    if host.strip().lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False

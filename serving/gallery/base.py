@@ -13,9 +13,10 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import numpy as np
+import orjson
 
 from serving.gallery.index import VectorIndex
 
@@ -37,6 +38,7 @@ class GalleryRecord:
     embedding: np.ndarray  # [d] float32: h(input) under the current bundle
     metadata: dict | None = None
     input: list = field(default_factory=list)
+    metadata_json: Optional[bytes] = None  # the metadata already serialised and checked (serving/gallery/bodies.py)
 
 
 @dataclass
@@ -78,8 +80,8 @@ class GalleryBase:
             vec = self._index.vector(emb)
             if not np.isfinite(emb).all():
                 raise ValueError(f"embedding of item {item.id!r} has NaN or inf")
-            prepared.append(Prepared(item, emb.astype("<f4").tobytes(), json.dumps(item.metadata, allow_nan=False),
-                                     json.dumps(item.input, allow_nan=False), vec))
+            prepared.append(Prepared(item, emb.astype("<f4").tobytes(), _json_text(item.metadata, item.metadata_json),
+                                     _json_text(item.input), vec))
         return prepared
 
     def count(self) -> int:
@@ -92,11 +94,30 @@ class GalleryBase:
 
         Returns [(id, logit, metadata)]; logit is the float64 dot product rounded to float32.
         """
+        return [(i, z, json.loads(m)) for i, z, m in self.search_raw(w, b, threshold, limit)]
+
+    def search_raw(self, w: np.ndarray, b: float, threshold: float, limit: int | None) -> list[tuple[str, float, str]]:
+        """`search`, each item's metadata as its stored JSON text (nothing parsed)."""
         with self._lock:
             self._check_open()
             nums, logits = self._index.search(w, b, threshold, limit)
-            meta = self._metadata_of(nums) if len(nums) else {}
-        return [(meta[int(k)][0], float(z), meta[int(k)][1]) for k, z in zip(nums, logits) if int(k) in meta]
+            meta = self._metadata_rows(nums) if len(nums) else {}
+        return [(meta[int(k)][0], float(z), meta[int(k)][1] or "null") for k, z in zip(nums, logits) if int(k) in meta]
+
+    def get(self, id: str) -> dict | None:
+        """{id, metadata, input} of an item of this bundle, or None."""
+        row = self._item_row(id)
+        if row is None:
+            return None
+        return {"id": row[0], "metadata": json.loads(row[1] or "null"), "input": json.loads(row[2] or "null")}
+
+    def get_json(self, id: str) -> bytes | None:
+        """`get` as the JSON bytes of the answer, spliced from the stored JSON texts (nothing parsed)."""
+        row = self._item_row(id)
+        if row is None:
+            return None
+        return b"".join((b'{"id":', orjson.dumps(row[0]), b',"metadata":', (row[1] or "null").encode(),
+                         b',"input":', (row[2] or "null").encode(), b"}"))
 
     def reembed(self, embed_fn: Callable[[list], np.ndarray], batch_size: int = 256) -> int:
         """Re-embed the items of other bundles from their stored inputs with this bundle's backbone.
@@ -126,7 +147,12 @@ class GalleryBase:
     def upsert(self, items: list[GalleryRecord]) -> None:
         raise NotImplementedError
 
-    def _metadata_of(self, nums: Iterable[int]) -> dict[int, tuple[str, dict | None]]:
+    def _metadata_rows(self, nums: Iterable[int]) -> dict[int, tuple[str, Optional[str]]]:
+        """{row number: (id, metadata JSON text)} of the rows that exist. Under self._lock."""
+        raise NotImplementedError
+
+    def _item_row(self, id: str) -> Optional[tuple[str, Optional[str], Optional[str]]]:
+        """(id, metadata JSON, input JSON) of the item of this bundle's digest, or None."""
         raise NotImplementedError
 
     def _stale_rows(self, limit: int) -> list[tuple[str, str, str]]:
@@ -145,3 +171,15 @@ class GalleryBase:
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def _json_text(value, serialised: Optional[bytes] = None) -> str:
+    """The stored JSON text of a value (orjson: compact, several times faster than json on large inputs);
+    ValueError for what JSON cannot hold. (orjson writes NaN as null: the routes refuse non-finite
+    numbers before anything reaches the gallery.)"""
+    if serialised is None:
+        try:
+            serialised = orjson.dumps(value)
+        except orjson.JSONEncodeError as exc:
+            raise ValueError(f"not JSON-serialisable: {exc}") from None
+    return serialised.decode()

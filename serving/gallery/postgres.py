@@ -17,7 +17,6 @@ pruned range (away for a day) rebuilds its index from the table instead of catch
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -249,20 +248,18 @@ class PostgresGallery(GalleryBase):
                              (max(r[0] for r in row),))
 
     # ------------------------------------------------------------------------------ reads
-    def get(self, id: str) -> dict | None:
+    def _item_row(self, id: str) -> tuple[str, str | None, str | None] | None:
         if "\x00" in id:  # PostgreSQL text cannot hold NUL: no such item can exist
             return None
         with self._lock:
             self._check_open()
             row = self._read("SELECT id, metadata, input FROM slc_gallery_items WHERE id = %s AND digest = %s",
                              (id, self.digest))
-        if not row:
-            return None
-        return {"id": row[0][0], "metadata": json.loads(row[0][1]), "input": json.loads(row[0][2])}
+        return tuple(row[0]) if row else None
 
-    def _metadata_of(self, nums: Iterable[int]) -> dict[int, tuple[str, dict | None]]:
+    def _metadata_rows(self, nums: Iterable[int]) -> dict[int, tuple[str, str | None]]:
         rows = self._read("SELECT num, id, metadata FROM slc_gallery_items WHERE num = ANY(%s)", ([int(k) for k in nums],))
-        return {num: (id_, json.loads(meta)) for num, id_, meta in rows}
+        return {num: (id_, meta) for num, id_, meta in rows}
 
     def stale_count(self) -> int:
         with self._lock:

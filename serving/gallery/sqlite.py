@@ -8,7 +8,6 @@ no acknowledged write. Several replicas share a gallery through PostgreSQL inste
 """
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 import time
@@ -132,23 +131,20 @@ class Gallery(GalleryBase):
             return True
 
     # ------------------------------------------------------------------------------ reads
-    def get(self, id: str) -> dict | None:
+    def _item_row(self, id: str) -> tuple[str, str | None, str | None] | None:
         with self._lock:
             self._check_open()
-            row = self._db.execute("SELECT id, metadata, input FROM items WHERE id = ? AND digest = ?",
-                                   (id, self.digest)).fetchone()
-        if row is None:
-            return None
-        return {"id": row[0], "metadata": json.loads(row[1]), "input": json.loads(row[2])}
+            return self._db.execute("SELECT id, metadata, input FROM items WHERE id = ? AND digest = ?",
+                                    (id, self.digest)).fetchone()
 
-    def _metadata_of(self, nums: Iterable[int]) -> dict[int, tuple[str, dict | None]]:
-        out: dict[int, tuple[str, dict | None]] = {}
+    def _metadata_rows(self, nums: Iterable[int]) -> dict[int, tuple[str, str | None]]:
+        out: dict[int, tuple[str, str | None]] = {}
         nums = [int(k) for k in nums]
         for i in range(0, len(nums), _SQL_VARS):
             chunk = nums[i:i + _SQL_VARS]
             marks = ",".join("?" * len(chunk))
             for num, id_, meta in self._db.execute(f"SELECT num, id, metadata FROM items WHERE num IN ({marks})", chunk):
-                out[num] = (id_, json.loads(meta))
+                out[num] = (id_, meta)
         return out
 
     # ------------------------------------------------------------------------------ bundle change

@@ -265,11 +265,11 @@ def test_the_deadline_covers_work_outside_the_batch_queue_too(client_factory, mo
 
     c = client_factory(request_timeout_s=0.3)
     gallery = c.app.state.slc.gallery
-    real = gallery.search
-    monkeypatch.setattr(gallery, "search", lambda *a, **k: (_time.sleep(1.0), real(*a, **k))[1])
+    real = gallery.search_raw
+    monkeypatch.setattr(gallery, "search_raw", lambda *a, **k: (_time.sleep(1.0), real(*a, **k))[1])
     body = assert_envelope(c.post("/v1/classes/3/search", json={}), 504, "deadline_exceeded")
     assert "0.3 s" in body["error"]["message"]
-    monkeypatch.setattr(gallery, "search", real)
+    monkeypatch.setattr(gallery, "search_raw", real)
     assert c.post("/v1/classes/3/search", json={}).status_code == 200
 
 

@@ -114,6 +114,7 @@ class ServerState:
 
 async def _load(state: ServerState) -> None:
     """Bundle -> sessions -> index -> gallery -> warm-up -> ready. Any failure: never ready."""
+    from serving import image_decoder
     from serving.bundle import load_bundle, release_memory
     from serving.engine import Engine
     from serving.gallery import open_gallery
@@ -130,6 +131,8 @@ async def _load(state: ServerState) -> None:
         log.info("loading bundle %s (verify=%s)", path, s.verify)
         bundle = await asyncio.to_thread(load_bundle, path, s.verify)
         state.bundle = bundle
+        if bundle.image is not None:  # image bodies: decode processes, starting while the rest loads
+            image_decoder.pool_for(s)
         state.runtime = await asyncio.to_thread(Runtime, bundle, s.device, s.intra_op_threads)
         device = "cuda" if state.runtime.uses_cuda else "cpu"
         s.data_dir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +147,8 @@ async def _load(state: ServerState) -> None:
             await engine.warm_up()
         # start-up garbage (1M calibration dicts, a trained-then-dropped class index) back to the OS
         await asyncio.to_thread(release_memory)
+        if bundle.image is not None:
+            await image_decoder.start(s)
         state.set_ready(True)
         log.info("ready: %s (D=%d, d=%d, input %s) providers=%s softmax=%s index=%s",
                  bundle.name, bundle.num_classes, bundle.embed_dim, list(bundle.input_shape), state.runtime.providers,
@@ -212,6 +217,9 @@ def create_app(settings: Optional[Settings] = None, *, on_fatal: Optional[Callab
                     pass
             if state.engine is not None:
                 await state.engine.stop()  # finishes whatever is still queued
+            from serving import image_decoder
+
+            image_decoder.stop(settings)  # kills the decode processes
             if state.gallery is not None:
                 await asyncio.to_thread(state.gallery.close)
             log.info("stopped")

@@ -315,10 +315,10 @@ class Engine:
         return ClassRef(j, str(self.bundle.classes[j]))
 
     async def image_batch(self, body: bytes, content_type: bytes) -> np.ndarray:
-        """One example [1, *input_shape] from an image body (decoded off the event loop)."""
-        from serving.images import decode
+        """One example [1, *input_shape] from an image body (decoded by a worker process, under a time budget)."""
+        from serving import image_decoder
 
-        x = await asyncio.to_thread(decode, body, content_type, self.bundle.image, self.input_shape)
+        x = await image_decoder.decode(self.settings, body, content_type, self.bundle.image, self.input_shape)
         return x[None].astype(np.float32, copy=False)
 
     def to_batch(self, inputs: Any, what: str = "inputs", bools_possible: bool = True) -> np.ndarray:

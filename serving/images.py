@@ -1,22 +1,24 @@
 """Image request bodies: the HTTP side (content types, 415 / 413 / 422 envelopes) of decoding an
 image body into one example of the bundle's input shape.
 
-The decoding and preprocessing themselves are serving/bundle/image.py, the one implementation
-the trainer also uses on image files, so a training image sent as a body gets exactly its
-offline logit. The manifest's `image` spec says how (docs/bundle-format.md).
+The server decodes in worker processes under a time budget (serving/image_decoder.py); `decode`
+here is the same work in the calling thread. The decoding and preprocessing themselves are
+serving/bundle/image.py, the one implementation the trainer also uses on image files, so a
+training image sent as a body gets exactly its offline logit. The manifest's `image` spec says how (docs/bundle-format.md).
 """
 from __future__ import annotations
 
-import io
 from typing import Optional
 
 import numpy as np
 
-from serving.bundle.image import MAX_PIXELS, ImageTooLarge, UnsupportedImage, decode_image, preprocess
-from serving.errors import InvalidInput, PayloadTooLarge
+from serving.bundle.image import MAX_PIXELS, preprocess
+from serving.errors import ApiError, InvalidInput, PayloadTooLarge
+from serving.image_worker import decode_body, refusal
 from serving.inputs import UnsupportedMediaType
 
-__all__ = ["IMAGE_TYPES", "MAX_PIXELS", "content_type_of", "decode", "is_image", "preprocess"]
+__all__ = ["IMAGE_TYPES", "MAX_PIXELS", "api_error", "content_type_of", "decode", "image_format", "is_image",
+           "preprocess"]
 
 IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/bmp": "BMP",
                "image/webp": "WEBP", "image/tiff": "TIFF"}  # content type -> the one Pillow decoder tried
@@ -33,23 +35,28 @@ def is_image(content_type: bytes) -> bool:
     return content_type.startswith(b"image/")
 
 
-def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: tuple[int, ...]) -> np.ndarray:
-    """One example float32 [*input_shape] from an image body; 415 / 413 / 422 as the envelope."""
+def image_format(content_type: bytes, spec: Optional[dict]) -> str:
+    """The Pillow format to try for a body of this content type; 415 when the bundle or the type takes no image."""
     if spec is None:
         raise UnsupportedMediaType("this bundle's input is not an image: send JSON (Content-Type: application/json)")
-    if content_type.decode("latin-1") not in IMAGE_TYPES:
-        raise UnsupportedMediaType(f"{content_type.decode('latin-1')} is not a supported image type; "
-                                   f"send one of {', '.join(IMAGE_TYPES)}")
-    from PIL import Image
+    name = content_type.decode("latin-1")
+    if name not in IMAGE_TYPES:
+        raise UnsupportedMediaType(f"{name} is not a supported image type; send one of {', '.join(IMAGE_TYPES)}")
+    return IMAGE_TYPES[name]
 
+
+def api_error(status: int, code: str, message: str) -> ApiError:
+    """The envelope's exception for a refusal (serving/image_worker.py `refusal`)."""
+    if status == 415:
+        return UnsupportedMediaType(message)
+    return {413: PayloadTooLarge, 422: InvalidInput}.get(status, ApiError)(message, code=code, status=status)
+
+
+def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: tuple[int, ...]) -> np.ndarray:
+    """One example float32 [*input_shape] from an image body, decoded in this thread; 415 / 413 / 422
+    as the envelope. The server decodes in worker processes instead (serving/image_decoder.py)."""
+    fmt = image_format(content_type, spec)
     try:
-        return decode_image(io.BytesIO(body), spec, formats=[IMAGE_TYPES[content_type.decode("latin-1")]])
-    except ImageTooLarge as exc:
-        raise PayloadTooLarge(str(exc), code="image_too_large") from None
-    except UnsupportedImage as exc:
-        raise UnsupportedMediaType(str(exc)) from None
-    except Image.DecompressionBombError as exc:  # Pillow's own guard, far above MAX_PIXELS
-        raise PayloadTooLarge(f"the image is too large to decode ({exc})", code="image_too_large") from None
+        return decode_body(body, fmt, spec)
     except Exception as exc:  # noqa: BLE001 - any decoder or EXIF failure is the image's fault, never a 500
-        raise InvalidInput(f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})",
-                           code="invalid_image") from None
+        raise api_error(*refusal(exc)) from None

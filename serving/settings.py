@@ -106,6 +106,15 @@ class Settings(BaseSettings):
         "loop instead of the worker thread, whose hop costs more; 0: always the worker"))
     warmup: bool = True
 
+    # --- image bodies (serving/image_decoder.py)
+    decode_workers: int = Field(2, ge=1, le=64, description=(
+        "processes decoding image bodies, started with a bundle that takes images: a decode runs in one of them "
+        "so that it can be stopped (its process killed) when it runs past decode_budget_s"))
+    decode_queue: int = Field(64, ge=0, description="image bodies that may wait for a decode process; more get 429")
+    decode_budget_s: float = Field(2.0, gt=0, description=(
+        "time one image body may take to decode; past it the process is killed and replaced, and the request gets "
+        "422 image_decode_timeout"))
+
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("gallery_url", mode="before")

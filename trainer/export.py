@@ -145,8 +145,8 @@ def parity(path: Path, kind: str, module, x: np.ndarray, class_id: np.ndarray) -
 
 
 def _ort_embeddings(path: Path, x: np.ndarray, batch: int = 256) -> np.ndarray:
-    """backbone.onnx under onnxruntime: embeddings [N, d] float32 of inputs x, batch by batch (onnxruntime's
-    arena holds a batch's activations: +0.3 GB at 1024 glyphs through resnet_glyph, +0.08 GB at 256)."""
+    """backbone.onnx under onnxruntime: embeddings [N, d] float32 of inputs x, batch by batch (small batches:
+    onnxruntime's arena keeps a batch's activations; docs/results/export-memory.md)."""
     sess = ort_session(path, threads=os.cpu_count() or 1)
     return np.concatenate([sess.run(None, {"input": np.asarray(x[i:i + batch], dtype=np.float32)})[0]
                            for i in range(0, len(x), batch)])

@@ -165,16 +165,25 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
 @click.option("--out", default="docs/results", show_default=True, help="where hostile.{json,md} go", **OUT)
 def hostile(size_mb: float, out: Path) -> None:
     """Hostile bodies (strings, objects, nesting, counts, huge examples) against a real server: time
-    to answer, peak-memory growth, and a concurrent health probe's worst latency."""
+    to answer, peak-memory growth, and a concurrent health probe's worst latency; then hostile images
+    (scan bomb, chunk flood, 16-bit PNG), several at once, against a server of an image bundle: also
+    a valid image's latency during the attack and the RSS of the server and its decode processes."""
     from serving.bench.hostile import KINDS, hostile_markdown, measure
     from serving.bench.run import INPUT_DIM, cached_bundle
 
     with _served(cached_bundle(1000, 64), "hostile") as (srv, _):
         rows = [measure(srv, kind, int(size_mb * (1 << 20)), INPUT_DIM) for kind in KINDS]
+    from serving.bench.hostile_images import image_markdown, image_rows
+
+    with tempfile.TemporaryDirectory(prefix="slc-hostile-images-") as tmp:
+        images = image_rows(Path(tmp))
     out.mkdir(parents=True, exist_ok=True)
     (out / "hostile.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "hostile.md").write_text(hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}"))
-    click.echo(hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}"))
+    (out / "hostile-images.json").write_text(json.dumps(images, indent=2) + "\n")
+    text = hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}") + "\n" + image_markdown(
+        images, "slc bench hostile")
+    (out / "hostile.md").write_text(text)
+    click.echo(text)
     worst = max(rows, key=lambda r: r["seconds"])
     click.echo(f"{len(rows)} hostile bodies: slowest answer {worst['seconds']:.3f} s ({worst['kind']}), worst probe "
                f"{max(r['worst_probe_ms'] for r in rows):.1f} ms -> {out / 'hostile.md'}")

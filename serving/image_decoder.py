@@ -90,18 +90,11 @@ class _Worker:
 
     # ----------------------------------------------------------------- the process
     def spawn(self) -> None:
-        """A fresh process, back once it has said it is ready (imports done)."""
-        child_rd, parent_wr = os.pipe()
-        parent_rd, child_wr = os.pipe()
-        for fd in (child_rd, parent_rd):
-            _widen(fd)
+        """A fresh process, back once it has said it is ready (imports done); RuntimeError otherwise."""
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "serving.image_worker", str(child_rd), str(child_wr)],
-                                    pass_fds=(child_rd, child_wr), stdin=subprocess.DEVNULL, env=_worker_env())
-        finally:
-            os.close(child_rd)
-            os.close(child_wr)
-        rd, wr = Connection(parent_rd, writable=False), Connection(parent_wr, readable=False)
+            rd, wr, proc = _start_process()
+        except OSError as exc:  # out of processes or file descriptors
+            raise RuntimeError(f"an image decode worker could not be started ({exc})") from None
         with self.lock:
             self.proc, self.rd, self.wr, self.doomed = proc, rd, wr, False
         try:
@@ -136,10 +129,7 @@ class _Worker:
 
     # ----------------------------------------------------------------- the feeder thread
     def _run(self) -> None:
-        try:
-            self.spawn()
-        except RuntimeError as exc:
-            log.error("%s", exc)
+        self._replace()
         self.ready.set()
         while (job := self.pool.jobs.get()) is not None:
             with self.lock:
@@ -148,6 +138,9 @@ class _Worker:
                 self.current, job.worker = job, self
             try:
                 result = self._decode(job)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not take the feeder thread down
+                log.exception("image decode feeder")
+                result = exc
             finally:
                 with self.lock:
                     self.current, doomed = None, self.doomed
@@ -157,13 +150,15 @@ class _Worker:
         self.reap()
 
     def _replace(self) -> None:
+        """A new process in place of the old one (none once the pool is closed)."""
         self.reap()
         if self.pool.closed:
             return
         try:
             self.spawn()
         except RuntimeError as exc:
-            log.error("%s", exc)
+            if not self.pool.closed:
+                log.error("%s", exc)
 
     def _decode(self, job: _Job):
         """(header, example, its size in bytes) from the process, or the exception for the request; never raises."""
@@ -194,6 +189,25 @@ class _Worker:
         log.warning("an image decode of a %d-byte body ran past its %g s budget: worker killed", len(job.body), budget)
         return InvalidInput(f"the image took more than {budget:g} s to decode (SLC_DECODE_BUDGET_S): "
                             "it was stopped", code="image_decode_timeout")
+
+
+def _start_process() -> tuple[Connection, Connection, subprocess.Popen]:
+    """`python -m serving.image_worker R W` on two new pipes: (its answers, its requests, the process)."""
+    child_rd, parent_wr = os.pipe()
+    parent_rd, child_wr = os.pipe()
+    for fd in (child_rd, parent_rd):
+        _widen(fd)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.image_worker", str(child_rd), str(child_wr)],
+                                pass_fds=(child_rd, child_wr), stdin=subprocess.DEVNULL, env=_worker_env())
+    except OSError:
+        os.close(parent_rd)
+        os.close(parent_wr)
+        raise
+    finally:
+        os.close(child_rd)
+        os.close(child_wr)
+    return Connection(parent_rd, writable=False), Connection(parent_wr, readable=False), proc
 
 
 def _widen(fd: int) -> None:

@@ -73,7 +73,10 @@ def serve(rd, wr) -> None:
 def main(argv: list[str]) -> None:
     from multiprocessing.connection import Connection
 
+    from PIL import ImageFile
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops its workers
+    ImageFile.LOAD_TRUNCATED_IMAGES = False  # Pillow's default, kept: a truncated body is 422, never half an image
     rd, wr = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     serve(rd, wr)
 

@@ -43,9 +43,13 @@ def check_upsert_structure(body: bytes, max_items: int, input_shape: tuple[int, 
     metadata_values (commas inside strings count as values here: a body is read as bytes)."""
     size = math.prod(input_shape)
     lists_per_example = sum(math.prod(input_shape[:i]) for i in range(len(input_shape)))
-    read.check_structure(body, max_values=1 + max_items * (size + 3) + metadata_values, what=what,
-                         max_lists=1 + max_items * lists_per_example + metadata_values,
+    read.check_structure(body, max_values=None, what=what, max_lists=1 + max_items * lists_per_example + metadata_values,
                          max_objects=1 + max_items + metadata_values, max_strings=1 + 4 * max_items + metadata_values)
+    bound = 1 + max_items * (size + 3) + metadata_values
+    if len(body) > read.STRUCTURE_CHECK_BYTES and (values := body.count(b",") + 1) > bound:
+        raise InvalidInput(f"the body holds about {values} values; at most {bound} fit ({max_items} {what} of "
+                           f"{size} input values, and {metadata_values} metadata values: SLC_MAX_METADATA_VALUES)",
+                           code="too_many_inputs")
 
 
 def upsert_items(obj: dict, max_items: int) -> list[dict]:

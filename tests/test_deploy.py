@@ -28,6 +28,10 @@ TRAIN_TARGETS = {"train": ("cpu", "Dockerfile.train"), "train-gpu": ("gpu", "Doc
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "DaemonSet"}
 K8S_VERSION = "1.32.0"
 CRD_KINDS = {"ServiceMonitor", "InferenceService"}  # no schema in kubernetes-validate: checked below by hand
+# Objects the user creates (never in git, never rendered): pods name them optionally, so that
+# `kubectl apply -k` works without them; deploy/README.md says how to create each.
+USER_CREATED = {("Secret", "slc-api-key")}
+API_KEY_REF = {"name": "slc-api-key", "key": "api-key", "optional": True}
 
 
 def _kubectl() -> str | None:
@@ -207,6 +211,23 @@ def test_container_args_are_serve_flags_and_env_vars_are_settings(rendered, kser
     assert Settings(gallery_url="", api_key="").gallery_url is None  # slc.env's empty values mean unset
 
 
+def test_every_server_reads_its_api_key_from_the_users_secret(rendered, kserve):
+    """Issue 30: every Deployment and InferenceService running the server gets SLC_API_KEY from the
+    Secret slc-api-key (optional: without it the pods start and refuse writes with 403); the key is in
+    no rendered Secret or env file; deploy/README.md and the KServe manifest say how to create it."""
+    served = _serve_containers(rendered + kserve)
+    assert {kind for kind, _ in served} == {"Deployment", "InferenceService"}
+    for kind, c in served:
+        (key,) = [e for e in c.get("env", []) if e["name"] == "SLC_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == API_KEY_REF, kind
+    assert not [d for d in rendered if d["kind"] == "Secret" and "SLC_API_KEY" in d.get("data", {})]
+    assert "SLC_API_KEY" not in (DEPLOY / "k8s" / "base" / "slc.env").read_text()
+    create = (f"kubectl create secret generic {API_KEY_REF['name']} --from-literal={API_KEY_REF['key']}="
+              '"$(openssl rand -hex 32)"')
+    for path in (DEPLOY / "README.md", DEPLOY / "kserve" / "inferenceservice.yaml", DEPLOY / "k8s" / "base" / "deployment.yaml"):
+        assert create in path.read_text(), path.name
+
+
 def test_the_kserve_predictor_listens_where_kserve_expects(kserve):
     (isvc,) = kserve
     assert isvc["apiVersion"] == "serving.kserve.io/v1beta1" and isvc["kind"] == "InferenceService"
@@ -226,8 +247,13 @@ def test_every_object_a_pod_needs_is_in_the_rendered_set(kustomization):
     workloads = [d for d in docs if d["kind"] in WORKLOADS]
     assert workloads
     for w in workloads:
-        missing = _references(w) - defined
+        missing = _references(w) - defined - USER_CREATED
         assert not missing, f"{w['kind']} {w['metadata']['name']} needs {sorted(missing)}, not in {kustomization}"
+        for c in _pod(w).get("containers", []) + _pod(w).get("initContainers", []):  # only ever optionally
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref and ("Secret", ref["name"]) in USER_CREATED:
+                    assert ref.get("optional") is True, (w["metadata"]["name"], e)
         if subdomain := _pod(w).get("subdomain"):  # pod DNS names exist only under a headless Service
             service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == subdomain)
             assert service["spec"].get("clusterIP") == "None"

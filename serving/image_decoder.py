@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing import BufferTooShort
+import struct
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Optional
@@ -86,6 +86,7 @@ class _Worker:
         self.current: Optional[_Job] = None
         self.doomed = False  # its process was killed for a cancelled job: replace before the next
         self.ready = threading.Event()
+        self.header_buf = bytearray(HEADER_MAX_BYTES)
         self.thread = threading.Thread(target=self._run, name=f"slc-decode-{index}", daemon=True)
 
     # ----------------------------------------------------------------- the process
@@ -173,11 +174,12 @@ class _Worker:
             self.wr.send_bytes(job.request)
             self.wr.send_bytes(job.body)
             if self.rd.poll(budget):
-                header = json.loads(self.rd.recv_bytes(HEADER_MAX_BYTES))
-                out = np.empty(job.shape, np.float32)  # the example arrives straight into it: one copy
-                size = self.rd.recv_bytes_into(out.reshape(-1).view(np.uint8))  # BufferTooShort when larger
+                fd = self.rd.fileno()
+                header = json.loads(bytes(_read_frame(fd, self.header_buf)))
+                out = np.empty(job.shape, np.float32)  # the example is read straight into it
+                size = len(_read_frame(fd, out.reshape(-1).view(np.uint8)))
                 return header, out, size
-        except (EOFError, OSError, ValueError, BufferTooShort):
+        except (EOFError, OSError, ValueError):
             if job.cancelled or self.pool.closed:
                 return NotReady("the request was cancelled, or the server is shutting down")
             self.pool.crashes += 1
@@ -189,6 +191,26 @@ class _Worker:
         log.warning("an image decode of a %d-byte body ran past its %g s budget: worker killed", len(job.body), budget)
         return InvalidInput(f"the image took more than {budget:g} s to decode (SLC_DECODE_BUDGET_S): "
                             "it was stopped", code="image_decode_timeout")
+
+
+def _read_frame(fd: int, buffer) -> memoryview:
+    """One frame of Connection.send_bytes (a 4-byte big-endian size, then the bytes) read from `fd`
+    into `buffer`: the part of it filled. Connection.recv_bytes_into would read into a BytesIO first
+    and copy (0.7 ms for a 224x224x3 example against 0.13 ms here). OSError when larger than `buffer`."""
+    (size,) = struct.unpack("!i", _read_exact(fd, memoryview(bytearray(4))))
+    if not 0 <= size <= len(buffer):
+        raise OSError(f"a decode worker sent a frame of {size} bytes, more than {len(buffer)}")
+    return _read_exact(fd, memoryview(buffer)[:size])
+
+
+def _read_exact(fd: int, view: memoryview) -> memoryview:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the decode worker closed its pipe")
+        got += n
+    return view
 
 
 def _start_process() -> tuple[Connection, Connection, subprocess.Popen]:

@@ -96,6 +96,8 @@ def _train_options(f):
         click.option("--batch-size", type=click.IntRange(min=2), default=128, show_default=True),
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True),
         click.option("--schedule", type=click.Choice(SCHEDULES), default="cosine", show_default=True),
+        click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="a budget: stop after N steps, the schedule ending there (0: --epochs decide)"),
         click.option("--warmup-steps", type=click.IntRange(min=-1), default=-1, show_default=True,
                      help="linear LR warmup; -1 = 5%% of the steps, at most 1,000"),
         click.option("--clip-grad-norm", type=click.FloatRange(min=0.0), default=0.0, show_default=True,

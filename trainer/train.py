@@ -78,6 +78,7 @@ class TrainConfig:
     seed: int = 0
     head_sample: float = 1.0  # R: logits for the batch's classes + a uniform sample, R·D columns (trainer/sampled_head.py)
     head_shard: bool = False  # each torchrun rank holds D/world class rows (trainer/sharded_head.py)
+    max_steps: int = 0  # stop after this many steps (a budget: the schedule ends there); 0 = epochs decide
     warmup_steps: int = -1  # linear LR warmup; -1 = auto: 5% of the steps, at most 1,000
     clip_grad_norm: float = 0.0  # clip the global gradient norm to this; 0 = off (the norm is logged either way)
     device: str = "auto"  # auto | cpu | cuda[:N] (trainer/device.py)
@@ -431,13 +432,60 @@ def _validate(model: SLCNet, splits: Splits, progress: _Progress, epoch: int, hi
         progress.stopped_early = True
 
 
-def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = False, overwrite: bool = False,
-          stop_at_step: int | None = None) -> Path:
-    """Fit SLCNet on cfg.dataset with cfg.loss; write the run directory `out` and return it.
-    `resume` continues `out` from its newest checkpoint; `stop_at_step` stops there as Ctrl-C would."""
-    from tqdm.auto import tqdm
+@dataclass
+class _Session:
+    """Everything one run's loop works with, built once by `_setup`."""
 
-    out = Path(out)
+    cfg: TrainConfig
+    out: Path
+    rank: int
+    world: int
+    device: torch.device
+    splits: Splits
+    y_train: torch.Tensor  # [N] labels in memory (pixels stay where they are stored)
+    model: SLCNet
+    net: nn.Module  # model, or its DDP / compiled wrapper
+    loss_fn: nn.Module
+    sampler: ClassSampler | None
+    augment: object
+    optimizer: torch.optim.Optimizer
+    schedule: object
+    scaler: torch.amp.GradScaler
+    batch: int
+    steps_per_epoch: int
+    total_steps: int
+    ckpt_dir: Path
+    history: History
+    state: _Progress
+    resolved: dict
+
+    def save(self) -> None:
+        """A training-state checkpoint of the step just completed, and the history up to it."""
+        if self.rank == 0 or self.cfg.head_shard:
+            state = _checkpoint_state(self.cfg, self.model, self.optimizer, self.schedule, self.scaler, self.sampler,
+                                      self.state)
+            save_checkpoint(self.ckpt_dir, state, self.state.step, self.cfg.keep_checkpoints)
+        if self.rank == 0:
+            self.history.write()
+
+
+def _place(cfg: TrainConfig, model: SLCNet, num_classes: int, device: torch.device, world: int) -> nn.Module:
+    """Move the model to its device and layout; the network the loop calls (DDP, compiled)."""
+    if cfg.head_shard:  # no DDP: the backbone's gradients are summed by hand (sum_gradients)
+        model.head = keep_shard(model.head, num_classes)
+    model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    net: nn.Module = model
+    if cfg.head_shard:
+        broadcast_parameters(model.backbone)
+    elif world > 1:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return torch.compile(net) if cfg.compile else net
+
+
+def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite: bool) -> _Session:
+    """Checks, run directory, data, model, optimizer, and the state to start from."""
     check_head_options(cfg)
     device = resolve_device(cfg.device)
     check_precision(cfg.precision, device)
@@ -451,27 +499,16 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = 
     data_info = _data_info(cfg, splits)
     cfg = replace(cfg, backbone=resolve_backbone(cfg, splits))
     augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])
-    y_train = torch.tensor(np.asarray(splits.train[1], dtype=np.int64))  # [N]: labels in memory, pixels not
+    y_train = torch.tensor(np.asarray(splits.train[1], dtype=np.int64))  # [N]
     n_train, num_classes = len(y_train), splits.num_classes
     model, loss_fn, sampler = _build(cfg, splits, num_classes, n_train, resume)
-    if cfg.head_shard:  # no DDP: the backbone's gradients are summed by hand (sum_gradients)
-        model.head = keep_shard(model.head, num_classes)
-    model.to(device)
-    if cfg.channels_last:
-        model.to(memory_format=torch.channels_last)
-    net: nn.Module = model
-    if cfg.head_shard:
-        broadcast_parameters(model.backbone)
-    elif world > 1:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.compile:
-        net = torch.compile(net)
+    net = _place(cfg, model, num_classes, device, world)
 
     batch = min(cfg.batch_size, n_train)
     if batch < 2 * world:
         raise ValueError(f"batch_size {batch} too small for {world} rank(s): every rank needs 2 examples")
     steps_per_epoch = n_train // batch  # drop the last incomplete batch
-    total_steps = max(1, cfg.epochs * steps_per_epoch)
+    total_steps = min(max(1, cfg.epochs * steps_per_epoch), cfg.max_steps or 1 << 62)
     optimizer = _optimizer(cfg, net.parameters())
     schedule = _schedule(cfg, optimizer, total_steps)
     scaler = grad_scaler(cfg.precision, device)
@@ -489,88 +526,112 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = 
     if rank == 0:
         _write_json(out / "config.json", resolved)
         _write_json(out / "data.json", data_info)
+    return _Session(cfg, out, rank, world, device, splits, y_train, model, net, loss_fn, sampler, augment, optimizer,
+                    schedule, scaler, batch, steps_per_epoch, total_steps, ckpt_dir, history, state, resolved)
 
-    fwd = _Forward(net, model, cfg.precision, device, cfg.channels_last)
-    echo = tqdm.write
-    bar = tqdm(total=total_steps, initial=state.step, desc=f"{cfg.loss} lr={cfg.lr:g}",
-               disable=not progress or rank != 0, leave=False)
+
+def _run_epoch(s: _Session, epoch: int, fwd: _Forward, bar, stop: _StopRequest, stop_at_step: int | None) -> None:
+    """The steps of one epoch from where the state is, up to its end, a stop or the budget."""
+    cfg, state = s.cfg, s.state
+    batches = EpochBatches(len(s.y_train), s.batch, cfg.seed, epoch, state.step - epoch * s.steps_per_epoch,
+                           s.rank, s.world)
+    loader = batch_loader(s.splits.train[0], s.y_train.numpy(), batches, cfg.workers,
+                          pin_memory=s.device.type == "cuda")
+    tick = time.perf_counter()
+    for global_idx, (x, y, _) in zip(batches.global_batches(), loader):
+        x, y = fwd.input(x), y.to(s.device, non_blocking=True)
+        if s.augment is not None:
+            x = s.augment(x, augment_generator(cfg.seed, state.step))
+        if hasattr(s.loss_fn, "set_progress"):
+            s.loss_fn.set_progress(state.step / s.total_steps)
+        y_global = s.y_train[global_idx].to(s.device)
+        loss = _batch_loss(cfg, fwd, s.loss_fn, s.sampler, x, y, y_global, s.splits.num_classes)
+        lr, grad_norm = _optimizer_step(cfg, loss, s.net, s.model, s.optimizer, s.scaler, s.schedule, epoch, state.step)
+        state.step += 1
+        now = time.perf_counter()
+        s.history.log_step(state.step, epoch, loss=loss.item(), lr=lr, grad_norm=grad_norm,
+                           images_per_s=s.batch / max(now - tick, 1e-9))
+        tick = now
+        bar.update()
+        if state.step % 10 == 0:
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+            s.save()
+        if stop.requested or state.step in (stop_at_step, s.total_steps):
+            break
+
+
+def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = False, overwrite: bool = False,
+          stop_at_step: int | None = None) -> Path:
+    """Fit SLCNet on cfg.dataset with cfg.loss; write the run directory `out` and return it.
+    `resume` continues `out` from its newest checkpoint; `stop_at_step` stops there as Ctrl-C would."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    s = _setup(cfg, out, progress, resume, overwrite)
+    cfg, state = s.cfg, s.state
+    fwd = _Forward(s.net, s.model, cfg.precision, s.device, cfg.channels_last)
+    bar = tqdm(total=s.total_steps, initial=state.step, desc=f"{cfg.loss} lr={cfg.lr:g}",
+               disable=not progress or s.rank != 0, leave=False)
     started, steps_at_start = time.perf_counter(), state.step
-
-    def save(step_state: _Progress) -> None:
-        if rank == 0 or cfg.head_shard:
-            save_checkpoint(ckpt_dir, _checkpoint_state(cfg, model, optimizer, schedule, scaler, sampler, step_state),
-                            step_state.step, cfg.keep_checkpoints)
-        if rank == 0:
-            history.write()
-
-    net.train()
+    s.net.train()
     with _StopRequest() as stop:
-        for epoch in range(state.step // steps_per_epoch, cfg.epochs):
-            batches = EpochBatches(n_train, batch, cfg.seed, epoch, state.step - epoch * steps_per_epoch, rank, world)
-            loader = batch_loader(splits.train[0], y_train.numpy(), batches, cfg.workers,
-                                  pin_memory=device.type == "cuda")
-            tick = time.perf_counter()
-            for global_idx, (x, y, _) in zip(batches.global_batches(), loader):
-                x, y = fwd.input(x), y.to(device, non_blocking=True)
-                if augment is not None:
-                    x = augment(x, augment_generator(cfg.seed, state.step))
-                if hasattr(loss_fn, "set_progress"):
-                    loss_fn.set_progress(state.step / total_steps)
-                loss = _batch_loss(cfg, fwd, loss_fn, sampler, x, y, y_train[global_idx].to(device), num_classes)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss {cfg.loss} is {loss.item()} at epoch {epoch} step {state.step} "
-                                             f"(lr={cfg.lr}); try a lower --lr or --clip-grad-norm")
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                if cfg.head_shard:
-                    sum_gradients(model.backbone.parameters())
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.clip_grad_norm or float("inf"))
-                lr = optimizer.param_groups[0]["lr"]
-                scaler.step(optimizer)
-                scaler.update()
-                schedule.step()
-                state.step += 1
-                now = time.perf_counter()
-                history.log_step(state.step, epoch, loss=loss.item(), lr=lr, grad_norm=float(grad_norm),
-                                 images_per_s=batch / max(now - tick, 1e-9))
-                tick = now
-                bar.update()
-                if state.step % 10 == 0:
-                    bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
-                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                    save(state)
-                if stop.requested or state.step == stop_at_step:
-                    break
-            del loader
-            epoch_done = state.step == (epoch + 1) * steps_per_epoch
-            if epoch_done and rank == 0 and not cfg.head_shard and cfg.val_every and (epoch + 1) % cfg.val_every == 0:
-                _validate(model, splits, state, epoch, history, out, cfg, echo)
-                net.train()
-            state.stopped_early = _agree(state.stopped_early, world, device)
-            if epoch_done or stop.requested or state.step == stop_at_step:
-                save(state)
-            if stop.requested or state.step == stop_at_step:
+        for epoch in range(state.step // s.steps_per_epoch, cfg.epochs):
+            _run_epoch(s, epoch, fwd, bar, stop, stop_at_step)
+            epoch_done = state.step in ((epoch + 1) * s.steps_per_epoch, s.total_steps)
+            if epoch_done and s.rank == 0 and not cfg.head_shard and cfg.val_every and (epoch + 1) % cfg.val_every == 0:
+                _validate(s.model, s.splits, state, epoch, s.history, out, cfg, tqdm.write)
+                s.net.train()
+            state.stopped_early = _agree(state.stopped_early, s.world, s.device)
+            interrupted = stop.requested or state.step == stop_at_step
+            if epoch_done or interrupted:
+                s.save()
+            if interrupted:
                 bar.close()
-                if rank == 0:
-                    _write_json(out / "config.json", {**resolved, "status": "interrupted", "step": state.step})
-                raise TrainingInterrupted(out, state.step, total_steps)
+                if s.rank == 0:
+                    _write_json(out / "config.json", {**s.resolved, "status": "interrupted", "step": state.step})
+                raise TrainingInterrupted(out, state.step, s.total_steps)
             if state.stopped_early:
-                echo(f"early stop after epoch {epoch + 1}: no better calibration accuracy in {cfg.patience} validations")
+                tqdm.write(f"early stop after epoch {epoch + 1}: no better calibration accuracy in {cfg.patience} "
+                           f"validations")
+            if state.stopped_early or state.step == s.total_steps:
                 break
     bar.close()
-    history.close()
-    train_seconds = time.perf_counter() - started
-    if cfg.head_shard:  # rank 0 gets the full head back: checkpoint and export see one head
-        model.head = gather_head(model.head, num_classes)
-    if rank == 0:
-        _finish(out, model, splits, state, resolved, cfg, train_seconds, (state.step - steps_at_start) * batch)
-    if world > 1:
+    s.history.close()
+    _end(s, time.perf_counter() - started, (state.step - steps_at_start) * s.batch)
+    return out
+
+
+def _end(s: _Session, train_seconds: float, images: int) -> None:
+    """The full head back on rank 0 (--head-shard), the final files, the process group closed."""
+    if s.cfg.head_shard:
+        s.model.head = gather_head(s.model.head, s.splits.num_classes)
+    if s.rank == 0:
+        _finish(s.out, s.model, s.splits, s.state, s.resolved, s.cfg, train_seconds, images)
+    if s.world > 1:
         import torch.distributed as dist
 
         dist.barrier()
         dist.destroy_process_group()  # every rank is here (slc train then ends it with exit_rank)
-    return out
+
+
+def _optimizer_step(cfg: TrainConfig, loss: torch.Tensor, net: nn.Module, model: SLCNet, optimizer, scaler,
+                    schedule, epoch: int, step: int) -> tuple[float, float]:
+    """Backward, gradient norm (clipped when asked), optimizer and schedule step: (lr used, norm)."""
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"loss {cfg.loss} is {loss.item()} at epoch {epoch} step {step} "
+                                 f"(lr={cfg.lr}); try a lower --lr or --clip-grad-norm")
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    if cfg.head_shard:
+        sum_gradients(model.backbone.parameters())
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.clip_grad_norm or float("inf"))
+    lr = optimizer.param_groups[0]["lr"]
+    scaler.step(optimizer)
+    scaler.update()
+    schedule.step()
+    return lr, float(grad_norm)
 
 
 def _agree(flag: bool, world: int, device: torch.device) -> bool:

@@ -188,3 +188,16 @@ def test_bf16_on_cpu_learns_like_fp32(straight, tmp_path):
     assert np.mean(np.abs(np.array(fp32) - np.array(bf16))) < 0.05
     acc = {r: json.loads((r / "metrics.json").read_text())["test"]["accuracy"] for r in (straight, run)}
     assert abs(acc[straight] - acc[run]) < 0.03 and acc[run] > 0.8
+
+
+def test_max_steps_is_a_budget_that_ends_the_schedule(tmp_path):
+    """--max-steps 5 of a 2-epoch run: 5 steps, the cosine schedule reaching 0 at the last, then one
+    validation and the final files as for any run."""
+    run = train(_cfg(max_steps=5, warmup_steps=0), tmp_path / "run", progress=False)
+    rows = _history(run)
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [int(r["step"]) for r in steps] == [1, 2, 3, 4, 5]
+    want = [0.01 * 0.5 * (1 + math.cos(math.pi * s / 5)) for s in range(5)]
+    np.testing.assert_allclose([float(r["lr"]) for r in steps], want, rtol=1e-5)
+    assert [int(r["step"]) for r in rows if r["kind"] == "epoch"] == [5]
+    assert json.loads((run / "config.json").read_text())["status"] == "completed"

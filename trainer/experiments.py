@@ -21,7 +21,6 @@ hash of the config and of the training code, so a re-run only trains what change
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -52,68 +51,30 @@ PAPER_MNIST = {
 PAPER_NAMES = {"ce": "CE", "max_margin": "max-margin", "self_norm": "self-norm", "nce": "NCE", "bce": "binary CE",
                "batch_ce": "batch CE", "batch_max_margin": "batch max-margin", "normalized_ce": "normalized CE"}
 
-_COMMON_CODE = ("trainer/train.py", "trainer/data/__init__.py", "trainer/distributed.py", "trainer/losses/__init__.py", "models/*.py")
-
-
-def _code_fingerprint(loss: str) -> str:
-    """Hash of the code a run of `loss` depends on: the common training code plus the loss's own
-    module, so editing one loss family invalidates only its cached runs."""
-    import inspect
-
-    from trainer.losses import loss_class
-
-    root = Path(__file__).resolve().parent.parent
-    files = [path for pattern in _COMMON_CODE for path in sorted(root.glob(pattern))]
-    files.append(Path(inspect.getsourcefile(loss_class(loss))).resolve())
-    h = hashlib.sha256()
-    for path in files:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def _cache_dir() -> Path:
     """Cached Table 1 runs: $SLC_CACHE_DIR, else $SLC_HOME/runs."""
     return Path(os.environ.get("SLC_CACHE_DIR") or slc_home() / "runs")
 
 
 class _Runs:
-    """Train-or-reuse runs keyed by config + code; remembers failures (NaN) as well."""
+    """Train-or-reuse runs through the one run cache (trainer/run_cache.py), counting both."""
 
     def __init__(self, cache: Path):
         self.cache = cache
-        self.fingerprints: dict[str, str] = {}  # per loss, taken once so a run is self-consistent
         self.trained = self.reused = 0
 
     def get(self, cfg) -> Path | None:
         """The run directory of cfg, or None if its training diverged."""
-        from dataclasses import asdict
+        from trainer.run_cache import cached_run
 
-        from trainer.train import train
-
-        if cfg.loss not in self.fingerprints:
-            self.fingerprints[cfg.loss] = _code_fingerprint(cfg.loss)
-        fingerprint = self.fingerprints[cfg.loss]
-        key = hashlib.sha256(json.dumps([asdict(cfg), fingerprint], sort_keys=True).encode()).hexdigest()[:20]
-        run = self.cache / f"{cfg.dataset.replace(':', '_').replace('/', '_')}-{cfg.loss}-lr{cfg.lr:g}-s{cfg.seed}-{key}"
-        if (run / "failed.json").exists():
-            self.reused += 1
-            return None
-        if (run / "metrics.json").exists():
-            self.reused += 1
-            return run
         start = time.perf_counter()
-        try:
-            train(cfg, run, progress=False)
-        except FloatingPointError as err:
-            run.mkdir(parents=True, exist_ok=True)
-            (run / "failed.json").write_text(json.dumps({"error": str(err)}))
-            log.info("  %-18s lr=%-6g seed=%d  diverged: %s", cfg.loss, cfg.lr, cfg.seed, err)
-            return None
-        self.trained += 1
-        cal = json.loads((run / "metrics.json").read_text())["calibration"]
-        log.info("  %-18s lr=%-6g seed=%d  cal auprc=%.4f acc=%.4f  (%.1f s)", cfg.loss, cfg.lr, cfg.seed,
-                 cal["auprc"], cal["accuracy"], time.perf_counter() - start)
+        run, trained = cached_run(self.cache, cfg)
+        self.trained += trained
+        self.reused += not trained
+        if trained and run is not None:
+            cal = json.loads((run / "metrics.json").read_text())["calibration"]
+            log.info("  %-18s lr=%-6g seed=%d  cal auprc=%.4f acc=%.4f  (%.1f s)", cfg.loss, cfg.lr, cfg.seed,
+                     cal["auprc"], cal["accuracy"], time.perf_counter() - start)
         return run
 
 

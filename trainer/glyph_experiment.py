@@ -13,7 +13,6 @@ versions it spans. Seeds go in the outer loop, so a partial table has every row 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from trainer.run_cache import PENDING, cached_run
 
 import numpy as np
 
@@ -60,54 +61,14 @@ class GlyphPlan:
                            schedule="cosine", seed=seed, head_sample=rate)
 
 
-def _code_hash() -> str:
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for pattern in ("trainer/train.py", "trainer/sampled_head.py", "trainer/losses/*.py", "trainer/data/*.py",
-                    "models/*.py"):
-        for path in sorted(root.glob(pattern)):
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-# TrainConfig fields added after runs were cached: left out of the key while at these defaults,
-# so a new option does not orphan the runs trained before it existed
-_LATER_FIELDS = {"head_shard": False}
-
-
-def run_path(runs: Path, cfg) -> Path:
-    fields = {k: v for k, v in asdict(cfg).items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-    return runs / f"{cfg.dataset}-{cfg.loss}-R{cfg.head_sample:g}-s{cfg.seed}-{key}"
-
-
-PENDING = "pending"
-
-
 def train_or_reuse(cfg, runs: Path, progress: bool, train_missing: bool = True) -> tuple[Path | None | str, bool]:
     """(run directory, None if the loss diverged, or PENDING when not trained and not to be; trained now?)."""
-    from trainer.train import train
-
-    run = run_path(runs, cfg)
-    if (run / "failed.json").exists():
-        return None, False
-    if (run / "metrics.json").exists():
-        return run, False
-    if not train_missing:
-        return PENDING, False
-    try:
-        train(cfg, run, progress=progress)
-    except FloatingPointError as err:
-        run.mkdir(parents=True, exist_ok=True)
-        (run / "failed.json").write_text(json.dumps({"error": str(err), "code": _code_hash()}))
-        log.info("  %s seed %d diverged: %s", row_name(cfg.loss, cfg.head_sample), cfg.seed, err)
-        return None, True
-    (run / "code.json").write_text(json.dumps({"code": _code_hash()}))
-    m = json.loads((run / "metrics.json").read_text())["test"]
-    log.info("  %s seed %d: test acc %.4f auprc %.4f", row_name(cfg.loss, cfg.head_sample), cfg.seed,
-             m["accuracy"], m["auprc"])
-    return run, True
+    run, trained = cached_run(runs, cfg, progress, train_missing)
+    if trained and run is not None:
+        m = json.loads((run / "metrics.json").read_text())["test"]
+        log.info("  %s seed %d: test acc %.4f auprc %.4f", row_name(cfg.loss, cfg.head_sample), cfg.seed,
+                 m["accuracy"], m["auprc"])
+    return run, trained
 
 
 def _run_info(run: Path) -> dict:

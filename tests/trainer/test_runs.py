@@ -201,3 +201,14 @@ def test_max_steps_is_a_budget_that_ends_the_schedule(tmp_path):
     np.testing.assert_allclose([float(r["lr"]) for r in steps], want, rtol=1e-5)
     assert [int(r["step"]) for r in rows if r["kind"] == "epoch"] == [5]
     assert json.loads((run / "config.json").read_text())["status"] == "completed"
+
+
+def test_the_run_cache_key_changes_with_the_config_and_with_the_code(monkeypatch):
+    """One key for every experiment: a changed option or a changed loss module is a new run."""
+    import trainer.run_cache as rc
+
+    base = rc.run_key(_cfg())
+    assert rc.run_key(_cfg()) == base
+    assert rc.run_key(_cfg(lr=0.02)) != base
+    monkeypatch.setattr(rc, "code_fingerprint", lambda loss: "edited")
+    assert rc.run_key(_cfg()) != base

@@ -178,7 +178,7 @@ def test_table1_rows_are_means_of_their_runs(tmp_path, monkeypatch):
     assert list(rows) == ["ce", "batch_ce", "normalized_ce"]
     assert rows["batch_ce"]["pols"] and not rows["ce"]["pols"]
 
-    runs = {loss: sorted((tmp_path / "cache").glob(f"digits-{loss}-lr0.1-s*")) for loss in ("ce", "batch_ce")}
+    runs = {loss: sorted((tmp_path / "cache").glob(f"digits-{loss}-R1-lr0.1-s*")) for loss in ("ce", "batch_ce")}
     x, y = load_dataset("digits").test
     for loss in ("ce", "batch_ce"):
         values = [evaluate_run(run)["p_at_r99"] for run in runs[loss]]

@@ -44,7 +44,7 @@ DEFAULT_TARGET = {"precision": 0.99}
 METHODS = ("per_class", "global", "shrink")
 DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
 PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
-# logits per class chunk: [N, c] float64 is 16 MiB, and a chunk's sort holds about a dozen such arrays
+# logits per class chunk: [N, c] float64 is 16 MiB; a pass holds a few such arrays (the pooled counts sort a copy)
 CHUNK_VALUES = 2 * 1024 * 1024
 # the per-class kernels (thresholds, Platt) run on column groups [N, g] of about this many values:
 # cache-sized, they run 2-3x faster than on a whole chunk (same results: each column is on its own)

@@ -13,12 +13,12 @@ from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle,
 
 
 @contextmanager
-def _served(bundle: Path, tag: str) -> Iterator[tuple]:
+def _served(bundle: Path, tag: str, grpc: bool = False) -> Iterator[tuple]:
     """(`slc serve BUNDLE` ready on a free port, its scratch directory), stopped after."""
     from serving.bench.server import slc_server
 
     with tempfile.TemporaryDirectory(prefix=f"slc-{tag}-") as tmp:
-        with slc_server(bundle, Path(tmp), tag, Path(tmp) / "data") as srv:
+        with slc_server(bundle, Path(tmp), tag, Path(tmp) / "data", grpc=grpc) as srv:
             srv.wait_ready(300)
             yield srv, Path(tmp)
 
@@ -171,8 +171,12 @@ def hostile(size_mb: float, out: Path) -> None:
     from serving.bench.hostile import KINDS, hostile_markdown, measure
     from serving.bench.run import INPUT_DIM, cached_bundle
 
-    with _served(cached_bundle(1000, 64), "hostile") as (srv, _):
+    from serving.bench.hostile_service import service_markdown, service_rows
+    from serving.bench.server import grpc_available
+
+    with _served(cached_bundle(1000, 64), "hostile", grpc=grpc_available()) as (srv, tmp):
         rows = [measure(srv, kind, int(size_mb * (1 << 20)), INPUT_DIM) for kind in KINDS]
+        service = service_rows(srv, tmp / "data", INPUT_DIM)  # gallery and gRPC attacks
     from serving.bench.hostile_images import image_markdown, image_rows
 
     with tempfile.TemporaryDirectory(prefix="slc-hostile-images-") as tmp:
@@ -180,8 +184,9 @@ def hostile(size_mb: float, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hostile.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "hostile-images.json").write_text(json.dumps(images, indent=2) + "\n")
+    (out / "hostile-service.json").write_text(json.dumps(service, indent=2) + "\n")
     text = hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}") + "\n" + image_markdown(
-        images, "slc bench hostile")
+        images, "slc bench hostile") + service_markdown(service)
     (out / "hostile.md").write_text(text)
     click.echo(text)
     worst = max(rows, key=lambda r: r["seconds"])

@@ -9,6 +9,11 @@ gets 422 `image_decode_timeout` and a new process takes the place of the old. A 
 while its body is being decoded (its deadline passed, its client left) kills that decode the same
 way. Bodies waiting for a worker are bounded: beyond `decode_queue` of them, 429 `overloaded`.
 
+Small images never wait behind large ones: a body of at most LIGHT_PIXELS by its header goes
+first, and larger ones (or ones whose header cannot be read cheaply) decode on all workers but
+one; a large one that would only start after the request deadline is refused at once with 429
+(the recent decode time of large ones times those waiting) instead of a 504 later.
+
 The processes are started with subprocess (fork + exec of a fresh interpreter), never by a bare
 fork of the server, whose threads may hold locks.
 """
@@ -20,37 +25,41 @@ import json
 import logging
 import math
 import os
-import queue
 import subprocess
 import sys
 import threading
 import time
 import struct
 from multiprocessing.connection import Connection
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from serving import images
-from serving.bundle.image import MAX_PIXELS
+from serving.bundle.image import MAX_PIXELS, header_pixels
 from serving.errors import InvalidInput, NotReady, Overloaded
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0  # a worker's interpreter and imports (about 0.2 s on an idle core)
 PIPE_BYTES = 1 << 20
+# A body of at most this many pixels by its header (1024 x 1024) is "light": it never waits behind
+# larger ones (or ones whose header says nothing), which decode on all workers but one.
+LIGHT_PIXELS = 1 << 20
 HEADER_MAX_BYTES = 64 * 1024  # of a worker's answer header (the example's bytes: at most its size)
 
 
 class _Job:
     """One body on its way through a worker; `cancel` (on the loop) skips or kills it."""
 
-    __slots__ = ("request", "body", "shape", "loop", "future", "worker", "cancelled")
+    __slots__ = ("request", "body", "shape", "heavy", "loop", "future", "worker", "cancelled")
 
-    def __init__(self, request: bytes, body: bytes, shape: tuple[int, ...], loop: asyncio.AbstractEventLoop,
-                 future: asyncio.Future):
-        self.request, self.body, self.shape, self.loop, self.future = request, body, shape, loop, future
+    def __init__(self, request: bytes, body: bytes, shape: tuple[int, ...], heavy: bool,
+                 loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+        self.request, self.body, self.shape, self.heavy = request, body, shape, heavy
+        self.loop, self.future = loop, future
         self.worker: Optional[_Worker] = None
         self.cancelled = False
 
@@ -72,6 +81,59 @@ class _Job:
             self.loop.call_soon_threadsafe(deliver)
         except RuntimeError:  # the loop is closed: nobody is waiting
             pass
+
+
+class _Lanes:
+    """The bodies waiting for a worker, in two lanes: light ones first, and at most `heavy_slots`
+    heavy ones decoding at once, so that a worker is left for light ones however many heavy ones wait."""
+
+    def __init__(self, heavy_slots: int):
+        self.cond = threading.Condition()
+        self.light: deque[_Job] = deque()
+        self.heavy: deque[_Job] = deque()
+        self.heavy_slots, self.heavy_running = heavy_slots, 0
+        self.heavy_s = 0.0  # recent time of a heavy decode (moving average)
+        self.closed = False
+
+    def put(self, job: _Job) -> None:
+        with self.cond:
+            (self.heavy if job.heavy else self.light).append(job)
+            self.cond.notify()
+
+    def take(self) -> Optional[_Job]:
+        """The next body for a free worker (waits for one); None once closed."""
+        with self.cond:
+            while not self.closed:
+                if self.light:
+                    return self.light.popleft()
+                if self.heavy and self.heavy_running < self.heavy_slots:
+                    self.heavy_running += 1
+                    return self.heavy.popleft()
+                self.cond.wait()
+            return None
+
+    def done(self, job: _Job, seconds: Optional[float]) -> None:
+        """A taken body is finished (`seconds` None: skipped, cancelled while waiting)."""
+        if job.heavy:
+            with self.cond:
+                self.heavy_running -= 1
+                if seconds is not None:
+                    self.heavy_s = seconds if not self.heavy_s else 0.8 * self.heavy_s + 0.2 * seconds
+                self.cond.notify()
+
+    def heavy_wait(self) -> float:
+        """About how long until a heavy body admitted now is decoded."""
+        return (len(self.heavy) / self.heavy_slots + 1) * self.heavy_s
+
+    def close(self) -> list[_Job]:
+        """No more bodies taken; those still waiting are returned."""
+        with self.cond:
+            self.closed = True
+            rest = [*self.light, *self.heavy]
+            self.light.clear()
+            self.heavy.clear()
+            self.cond.notify_all()
+        return rest
 
 
 class _Worker:
@@ -132,11 +194,16 @@ class _Worker:
     def _run(self) -> None:
         self._replace()
         self.ready.set()
-        while (job := self.pool.jobs.get()) is not None:
+        lanes = self.pool.lanes
+        while (job := lanes.take()) is not None:
             with self.lock:
-                if job.cancelled:
-                    continue
-                self.current, job.worker = job, self
+                skip = job.cancelled
+                if not skip:
+                    self.current, job.worker = job, self
+            if skip:
+                lanes.done(job, None)
+                continue
+            t0 = time.perf_counter()
             try:
                 result = self._decode(job)
             except Exception as exc:  # noqa: BLE001 - a bug here must not take the feeder thread down
@@ -145,6 +212,7 @@ class _Worker:
             finally:
                 with self.lock:
                     self.current, doomed = None, self.doomed
+            lanes.done(job, time.perf_counter() - t0)
             job.settle(result)
             if doomed or self.proc is None or self.proc.poll() is not None:
                 self._replace()
@@ -260,9 +328,10 @@ def _worker_env() -> dict:
 class DecodePool:
     """`workers` decode processes, `queue_limit` bodies waiting beyond them, `budget_s` per decode."""
 
-    def __init__(self, workers: int, queue_limit: int, budget_s: float, max_pixels: int = MAX_PIXELS):
-        self.budget_s, self.queue_limit, self.max_pixels = budget_s, queue_limit, max_pixels
-        self.jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+    def __init__(self, workers: int, queue_limit: int, budget_s: float, max_pixels: int = MAX_PIXELS,
+                 deadline_s: Optional[float] = None):
+        self.budget_s, self.queue_limit, self.max_pixels, self.deadline_s = budget_s, queue_limit, max_pixels, deadline_s
+        self.lanes = _Lanes(heavy_slots=max(1, workers - 1))
         self.workers = [_Worker(self, i) for i in range(workers)]
         self.pending = 0  # jobs admitted and not yet answered (changed on the event loop only)
         self.closed = False
@@ -300,12 +369,17 @@ class DecodePool:
             raise NotReady("the server is shutting down")
         if self.pending >= len(self.workers) + self.queue_limit:
             raise Overloaded(f"{self.pending} image bodies are being decoded or waiting (SLC_DECODE_QUEUE); retry", 1)
+        pixels = header_pixels(body)
+        heavy = pixels is None or pixels > LIGHT_PIXELS
+        if heavy and self.deadline_s is not None and (wait := self.lanes.heavy_wait()) > self.deadline_s:
+            raise Overloaded(f"the large images queued for decoding would take {wait:.1f} s, past the request "
+                             f"deadline of {self.deadline_s:g} s; retry", math.ceil(wait - self.deadline_s))
         loop = asyncio.get_running_loop()
         request = json.dumps({"format": fmt, "spec": spec, "max_pixels": self.max_pixels}).encode()
-        job = _Job(request, body, tuple(input_shape), loop, loop.create_future())
+        job = _Job(request, body, tuple(input_shape), heavy, loop, loop.create_future())
         self.pending += 1
         try:
-            self.jobs.put(job)
+            self.lanes.put(job)
             header, out, size = await job.future
         except asyncio.CancelledError:
             job.cancel()
@@ -319,20 +393,13 @@ class DecodePool:
     def stop(self) -> None:
         """Kill every worker; queued bodies get 503; the feeder threads end."""
         self.closed = True
+        for job in self.lanes.close():
+            job.settle(NotReady("the server is shutting down"))
         for w in self.workers:
             w.kill()  # each feeder thread releases its own pipes
-        for _ in self.workers:
-            self.jobs.put(None)
         for w in self.workers:
             if w.thread.is_alive():
                 w.thread.join(10)
-        while True:  # bodies queued behind the sentinels
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.settle(NotReady("the server is shutting down"))
 
 
 def _example(header: dict, out: np.ndarray, size: int) -> np.ndarray:
@@ -365,7 +432,8 @@ def current(settings) -> Optional[DecodePool]:
 
 
 def _new_pool(settings) -> DecodePool:
-    return DecodePool(settings.decode_workers, settings.decode_queue, settings.decode_budget_s)
+    return DecodePool(settings.decode_workers, settings.decode_queue, settings.decode_budget_s,
+                      deadline_s=settings.request_timeout_s)
 
 
 async def start(settings) -> DecodePool:

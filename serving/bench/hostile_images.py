@@ -176,7 +176,8 @@ def image_rows(work: Path, pythonpath: Optional[str] = None, kinds=tuple(IMAGE_C
     env = {"SLC_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    argv = [sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port), "--data-dir", str(work / "data")]
+    argv = [sys.executable] + (["-P"] if pythonpath else []) + [  # -P: the other checkout, not the one in the cwd
+        "-m", "slc", "serve", str(bundle), "--port", str(port), "--data-dir", str(work / "data")]
     with ServerProcess(argv, port, work / "server-hostile-images.log", env=env) as srv:
         srv.wait_ready(300)
         return [measure_image_case(srv, kind) for kind in kinds]

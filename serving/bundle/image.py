@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import struct
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO, Iterable, Optional
 
 import numpy as np
 
@@ -114,6 +114,55 @@ def _check_png(data: bytes) -> None:
         if kind == b"IEND":
             break
         pos += 12 + length
+
+
+def header_pixels(data: bytes) -> Optional[int]:
+    """Width x height as a PNG, GIF, BMP, WEBP or JPEG header declares it, read from the bytes in a
+    few steps (no decoder); None for other formats or a header not found where it should be."""
+    try:
+        if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR":
+            w, h = struct.unpack_from(">II", data, 16)
+        elif data[:6] in (b"GIF87a", b"GIF89a"):
+            w, h = struct.unpack_from("<HH", data, 6)
+        elif data[:2] == b"BM":
+            w, h = struct.unpack_from("<HH" if struct.unpack_from("<I", data, 14)[0] == 12 else "<ii", data, 18)
+        elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            w, h = _webp_size(data)
+        elif data[:2] == b"\xff\xd8":
+            w, h = _jpeg_size(data)
+        else:
+            return None
+    except (struct.error, TypeError):
+        return None
+    return abs(w) * abs(h)
+
+
+def _webp_size(data: bytes) -> tuple[int, int]:
+    kind = data[12:16]
+    if kind == b"VP8X":  # the canvas, 24-bit sizes minus one
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if kind == b"VP8L":  # 14-bit sizes minus one, after the signature byte
+        bits = struct.unpack_from("<I", data, 21)[0]
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if kind == b"VP8 ":  # 14-bit sizes after the frame tag and start code
+        w, h = struct.unpack_from("<HH", data, 26)
+        return w & 0x3FFF, h & 0x3FFF
+    raise TypeError(kind)
+
+
+def _jpeg_size(data: bytes, segments: int = 64) -> tuple[int, int]:
+    """From the SOF segment, looked for among the first `segments` markers."""
+    pos = 2
+    for _ in range(segments):
+        m = _JPEG_MARKER.search(data, pos)
+        if m is None:
+            break
+        marker = data[m.end() - 1]
+        if marker in _JPEG_SOF:
+            h, w = struct.unpack_from(">HH", data, m.end() + 3)
+            return w, h
+        pos = m.end() + (0 if marker in (0x01, 0xD8) else struct.unpack_from(">H", data, m.end())[0])
+    raise TypeError("no SOF")
 
 
 def check_header(img, max_pixels: int = MAX_PIXELS) -> None:

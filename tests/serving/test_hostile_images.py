@@ -235,6 +235,54 @@ def test_bodies_beyond_the_decode_queue_get_429():
     _run(go())
 
 
+def test_small_images_do_not_wait_behind_large_ones():
+    """Two workers, three slow large bodies: one worker stays free for small images, answered at once."""
+    async def go():
+        pool = await _ready(DecodePool(2, 8, 60.0, max_pixels=FILE_MAX_PIXELS).start())
+        try:
+            slow = [asyncio.create_task(pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,))) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            for _ in range(3):
+                assert (await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))).shape == (64,)
+            assert not any(t.done() for t in slow)  # the large ones still decoding or waiting
+            for t in slow:
+                t.cancel()
+            await asyncio.gather(*slow, return_exceptions=True)
+        finally:
+            pool.stop()
+    _run(go())
+
+
+def test_a_large_image_that_would_start_after_the_deadline_is_429_at_once():
+    async def go():
+        pool = await _ready(DecodePool(2, 8, 5.0, deadline_s=10.0).start())
+        try:
+            pool.lanes.heavy_s = 11.0  # large images have recently taken 11 s each
+            big = _png(np.zeros((1100, 1000), np.uint8))  # 1.1 Mpx: large
+            with pytest.raises(ApiError) as err:
+                await pool.decode(big, b"image/png", SPEC, (64,))
+            assert (err.value.status, err.value.code, err.value.headers) == (429, "overloaded", {"Retry-After": "1"})
+            assert (await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))).shape == (64,)  # small: admitted
+        finally:
+            pool.stop()
+    _run(go())
+
+
+@pytest.mark.parametrize("fmt,options", [("PNG", {}), ("GIF", {}), ("BMP", {}), ("WEBP", {}), ("WEBP", {"lossless": True}),
+                                         ("JPEG", {}), ("JPEG", {"progressive": True})])
+def test_header_pixels_are_what_pillow_reads(fmt, options):
+    from serving.bundle.image import header_pixels
+
+    for w, h in ((37, 21), (1025, 1024), (3, 4000)):
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), (10, 200, 30)).save(buf, fmt, **options)
+        width, height = Image.open(io.BytesIO(buf.getvalue())).size  # the truth: Pillow's own header parse
+        assert header_pixels(buf.getvalue()) == width * height
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "TIFF")
+    assert header_pixels(buf.getvalue()) is None  # unknown: treated as large
+
+
 def test_decode_workers_never_load_torch():
     async def go():
         pool = await _ready(DecodePool(1, 4, 5.0).start())

@@ -328,20 +328,30 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--lr", type=POSITIVE, default=3e-3, show_default=True, help="Adam learning rate, every row")
 @click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="resnet_glyph width")
+@click.option("--lrs", default="", help="the paper's protocol: a comma grid of learning rates, each row's chosen by "
+              "calibration-face accuracy after --search-steps (empty: --lr for every row)")
+@click.option("--search-steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
+              help="full runs stop after N epochs without a better calibration accuracy")
+@click.option("--augment", type=click.Choice(AUGMENTS), default="none", show_default=True)
 @click.option("--runs", "runs_dir", type=click.Path(path_type=Path), default=None,
               help="run cache [default: $SLC_HOME/runs/glyphs]")
 @click.option("--report-only", is_flag=True, help="write the table from the cached runs; train nothing")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
-def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, runs_dir: Optional[Path], report_only: bool,
-           out: Path) -> None:
+def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: str, search_steps: int, patience: int,
+           augment: str, runs_dir: Optional[Path], report_only: bool, out: Path) -> None:
     """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
     import sys
 
     from serving.bundle import slc_home
     from trainer.glyph_experiment import GlyphPlan, glyph_experiment
 
-    plan = GlyphPlan(dataset=dataset, seeds=tuple(range(seeds)), epochs=epochs, lr=lr, width=width)
-    command = f"slc experiment glyphs --dataset {dataset} --seeds {seeds} --epochs {epochs} --lr {lr:g} --width {width}"
+    grid = tuple(_floats(None, None, lrs)) if lrs else ()
+    plan = GlyphPlan(dataset=dataset, seeds=tuple(range(seeds)), epochs=epochs, lr=lr, width=width, lrs=grid,
+                     search_steps=search_steps, patience=patience, augment=augment)
+    command = (f"slc experiment glyphs --dataset {dataset} --seeds {seeds} --epochs {epochs} --lr {lr:g} --width {width}"
+               + (f" --lrs {lrs} --search-steps {search_steps}" if grid else "")
+               + (f" --patience {patience}" if patience else "") + (f" --augment {augment}" if augment != "none" else ""))
     res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty(),
                            train_missing=not report_only)
     t = res["timing"]

@@ -4,6 +4,7 @@ reports cached runs and counts the others as pending."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,3 +49,21 @@ def test_report_only_counts_missing_seeds_as_pending(done):
     assert partial["pending"] == 2 and partial["timing"]["runs_trained_now"] == 0
     assert all(r["seeds_ok"] == 2 and r["seeds_pending"] == 1 for r in partial["rows"]["test"])
     assert "2 runs still pending" in (tmp / "out3" / "glyphs-latin.md").read_text()
+
+
+def test_each_row_takes_the_grid_lr_with_the_best_calibration_accuracy(tmp_path, monkeypatch):
+    """The paper's protocol: every grid point trained a short budget, the choice read from the
+    runs' own calibration metrics (never the test face), and the full runs use it."""
+    monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
+    plan = GlyphPlan(dataset="glyphs-latin", seeds=(0,), epochs=1, batch_size=128, width=4, embed=16,
+                     lrs=(1e-4, 0.01), search_steps=4)
+    res = glyph_experiment(plan, tmp_path / "out", tmp_path / "runs", "test", rows=(("ce", 1.0),))
+    search = res["lr_search"]["ce"]
+    grid_runs = {float(p.name.split("-lr")[1].split("-")[0]): p for p in (tmp_path / "runs").iterdir()
+                 if json.loads((p / "config.json").read_text())["max_steps"] == 4}
+    accuracy = {lr: json.loads((run / "metrics.json").read_text())["calibration"]["accuracy"]
+                for lr, run in grid_runs.items()}
+    assert set(accuracy) == {1e-4, 0.01}
+    assert search["chosen"] == max(accuracy, key=accuracy.get)
+    full = json.loads((Path(res["runs"]["ce"][0]) / "config.json").read_text())
+    assert full["lr"] == search["chosen"] and full["max_steps"] == 0

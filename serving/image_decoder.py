@@ -11,8 +11,9 @@ way. Bodies waiting for a worker are bounded: beyond `decode_queue` of them, 429
 
 Small images never wait behind large ones: a body of at most LIGHT_PIXELS by its header goes
 first, and larger ones (or ones whose header cannot be read cheaply) decode on all workers but
-one; a large one that would only start after the request deadline is refused at once with 429
-(the recent decode time of large ones times those waiting) instead of a 504 later.
+one; a large one that would not be decoded before the request deadline (at the recent pace, per
+pixel, of large ones, and the pixels of those ahead of it) is refused at once with 429 instead of
+a 504 later.
 
 The processes are started with subprocess (fork + exec of a fresh interpreter), never by a bare
 fork of the server, whose threads may hold locks.
@@ -48,17 +49,23 @@ PIPE_BYTES = 1 << 20
 # A body of at most this many pixels by its header (1024 x 1024) is "light": it never waits behind
 # larger ones (or ones whose header says nothing), which decode on all workers but one.
 LIGHT_PIXELS = 1 << 20
+# A heavy body is refused (429) when the heavy ones ahead of it and itself would take more than this
+# share of the request deadline, at RATE (seconds per pixel; before any is measured: the prior, about
+# the slowest legitimate format, docs/results/image-decode-budget.md).
+DEADLINE_SHARE = 0.8
+RATE_PRIOR = 50e-9
 HEADER_MAX_BYTES = 64 * 1024  # of a worker's answer header (the example's bytes: at most its size)
 
 
 class _Job:
     """One body on its way through a worker; `cancel` (on the loop) skips or kills it."""
 
-    __slots__ = ("request", "body", "shape", "heavy", "loop", "future", "worker", "cancelled")
+    __slots__ = ("request", "body", "shape", "pixels", "heavy", "loop", "future", "worker", "cancelled")
 
-    def __init__(self, request: bytes, body: bytes, shape: tuple[int, ...], heavy: bool,
+    def __init__(self, request: bytes, body: bytes, shape: tuple[int, ...], pixels: int,
                  loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-        self.request, self.body, self.shape, self.heavy = request, body, shape, heavy
+        self.request, self.body, self.shape = request, body, shape
+        self.pixels, self.heavy = pixels, pixels > LIGHT_PIXELS  # pixels: by its header (the limit when unknown)
         self.loop, self.future = loop, future
         self.worker: Optional[_Worker] = None
         self.cancelled = False
@@ -92,12 +99,14 @@ class _Lanes:
         self.light: deque[_Job] = deque()
         self.heavy: deque[_Job] = deque()
         self.heavy_slots, self.heavy_running = heavy_slots, 0
-        self.heavy_s = 0.0  # recent time of a heavy decode (moving average)
+        self.heavy_pixels = 0  # of the heavy bodies waiting or decoding
+        self.rate = RATE_PRIOR  # seconds per pixel of recent heavy decodes (moving average)
         self.closed = False
 
     def put(self, job: _Job) -> None:
         with self.cond:
             (self.heavy if job.heavy else self.light).append(job)
+            self.heavy_pixels += job.pixels if job.heavy else 0
             self.cond.notify()
 
     def take(self) -> Optional[_Job]:
@@ -117,13 +126,15 @@ class _Lanes:
         if job.heavy:
             with self.cond:
                 self.heavy_running -= 1
+                self.heavy_pixels -= job.pixels
                 if seconds is not None:
-                    self.heavy_s = seconds if not self.heavy_s else 0.8 * self.heavy_s + 0.2 * seconds
+                    self.rate = 0.8 * self.rate + 0.2 * seconds / max(job.pixels, 1)
                 self.cond.notify()
 
-    def heavy_wait(self) -> float:
-        """About how long until a heavy body admitted now is decoded."""
-        return (len(self.heavy) / self.heavy_slots + 1) * self.heavy_s
+    def heavy_wait(self, pixels: int) -> float:
+        """About how long until a heavy body of `pixels` admitted now is decoded (those ahead of it
+        counted whole, as if none had started)."""
+        return (self.heavy_pixels / self.heavy_slots + pixels) * self.rate
 
     def close(self) -> list[_Job]:
         """No more bodies taken; those still waiting are returned."""
@@ -369,14 +380,14 @@ class DecodePool:
             raise NotReady("the server is shutting down")
         if self.pending >= len(self.workers) + self.queue_limit:
             raise Overloaded(f"{self.pending} image bodies are being decoded or waiting (SLC_DECODE_QUEUE); retry", 1)
-        pixels = header_pixels(body)
-        heavy = pixels is None or pixels > LIGHT_PIXELS
-        if heavy and self.deadline_s is not None and (wait := self.lanes.heavy_wait()) > self.deadline_s:
-            raise Overloaded(f"the large images queued for decoding would take {wait:.1f} s, past the request "
-                             f"deadline of {self.deadline_s:g} s; retry", math.ceil(wait - self.deadline_s))
+        pixels = header_pixels(body) or self.max_pixels  # unknown: as large as allowed
+        limit = DEADLINE_SHARE * (self.deadline_s or math.inf)
+        if pixels > LIGHT_PIXELS and (wait := self.lanes.heavy_wait(pixels)) > limit:
+            raise Overloaded(f"the large images queued for decoding would take about {wait:.1f} s with this one, "
+                             f"past the request deadline of {self.deadline_s:g} s; retry", math.ceil(wait - limit))
         loop = asyncio.get_running_loop()
         request = json.dumps({"format": fmt, "spec": spec, "max_pixels": self.max_pixels}).encode()
-        job = _Job(request, body, tuple(input_shape), heavy, loop, loop.create_future())
+        job = _Job(request, body, tuple(input_shape), pixels, loop, loop.create_future())
         self.pending += 1
         try:
             self.lanes.put(job)

@@ -257,11 +257,11 @@ def test_a_large_image_that_would_start_after_the_deadline_is_429_at_once():
     async def go():
         pool = await _ready(DecodePool(2, 8, 5.0, deadline_s=10.0).start())
         try:
-            pool.lanes.heavy_s = 11.0  # large images have recently taken 11 s each
-            big = _png(np.zeros((1100, 1000), np.uint8))  # 1.1 Mpx: large
+            pool.lanes.rate = 9.5e-6  # large images recently took 9.5 µs per pixel
+            big = _png(np.zeros((1100, 1000), np.uint8))  # 1.1 Mpx, 10.45 s at that pace: 2.45 s past 0.8 x 10 s
             with pytest.raises(ApiError) as err:
                 await pool.decode(big, b"image/png", SPEC, (64,))
-            assert (err.value.status, err.value.code, err.value.headers) == (429, "overloaded", {"Retry-After": "1"})
+            assert (err.value.status, err.value.code, err.value.headers) == (429, "overloaded", {"Retry-After": "3"})
             assert (await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))).shape == (64,)  # small: admitted
         finally:
             pool.stop()

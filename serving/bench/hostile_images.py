@@ -11,6 +11,7 @@ of another checkout (DIR), for before/after tables.
 from __future__ import annotations
 
 import io
+import os
 import struct
 import sys
 import tempfile
@@ -154,8 +155,10 @@ def measure_image_case(srv: ServerProcess, kind: str) -> dict:
     time.sleep(1.0)  # the decode processes' freed memory back to the OS
     rss1 = process_tree_memory(srv.proc.pid)["rss"]
     codes = Counter(f"{s} {c}" if c else str(s) for s, c, _ in answers if s is not None)
+    refusals, decoded = [a[2] for a in answers if a[0] != 200], [a[2] for a in answers if a[0] == 200]
     return {"kind": kind, "bytes": len(body), "copies": copies, "answers": dict(codes),
             "slowest_s": max(a[2] for a in answers), "attack_s": attack_s,
+            "slowest_refusal_s": max(refusals, default=None), "slowest_200_s": max(decoded, default=None),
             "worst_probe_ms": watch.worst_probe * 1e3, "valid_during": during[0],
             "worst_valid_ms": max(watch.worst_valid, during[2]) * 1e3,
             "valid_statuses": {str(k): v for k, v in watch.valid_statuses.items()},
@@ -183,21 +186,36 @@ def image_rows(work: Path, pythonpath: Optional[str] = None, kinds=tuple(IMAGE_C
         return [measure_image_case(srv, kind) for kind in kinds]
 
 
+def goal_met(r: dict) -> bool:
+    """Refusals within 0.5 s (a decoded large image may take longer: it is legitimate work), the probe
+    under 100 ms, a valid image during the attack answered 200 within 1 s, RSS after within 300 MB."""
+    return ((r["slowest_refusal_s"] or 0.0) <= 0.5 and r["worst_probe_ms"] < 100 and r["valid_during"] == 200
+            and r["worst_valid_ms"] <= 1000 and r["rss_after_growth_mb"] < 300)
+
+
+def _s(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.3f}"
+
+
 def image_markdown(rows: list[dict], command: str) -> str:
+    load = " / ".join(f"{v:.2f}" for v in os.getloadavg())
     lines = ["## Hostile images", "", f"Command: `{command}`", "",
              "Each crafted body is sent `copies` times at once to a server of an image bundle (8x8 grey) while a "
              "health probe and a valid 8x8 PNG are sent in turn in a loop (and one valid PNG right after the attack "
              "is sent). RSS is the server's process tree (its decode processes included): the peak sampled during "
-             "the attack and the value 1 s after it, minus before.",
-             "Goal: a refusal within 0.5 s, probe < 100 ms, a valid image within 1 s, RSS back within 300 MB.", "",
-             "| body | size | copies | answers | slowest s | worst probe ms | valid image during (worst ms) | "
-             "peak RSS growth MB | RSS after growth MB |",
-             "|---|---:|---:|---|---:|---:|---|---:|---:|"]
+             f"the attack and the value 1 s after it, minus before. Load average when written: {load}.",
+             "Goal: refusals within 0.5 s (a large image that is decoded may take longer: legitimate work, queued), "
+             "probe < 100 ms, a valid image during the attack within 1 s, RSS after within 300 MB.", "",
+             "| body | size | copies | answers | slowest refusal s | slowest 200 s | worst probe ms | "
+             "valid image during (worst ms) | peak RSS growth MB | RSS after growth MB | goal met |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
         answers = ", ".join(f"{n}× {k}" for k, n in r["answers"].items())
-        lines.append(f"| {r['kind']} | {r['bytes'] / MB:.2f} MB | {r['copies']} | {answers} | {r['slowest_s']:.3f} | "
+        lines.append(f"| {r['kind']} | {r['bytes'] / MB:.2f} MB | {r['copies']} | {answers} | "
+                     f"{_s(r['slowest_refusal_s'])} | {_s(r['slowest_200_s'])} | "
                      f"{r['worst_probe_ms']:.1f} | {r['valid_during']} ({r['worst_valid_ms']:.0f}) | "
-                     f"{r['peak_rss_growth_mb']:.0f} | {r['rss_after_growth_mb']:.0f} |")
+                     f"{r['peak_rss_growth_mb']:.0f} | {r['rss_after_growth_mb']:.0f} | "
+                     f"{'yes' if goal_met(r) else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -64,7 +64,7 @@ async def _pool_figures(rounds: int) -> dict:
     from serving.images import decode
 
     t0 = time.perf_counter()
-    pool = DecodePool(2, 64, 0.3, max_pixels=FILE_MAX_PIXELS).start()
+    pool = DecodePool(2, 64, 5.0).start()
     while not pool.is_ready():
         await asyncio.sleep(0.002)
     out = {"start_2_workers_s": time.perf_counter() - t0, "hop": {}}

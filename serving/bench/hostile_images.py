@@ -33,13 +33,13 @@ IMAGE_SPEC = {"height": 8, "width": 8, "channels": 1, "layout": "flat", "scale":
               "resample": "lanczos"}  # input 64, as the other hostile cases' bundle
 
 
-def progressive_jpeg(side: int, scans: int) -> bytes:
-    """A flat grey side x side RGB progressive JPEG (Pillow's) whose last scan is repeated until the
-    file holds `scans` scans: each repeat is a few dozen bytes and costs a pass over every pixel."""
+def progressive_jpeg(side: int, scans: int, mode: str = "RGB") -> bytes:
+    """A flat grey side x side progressive JPEG (Pillow's; mode RGB or L) whose last scan is repeated
+    until the file holds `scans` scans: each repeat is a few dozen bytes and costs a pass over every pixel."""
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.new("RGB", (side, side), (128, 128, 128)).save(buf, "JPEG", progressive=True)
+    Image.new(mode, (side, side), 128 if mode == "L" else (128, 128, 128)).save(buf, "JPEG", progressive=True)
     data = buf.getvalue()
     last, end = data.rindex(b"\xff\xda"), data.rindex(b"\xff\xd9")  # the last scan: its SOS segment and data
     return data[:end] + data[last:end] * max(0, scans - data.count(b"\xff\xda")) + data[end:]

@@ -6,6 +6,7 @@ past its budget is stopped: its worker process killed and replaced. Real worker 
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import os
 import struct
@@ -166,14 +167,23 @@ async def _ready(pool: DecodePool) -> DecodePool:
     return pool
 
 
+# Pools that take images up to Pillow's own decompression-bomb limit, so that a scan bomb passes the
+# structure checks and decodes for seconds: 80 scans of 64 Mpx (5 s on a busy 2-core machine), ten
+# times the BUDGET_S of the tests.
+PILLOW_LIMIT = 2 * 89_478_485
+BUDGET_S = 0.5
+
+
+@functools.lru_cache(maxsize=1)
 def _slow_jpeg() -> bytes:
-    """Passes the structure checks of a pool at the trainer's pixel limit; decodes for seconds."""
-    return progressive_jpeg(4000, MAX_JPEG_SCANS)
+    data = progressive_jpeg(8000, 80, "L")
+    check_structure(data, PILLOW_LIMIT)
+    return data
 
 
 def test_a_decode_past_its_budget_is_killed_its_worker_replaced_and_the_next_image_decoded():
     async def go():
-        pool = await _ready(DecodePool(1, 4, 0.3, max_pixels=FILE_MAX_PIXELS).start())
+        pool = await _ready(DecodePool(1, 4, BUDGET_S, max_pixels=PILLOW_LIMIT).start())
         try:
             (before,) = pool.pids()
             with pytest.raises(ApiError) as err:
@@ -191,7 +201,7 @@ def test_a_decode_past_its_budget_is_killed_its_worker_replaced_and_the_next_ima
 def test_a_cancelled_decode_kills_its_worker():
     """A request whose deadline passes (or whose client leaves) mid-decode stops the decode too."""
     async def go():
-        pool = await _ready(DecodePool(1, 4, 60.0, max_pixels=FILE_MAX_PIXELS).start())
+        pool = await _ready(DecodePool(1, 4, 60.0, max_pixels=PILLOW_LIMIT).start())
         try:
             (before,) = pool.pids()
             task = asyncio.create_task(pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,)))
@@ -222,7 +232,7 @@ def test_a_worker_that_died_while_idle_is_replaced_before_the_next_image():
 
 def test_bodies_beyond_the_decode_queue_get_429():
     async def go():
-        pool = await _ready(DecodePool(1, 0, 60.0, max_pixels=FILE_MAX_PIXELS).start())
+        pool = await _ready(DecodePool(1, 0, 60.0, max_pixels=PILLOW_LIMIT).start())
         try:
             busy = asyncio.create_task(pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,)))
             await asyncio.sleep(0.05)
@@ -238,7 +248,7 @@ def test_bodies_beyond_the_decode_queue_get_429():
 def test_small_images_do_not_wait_behind_large_ones():
     """Two workers, three slow large bodies: one worker stays free for small images, answered at once."""
     async def go():
-        pool = await _ready(DecodePool(2, 8, 60.0, max_pixels=FILE_MAX_PIXELS).start())
+        pool = await _ready(DecodePool(2, 8, 60.0, max_pixels=PILLOW_LIMIT).start())
         try:
             slow = [asyncio.create_task(pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,))) for _ in range(3)]
             await asyncio.sleep(0.05)
@@ -365,12 +375,12 @@ def test_a_16_bit_4000x4000_png_answers_like_its_tensor(serve):
 
 
 def test_an_image_past_the_budget_is_422_its_worker_replaced_while_others_answer(serve, monkeypatch):
-    monkeypatch.setattr(image_decoder, "_new_pool", lambda s: DecodePool(2, 8, 0.3, max_pixels=FILE_MAX_PIXELS))
+    monkeypatch.setattr(image_decoder, "_new_pool", lambda s: DecodePool(2, 8, BUDGET_S, max_pixels=PILLOW_LIMIT))
     client = serve()
     pool = image_decoder.current(client.settings)
     before = set(pool.pids())
     hostile, valid, health = _attack(client, _slow_jpeg(), "image/jpeg", 1)
-    assert "0.3 s" in assert_envelope(hostile[0], 422, "image_decode_timeout")["error"]["message"]
+    assert f"{BUDGET_S:g} s" in assert_envelope(hostile[0], 422, "image_decode_timeout")["error"]["message"]
     assert valid.status_code == 200 and health.status_code == 200
     killed = before - set(pool.pids())
     assert len(killed) == 1 and not any(_alive(p) for p in killed) and pool.kills == 1

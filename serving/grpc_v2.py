@@ -11,7 +11,7 @@ endpoint `grpc:<method>`. The protocol's message classes come from tritonclient'
 modules (Triton's own .proto files, compiled).
 
 Limits (docs/configuration.md), so that no client can make the server hold memory it does not
-give back: a request message of at most max_body_bytes; at most grpc_max_concurrent_rpcs calls
+give back: a request message no larger than a valid one can be (`message_limit`); at most grpc_max_concurrent_rpcs calls
 in progress (more: RESOURCE_EXHAUSTED at once) and grpc_max_streams_per_connection streams per
 connection; a call's request message must arrive within body_timeout_s (ModelInfer is served as
 a stream so that the server, not the client, decides how long it waits for it); idle connections
@@ -339,11 +339,28 @@ def server_options(settings, max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
 
 
+def message_limit(settings, max_message_bytes: int) -> int:
+    """The largest request message a valid call can be: max_inputs examples of the bundle's input
+    size as FP64 (8 bytes a value, the widest datatype taken) and a class id each, with 64 KiB for
+    names and shapes; never over max_message_bytes. Read from the manifest before the bundle is
+    loaded (the gRPC server starts first); max_message_bytes when it is not at hand yet (the default
+    model, built on the first start)."""
+    import json
+    from pathlib import Path
+
+    try:
+        manifest = json.loads((Path(settings.bundle) / "manifest.json").read_text())
+        size = math.prod(int(d) for d in manifest["input"]["shape"])
+    except (TypeError, OSError, ValueError, KeyError):
+        return int(max_message_bytes)
+    return int(min(max_message_bytes, settings.max_inputs * (8 * size + 16) + 65536))
+
+
 async def start_grpc(state, host: str, port: int, max_message_bytes: int) -> Any:
     """A grpc.aio server on host:port serving the v2 service; returns it (stop with .stop(grace))."""
     grpc, _, _ = _modules()
     s = state.settings
-    server = grpc.aio.server(options=server_options(s, max_message_bytes),
+    server = grpc.aio.server(options=server_options(s, message_limit(s, max_message_bytes)),
                              maximum_concurrent_rpcs=s.grpc_max_concurrent_rpcs)
     server.add_generic_rpc_handlers((method_handlers(build_service(state, Trimmer())()),))
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -75,7 +75,9 @@ def test_stalled_streams_are_bounded_and_their_memory_given_back_when_the_client
     """60 streams each announcing 8 MiB and sending 4 MB: without limits +240 MB held, and kept after
     the client left (measured: +650 MB of 100 such streams stayed). With at most 8 calls in progress
     and 4 streams a connection, at most 32 MB are buffered; after the client leaves RSS comes back."""
-    url, gport, proc = grpc_server(SLC_GRPC_MAX_CONCURRENT_RPCS="8", SLC_GRPC_MAX_STREAMS_PER_CONNECTION="4")
+    # max_inputs so high that a valid message may take the whole 8 MiB (else they are refused at their prefix)
+    url, gport, proc = grpc_server(SLC_GRPC_MAX_CONCURRENT_RPCS="8", SLC_GRPC_MAX_STREAMS_PER_CONNECTION="4",
+                                   SLC_MAX_INPUTS="100000")
     before = _rss_mb(proc.pid)
     conns = h2_attack.open_stalled_streams("127.0.0.1", gport, 60, 8 * MB - 64, 4_000_000, per_connection=6)
     try:
@@ -90,6 +92,36 @@ def test_stalled_streams_are_bounded_and_their_memory_given_back_when_the_client
     assert _wait_until(lambda: _rss_mb(proc.pid) - before < 40, 20), \
         f"+{_rss_mb(proc.pid) - before:.0f} MB still held after the client left"
     _answers_while_attacked(url)
+
+
+@pytest.mark.integration
+def test_a_message_larger_than_any_valid_request_is_refused_at_its_prefix(grpc_server, bundle, inputs):
+    """Default limits, a bundle of 12 inputs: a valid message is at most 256 x (8 x 12 + 16) bytes plus
+    64 KiB; one announcing 1 MiB is ended as soon as its prefix arrives, not held for body_timeout_s,
+    and a valid request of max_inputs FP64 examples still passes."""
+    url, gport, _ = grpc_server()
+    conns = h2_attack.open_stalled_streams("127.0.0.1", gport, 8, MB, 200_000, per_connection=8)
+    try:
+        assert _wait_until(lambda: h2_attack.open_streams(conns) == 0, 10), h2_attack.open_streams(conns)
+    finally:
+        h2_attack.close_all(conns)
+    channel = grpc.insecure_channel(f"127.0.0.1:{gport}")
+    infer = channel.unary_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
+                                response_deserializer=pb.ModelInferResponse.FromString)
+    x = np.tile(inputs, (52, 1))[:256]  # [256, 12]: max_inputs examples
+    got = infer(_request(bundle, list(x.shape), x, typed="fp64", ids=[i % 50 for i in range(256)]), timeout=60)
+    assert len(np.frombuffer(got.raw_output_contents[0], np.float32)) == 256
+    channel.close()
+
+
+def test_the_message_limit_comes_from_the_manifest(bundle_path, tmp_path):
+    from serving.grpc_v2 import message_limit
+    from tests.serving.helpers import make_settings
+
+    s = make_settings(bundle_path, tmp_path)
+    assert message_limit(s, 8 * MB) == 256 * (8 * INPUT_DIM + 16) + 65536
+    assert message_limit(make_settings(bundle_path, tmp_path, max_inputs=10**6), 8 * MB) == 8 * MB
+    assert message_limit(make_settings(None, tmp_path), 8 * MB) == 8 * MB  # the default model, not built yet
 
 
 @pytest.mark.integration

@@ -188,8 +188,11 @@ def grpc_cases(host: str, port: int, model: str, input_size: int) -> list[tuple[
     shape.inputs.add(name="input", datatype="FP32", shape=[0, 2**62])
     shape.raw_input_contents.append(b"")
     big = 8 * MB - 64
+    valid = 256 * (8 * input_size + 16) + 65536 - 64  # the largest valid message (default max_inputs)
     return [("gRPC 100 streams announcing 8 MiB, 7.5 MB sent", lambda: _streams(host, port, 100, big, 7_500_000, 10)),
             ("gRPC 400 streams announcing 8 MiB, 7.5 MB sent", lambda: _streams(host, port, 400, big, 7_500_000, 10)),
+            (f"gRPC 400 streams announcing {valid // 1000} kB (a valid size), all but 1 kB sent",
+             lambda: _streams(host, port, 400, valid, valid - 1000, 10)),
             ("gRPC 20k calls sending only headers", lambda: _streams(host, port, 20_000, 0, 0, 100)),
             ("gRPC 2 M typed FP32 values, wrong count", lambda: _infer_once(host, port, typed)),
             ("gRPC shape [0, 2^62]", lambda: _infer_once(host, port, shape))]

@@ -70,12 +70,24 @@ def serve(rd, wr) -> None:
         _trim()  # a 40 KB PNG can take 100 MB to decode: not kept resident between requests
 
 
+def _die_with_the_server() -> None:
+    """SIGKILL when the thread that started this process ends (Linux PR_SET_PDEATHSIG): a server killed
+    with -9 leaves no decode running; its feeder threads live as long as the server's decoding does."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the closed pipe ends it after the decode in progress
+        pass
+
+
 def main(argv: list[str]) -> None:
     from multiprocessing.connection import Connection
 
     from PIL import ImageFile
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops its workers
+    _die_with_the_server()
     ImageFile.LOAD_TRUNCATED_IMAGES = False  # Pillow's default, kept: a truncated body is 422, never half an image
     rd, wr = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     serve(rd, wr)

@@ -228,6 +228,7 @@ def service_markdown(result: dict) -> str:
         stalled = "streams" in r["case"] or "headers" in r["case"]
         limit = 0.5 if r["case"].startswith("gRPC") else 2.0
         answered = stalled or frozen or r["seconds"] <= limit  # (writes to a frozen database wait for it)
+        answered = answered and not any(a[:1] == "5" or a in ("INTERNAL", "UNKNOWN") for a in r["answers"])  # no bug
         met = (answered and r["worst_health_ms"] < 100 and r["worst_detect_ms"] < 1000
                and (frozen or r["worst_gallery_ms"] < 1000) and r["rss_after_mb"] < 300 and not r["probe_failures"])
         answers = ", ".join(f"{n}× {a}" for a, n in r["answers"].items())

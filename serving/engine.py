@@ -12,7 +12,6 @@ Every numeric step runs in the batcher's worker thread (a job's `reduce`), never
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time

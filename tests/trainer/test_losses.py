@@ -504,3 +504,163 @@ def test_nce_sampled_from_the_needed_columns_equals_the_full_logits():
     (g_few,) = torch.autograd.grad(few, weight)
     torch.testing.assert_close(few, full, rtol=0, atol=1e-12)
     torch.testing.assert_close(g_few, g_full, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- initial head (trainer/losses/init.py)
+# At the loss's initial bias, with a zero head (every logit = its bias), the loss's prediction is
+# the class prior and the expected loss over the classes' frequencies is stationary in the bias:
+# checked on the plain float64 references above, by central differences.
+SHIFT_INVARIANT = ("ce", "ce_el", "batch_ce", "max_margin", "batch_max_margin", "smooth_topk")
+
+
+def _expected_reference(name, bias, C, weights, params):
+    """Σ_y weights[y] · reference loss of one example of class y at logits = bias (list of C)."""
+    return sum(w * REFERENCES[name]([list(bias)], [y], params) for y, w in enumerate(weights))
+
+
+def _stationary(name, bias, C, weights, params, h=1e-5):
+    """Central-difference gradient of the expected reference loss w.r.t. each class's bias -> [C]."""
+    grad = []
+    for j in range(C):
+        up, down = list(bias), list(bias)
+        up[j] += h
+        down[j] -= h
+        grad.append((_expected_reference(name, up, C, weights, params)
+                     - _expected_reference(name, down, C, weights, params)) / (2 * h))
+    return np.array(grad)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_loss_declares_its_initial_head(name):
+    loss = build_loss(name, 50)
+    assert loss.initial_weight_scale == 0.0
+    value = loss.initial_bias(50)
+    assert value is None or isinstance(value, float) or (torch.is_tensor(value) and value.shape == (50,))
+    if name in SHIFT_INVARIANT:
+        assert value is None
+
+
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
+def test_shift_invariant_losses_need_no_bias(name):
+    """Why their initial_bias is None: adding one constant to every logit changes nothing."""
+    logits, target = batch(13, 2.0)
+    loss = make(name)
+    assert loss(logits + 4.2, target).item() == pytest.approx(loss(logits, target).item(), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("C", [5, 40])
+def test_bce_initial_bias_predicts_the_prior_and_is_stationary(C):
+    b = build_loss("bce", C).initial_bias(C)
+    assert _sigmoid(b) == pytest.approx(1.0 / C, rel=1e-12)
+    grad = _stationary("bce", [b] * C, C, [1.0 / C] * C, {})
+    assert np.abs(grad).max() < 1e-6
+
+
+@pytest.mark.parametrize("q", [None, [0.1, 0.3, 0.2, 0.25, 0.15]])
+def test_nce_initial_bias_gives_the_posterior_one_over_one_plus_t(q):
+    C, t = 5, 3
+    loss = build_loss("nce", C, t=t, q=q)
+    b = loss.initial_bias(C)
+    bias = [float(b)] * C if isinstance(b, float) else torch.as_tensor(b, dtype=torch.float64).tolist()
+    prior = [v / sum(q) for v in q] if q else [1.0 / C] * C
+    for j in range(C):  # g_j = σ(z_j − log(t q_j)) = 1/(1 + t), the posterior of "data"
+        assert _sigmoid(bias[j] - math.log(t * prior[j])) == pytest.approx(1.0 / (1 + t), rel=1e-6)
+    grad = _stationary("nce", bias, C, prior, {"t": t, "q": q})
+    assert np.abs(grad).max() < 1e-5
+
+
+def test_nce_prior_of_another_size_is_refused():
+    with pytest.raises(ValueError):
+        build_loss("nce", 5, q=[0.1, 0.3, 0.2, 0.25, 0.15]).initial_bias(7)
+
+
+@pytest.mark.parametrize("C", [5, 40])
+def test_self_norm_initial_bias_normalises_and_is_stationary(C):
+    b = build_loss("self_norm", C).initial_bias(C)
+    assert math.log(C * math.exp(b)) == pytest.approx(0.0, abs=1e-12)  # logsumexp = 0: the penalty's minimum
+    grad = _stationary("self_norm", [b] * C, C, [1.0 / C] * C, {"alpha": 0.5})
+    assert np.abs(grad).max() < 1e-6
+
+
+def test_lgl_inr_initial_bias_minimises_the_loss_at_equal_logits():
+    """At equal logits b the loss is P·softplus(−b) + C·softplus(b) (P present classes): the reference
+    is flat in b at log(P/C); the rule uses the expected P of a uniform batch, checked by sampling."""
+    C, target = 9, [0, 0, 2, 5, 5, 5]  # P = 3 present
+    P = len(set(target))
+    b = math.log(P / C)
+    value = lambda v: ref_lgl_inr([[v] * C] * len(target), target, {"beta": 1.3})  # noqa: E731
+    assert (value(b + 1e-5) - value(b - 1e-5)) / 2e-5 == pytest.approx(0.0, abs=1e-6)
+    assert value(b) < min(value(b - 0.3), value(b + 0.3))
+
+    D, m = 300, 64
+    draws = np.random.default_rng(0).integers(0, D, size=(4000, m))
+    present = np.mean([len(np.unique(row)) for row in draws])
+    got = build_loss("lgl_inr", D).initial_bias(D, batch_size=m)
+    assert math.exp(got) * D == pytest.approx(present, rel=5e-3)
+    assert build_loss("lgl_inr", D).initial_bias(D) == pytest.approx(-math.log(D - 1))  # no batch size: bce's
+
+
+def test_sampled_head_bias_follows_the_columns_the_loss_sees():
+    """Under --head-sample the loss sees K columns; its prior is 1/K whatever the full D."""
+    D, K = 1000, 100
+    assert build_loss("bce", K).initial_bias(D) == pytest.approx(-math.log(K - 1))
+    assert build_loss("nce", K).initial_bias(D) == pytest.approx(-math.log(K))
+    assert build_loss("self_norm", K).initial_bias(D) == pytest.approx(-math.log(K))
+
+
+@pytest.mark.parametrize("name,saddle,start", [("spherical_softmax", 0.0, None), ("taylor_softmax", -1.0, None)])
+def test_zero_head_saddle_and_the_chosen_start(name, saddle, start):
+    """spherical (f = z² + ε) and taylor (f = 1 + z + z²/2) are symmetric about a point where every
+    gradient of equal logits vanishes: a zero head must not start there. At the loss's initial bias
+    (0 for taylor, 1 for spherical) the true logit is pushed up and every false one down."""
+    C = 6
+    target = torch.arange(C)
+    loss = make(name, C)
+    at_saddle = torch.full((C, C), saddle, dtype=torch.float64, requires_grad=True)
+    loss(at_saddle, target).backward()
+    assert at_saddle.grad.abs().max().item() < 1e-12
+    b = loss.initial_bias(C)
+    z = torch.full((C, C), 0.0 if b is None else b, dtype=torch.float64, requires_grad=True)
+    loss(z, target).backward()
+    is_true = torch.eye(C, dtype=torch.bool)
+    assert (z.grad[is_true] < 0).all() and (z.grad[~is_true] > 0).all()
+
+
+# ---------------------------------------------------------------- the hinge losses' smooth option
+def ref_smooth_max_margin(z, y, tau, gamma):
+    out = []
+    for i in range(len(y)):
+        lse = tau * math.log(sum(math.exp(z[i][j] / tau) for j in range(len(z[i])) if j != y[i]))
+        out.append(max(0.0, gamma - z[i][y[i]] + lse))
+    return out
+
+
+def ref_smooth_batch_max_margin(z, y, tau, gamma):
+    m = len(y)
+    z_plus = -tau * math.log(sum(math.exp(-z[i][y[i]] / tau) for i in range(m)))
+    z_minus = tau * math.log(sum(math.exp(z[i][j] / tau) for i in range(m) for j in range(len(z[i])) if j != y[i]))
+    return max(0.0, gamma - z_plus + z_minus) / m + np.mean(ref_smooth_max_margin(z, y, tau, gamma))
+
+
+@pytest.mark.parametrize("tau", [0.3, 1.0, 4.0])
+def test_smooth_hinge_option_matches_float64_reference(tau):
+    logits, target = batch(14, 2.0)
+    z, y = logits.tolist(), target.tolist()
+    got = make("max_margin", tau=tau)(logits, target).item()
+    assert got == pytest.approx(np.mean(ref_smooth_max_margin(z, y, tau, 1.5)), rel=1e-10)
+    got = make("batch_max_margin", tau=tau)(logits, target).item()
+    assert got == pytest.approx(ref_smooth_batch_max_margin(z, y, tau, 1.5), rel=1e-10)
+
+
+@pytest.mark.parametrize("name", ["max_margin", "batch_max_margin"])
+def test_smooth_hinge_anneals_to_the_exact_hinge(name):
+    logits, target = batch(15, 2.0)
+    exact = make(name)(logits, target).item()
+    loss = make(name, tau=2.0, anneal=0.5)
+    assert loss(logits, target).item() > exact  # τ·logsumexp exceeds the max
+    loss.set_progress(0.25)
+    assert loss.current_tau == pytest.approx(1.0)
+    loss.set_progress(0.5)
+    assert loss(logits, target).item() == exact  # τ = 0 from then on: the hinge as defined, bit for bit
+    with pytest.raises(ValueError):
+        make(name, tau=-1.0)

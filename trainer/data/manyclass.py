@@ -11,6 +11,8 @@ the stratified 60/20/20 split of trainer.data gives each split its share of the 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 DEFAULTS = {"C": 2000, "n": 10, "size": 16}
@@ -83,9 +85,13 @@ def render(strokes: np.ndarray, size: int, rng: np.random.Generator, chunk: int 
     return out
 
 
+@functools.lru_cache(maxsize=4)
 def generate(C: int, n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(x uint8 [C·n, 1, size, size], y int64 [C·n]): n renderings of each of C classes, seeded."""
+    """(x uint8 [C·n, 1, size, size], y int64 [C·n]): n renderings of each of C classes, seeded.
+    Cached per process (read-only arrays): every run of a test session renders them once."""
     rng = np.random.default_rng(seed)
     shapes = templates(C, rng)  # [C, 4, 2, 2]
     y = np.repeat(np.arange(C), n)
-    return render(shapes[y], size, rng), y
+    x = render(shapes[y], size, rng)
+    x.flags.writeable = y.flags.writeable = False
+    return x, y

@@ -19,7 +19,7 @@ from torch import nn
 from trainer.distributed import gather_batch
 from trainer.losses import register_loss
 from trainer.losses.init import ZERO_HEAD, expected_present, prior_logit
-from trainer.losses.standard import max_false_logits, true_logits
+from trainer.losses.standard import SmoothHinge, false_logits, shard_false_max, smooth_max, true_logits
 
 
 @register_loss("self_norm")
@@ -189,17 +189,19 @@ class BatchCrossEntropy(nn.Module):
 
 
 @register_loss("batch_max_margin")
-class BatchMaxMargin(nn.Module):
+class BatchMaxMargin(SmoothHinge, nn.Module):
     """(1/m)·max(0, γ − z⁺ + z⁻) + mean_i max_margin_i, z⁺ = min true logit, z⁻ = max false logit
-    of the (global) batch. Default gamma=1.
+    of the (global) batch. Default gamma=1; tau=0, anneal=0 (the SmoothHinge option, off: with
+    tau > 0 every max is τ·logsumexp(·/τ) and the min −τ·logsumexp(−·/τ)).
     """
 
     pols = True
     initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
-    def __init__(self, num_classes: int, gamma: float = 1.0):
+    def __init__(self, num_classes: int, gamma: float = 1.0, tau: float = 0.0, anneal: float = 0.0):
         super().__init__()
         self.num_classes, self.gamma = num_classes, float(gamma)
+        self._init_smooth(tau, anneal)
 
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
         """None: only differences of logits enter the loss."""
@@ -207,14 +209,18 @@ class BatchMaxMargin(nn.Module):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]
-        return self._from(true_logits(logits, target), max_false_logits(logits, target))
+        return self._from(true_logits(logits, target), smooth_max(false_logits(logits, target), self.current_tau))
 
     def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
         """The same loss from this rank's columns z [B, D_r] of the (already global) batch."""
-        return self._from(shard.true_logits(z), shard.max_false(z))
+        return self._from(shard.true_logits(z), shard_false_max(z, shard, self.current_tau))
 
     def _from(self, z_true: torch.Tensor, z_false_max: torch.Tensor) -> torch.Tensor:  # [m], [m] -> scalar
-        batch_term = F.relu(self.gamma - z_true.min() + z_false_max.max()) / z_true.shape[0]
+        """z_false_max: each example's (smooth) max false logit; their (smooth) max is the batch's,
+        since τ·logsumexp composes: τ·LSE_i(τ·LSE_j(z_ij/τ)/τ) = τ·LSE_ij(z_ij/τ)."""
+        tau = self.current_tau
+        z_plus, z_minus = -smooth_max(-z_true, tau, dim=None), smooth_max(z_false_max, tau, dim=None)
+        batch_term = F.relu(self.gamma - z_plus + z_minus) / z_true.shape[0]
         return batch_term + F.relu(self.gamma - z_true + z_false_max).mean()
 
 

@@ -26,6 +26,40 @@ def max_false_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return logits.masked_fill(is_true, float("-inf")).amax(dim=1)
 
 
+def false_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """logits [B, C] with each example's true class at −inf."""
+    return logits.masked_fill(F.one_hot(target, logits.shape[1]).bool(), float("-inf"))
+
+
+def smooth_max(z: torch.Tensor, tau: float, dim: int | None = 1) -> torch.Tensor:
+    """max over `dim` (all elements if None) when tau = 0, else tau·logsumexp(z/tau) >= max,
+    which tends to the max as tau -> 0 and spreads the gradient over z by softmax(z/tau)."""
+    if dim is None:
+        z, dim = z.reshape(-1), 0
+    return z.amax(dim=dim) if tau == 0 else tau * torch.logsumexp(z / tau, dim=dim)
+
+
+class SmoothHinge:
+    """The hinge losses' option (docs/losses.md, "Hinge losses at many classes"): `tau` > 0 replaces
+    each max over false logits by tau·logsumexp(·/tau) (and a min by its mirror); `anneal` in
+    (0, 1] lowers tau linearly to 0 over that share of training (set_progress), so the loss is the
+    exact hinge from then on. Defaults tau=0, anneal=0: the hinge as defined."""
+
+    def _init_smooth(self, tau: float, anneal: float) -> None:
+        if tau < 0 or not 0 <= anneal <= 1:
+            raise ValueError(f"need tau >= 0 and 0 <= anneal <= 1, got tau={tau}, anneal={anneal}")
+        self.tau, self.anneal, self.progress = float(tau), float(anneal), 0.0
+
+    def set_progress(self, fraction: float) -> None:
+        self.progress = min(max(float(fraction), 0.0), 1.0)
+
+    @property
+    def current_tau(self) -> float:
+        if self.anneal == 0:
+            return self.tau
+        return self.tau * max(0.0, 1.0 - self.progress / self.anneal)
+
+
 def log_square_plus(u: torch.Tensor, c: float) -> torch.Tensor:
     """log(u² + c) for u [B, C], c > 0, without overflow of u² at large |u|.
 
@@ -60,26 +94,38 @@ class CrossEntropy(nn.Module):
 
 
 @register_loss("max_margin")
-class MaxMargin(nn.Module):
-    """Multiclass hinge max(0, γ − z_y + max_{j≠y} z_j). Default gamma=1."""
+class MaxMargin(SmoothHinge, nn.Module):
+    """Multiclass hinge max(0, γ − z_y + max_{j≠y} z_j). Default gamma=1; tau=0, anneal=0 (the
+    SmoothHinge option, off: with tau > 0 the max is τ·logsumexp_{j≠y}(z_j/τ))."""
 
     pols = False
     initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
-    def __init__(self, num_classes: int, gamma: float = 1.0):
+    def __init__(self, num_classes: int, gamma: float = 1.0, tau: float = 0.0, anneal: float = 0.0):
         super().__init__()
         self.num_classes, self.gamma = num_classes, float(gamma)
+        self._init_smooth(tau, anneal)
 
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
         """None: only differences of logits enter the loss."""
         return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        margin = self.gamma - true_logits(logits, target) + max_false_logits(logits, target)  # [B]
-        return F.relu(margin).mean()
+        tau = self.current_tau
+        worst = max_false_logits(logits, target) if tau == 0 else smooth_max(false_logits(logits, target), tau)  # [B]
+        return F.relu(self.gamma - true_logits(logits, target) + worst).mean()
 
     def sharded(self, z: torch.Tensor, shard) -> torch.Tensor:
-        return F.relu(self.gamma - shard.true_logits(z) + shard.max_false(z)).mean()
+        return F.relu(self.gamma - shard.true_logits(z) + shard_false_max(z, shard, self.current_tau)).mean()
+
+
+def shard_false_max(z: torch.Tensor, shard, tau: float) -> torch.Tensor:
+    """max_{j≠y} z_j (tau = 0) or its smooth form over all D classes from this rank's columns [B, D_r] -> [B]."""
+    if tau == 0:
+        return shard.max_false(z)
+    is_true = torch.zeros_like(z, dtype=torch.bool)
+    is_true[shard.owns, shard.local[shard.owns]] = True
+    return tau * shard.logsumexp(z.masked_fill(is_true, float("-inf")) / tau)
 
 
 @register_loss("taylor_softmax")

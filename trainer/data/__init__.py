@@ -188,7 +188,7 @@ def _glyph_splits(name: str) -> Splits:
                   mean=np.asarray(mean, dtype=np.float32), std=np.asarray(std or 1.0, dtype=np.float32))
 
 
-def _pixel_stats(x: np.ndarray, chunk: int = 65536) -> tuple[float, float]:
+def _pixel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[float, float]:
     """Mean and standard deviation of all pixels, a chunk of images at a time (no float copy of x)."""
     total, total_sq, count = 0.0, 0.0, 0
     for i in range(0, len(x), chunk):

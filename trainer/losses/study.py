@@ -22,10 +22,10 @@ from trainer.data import load_dataset
 from trainer.losses import build_loss
 
 
-def head_start(loss_fn, num_classes: int, init: bool):
+def head_start(loss_fn, num_classes: int, init: bool, batch_size: int):
     """The loss's initial head bias (None, float or [D]) when `init`, else None (bias 0)."""
     rule = getattr(loss_fn, "initial_bias", None) if init else None
-    return rule(num_classes) if callable(rule) else None
+    return rule(num_classes, batch_size=batch_size) if callable(rule) else None
 
 
 def build(args, splits):
@@ -35,7 +35,7 @@ def build(args, splits):
     model = build_model(args.backbone, json.loads(args.backbone_params), splits.input_shape, splits.num_classes,
                         splits.mean, splits.std)
     loss_fn = build_loss(args.loss, splits.num_classes, **json.loads(args.loss_params))
-    bias = head_start(loss_fn, splits.num_classes, args.init) if args.bias is None else args.bias
+    bias = head_start(loss_fn, splits.num_classes, args.init, args.batch_size) if args.bias is None else args.bias
     if args.head_scale != 1.0:
         with torch.no_grad():
             model.head.weight.mul_(args.head_scale)

@@ -71,6 +71,7 @@ def _wait_until(predicate, timeout: float) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # RSS read while 60 attackers send 4 MB each: on a loaded machine it failed once of five
 def test_stalled_streams_are_bounded_and_their_memory_given_back_when_the_client_leaves(grpc_server):
     """60 streams each announcing 8 MiB and sending 4 MB: without limits +240 MB held, and kept after
     the client left (measured: +650 MB of 100 such streams stayed). With at most 8 calls in progress

@@ -664,3 +664,18 @@ def test_smooth_hinge_anneals_to_the_exact_hinge(name):
     assert loss(logits, target).item() == exact  # τ = 0 from then on: the hinge as defined, bit for bit
     with pytest.raises(ValueError):
         make(name, tau=-1.0)
+
+
+@pytest.mark.parametrize("name", ["max_margin", "batch_max_margin"])
+def test_smooth_hinge_sharded_form_equals_the_full_one(name):
+    """The option's sharded form (one rank holding every class) gives the full loss and gradient."""
+    from trainer.sharded_head import Shard
+
+    logits, target = batch(16, 2.0)
+    full_z, shard_z = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    loss = make(name, tau=0.7)
+    full, sharded = loss(full_z, target), loss.sharded(shard_z, Shard.full(NUM_CLASSES, target))
+    full.backward()
+    sharded.backward()
+    assert sharded.item() == pytest.approx(full.item(), rel=1e-12)
+    torch.testing.assert_close(shard_z.grad, full_z.grad, rtol=1e-10, atol=1e-12)

@@ -19,6 +19,10 @@ import pytest
 from trainer.losses import build_loss, list_losses, loss_class
 from trainer.train import TrainConfig, train
 
+# slow tier for now: it landed at the end of a session and has not yet had a clean-clone `make test`
+# run of its own; issue 27 wants it in `make test` once it has
+pytestmark = pytest.mark.slow
+
 DATASET = "strokes:C=2000,n=6,size=16"
 CLASSES = 2000
 BACKBONE = {"width": 8, "embed": 128, "pool": 2}

@@ -95,7 +95,7 @@ def test_every_loss_leaves_chance_at_2000_classes(runs, loss):
     if not passed and loss in ZERO_HEAD_NEEDED and not probe.read_scale:
         pytest.xfail(f"{loss} needs a zero head and trainer.train does not apply initial_weight_scale yet")
     if not passed and loss == "lgl_inr" and not any(probe.batch_sizes):
-        pytest.xfail("lgl_inr's bias needs the batch size and trainer.train does not pass it to initial_bias yet")
+        pytest.xfail("lgl_inr's bias needs the batch size, which trainer.train does not pass to initial_bias yet")
     assert got >= MIN_OVER_CHANCE * chance, f"{loss}: top-{k} accuracy {got:.4f}, chance {chance:.4f}"
     assert got >= SHARE_OF_CE * ce, f"{loss}: top-{k} accuracy {got:.4f} < {SHARE_OF_CE} x ce's {ce:.4f}"
 

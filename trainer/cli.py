@@ -325,12 +325,14 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
 @experiment.command("glyphs")
 @click.option("--dataset", default="glyphs3755", show_default=True, **DATASET)
 @click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--lr", type=POSITIVE, default=3e-3, show_default=True, help="Adam learning rate, every row")
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--lr", type=POSITIVE, default=3e-3, show_default=True, help="Adam learning rate of every row when --lrs is empty")
 @click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="resnet_glyph width")
-@click.option("--lrs", default="", help="the paper's protocol: a comma grid of learning rates, each row's chosen by "
-              "calibration-face accuracy after --search-steps (empty: --lr for every row)")
-@click.option("--search-steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--lrs", default="0.001,0.003,0.01", show_default=True,
+              help="the paper's protocol: a comma grid of learning rates, each row's chosen by calibration-face "
+              "accuracy after --search-steps (empty: --lr for every row)")
+@click.option("--search-steps", type=click.IntRange(min=1), default=250, show_default=True)
+@click.option("--precision", type=click.Choice(("fp32", "bf16")), default="bf16", show_default=True)
 @click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
               help="full runs stop after N epochs without a better calibration accuracy")
 @click.option("--augment", type=click.Choice(AUGMENTS), default="none", show_default=True)
@@ -339,7 +341,7 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
 @click.option("--report-only", is_flag=True, help="write the table from the cached runs; train nothing")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
 def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: str, search_steps: int, patience: int,
-           augment: str, runs_dir: Optional[Path], report_only: bool, out: Path) -> None:
+           augment: str, precision: str, runs_dir: Optional[Path], report_only: bool, out: Path) -> None:
     """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
     import sys
 
@@ -348,10 +350,11 @@ def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: st
 
     grid = tuple(_floats(None, None, lrs)) if lrs else ()
     plan = GlyphPlan(dataset=dataset, seeds=tuple(range(seeds)), epochs=epochs, lr=lr, width=width, lrs=grid,
-                     search_steps=search_steps, patience=patience, augment=augment)
+                     search_steps=search_steps, patience=patience, augment=augment, precision=precision)
     command = (f"slc experiment glyphs --dataset {dataset} --seeds {seeds} --epochs {epochs} --lr {lr:g} --width {width}"
                + (f" --lrs {lrs} --search-steps {search_steps}" if grid else "")
-               + (f" --patience {patience}" if patience else "") + (f" --augment {augment}" if augment != "none" else ""))
+               + (f" --patience {patience}" if patience else "") + (f" --augment {augment}" if augment != "none" else "")
+               + (f" --precision {precision}" if precision != "bf16" else ""))
     res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty(),
                            train_missing=not report_only)
     t = res["timing"]

@@ -384,12 +384,31 @@ def _build(cfg: TrainConfig, splits: Splits, num_classes: int, n_train: int, res
     sampler = ClassSampler(num_classes, cfg.head_sample, min(cfg.batch_size, n_train), cfg.seed) \
         if cfg.head_sample < 1.0 else None
     loss_fn = build_loss(cfg.loss, sampler.size if sampler else num_classes, **cfg.loss_params)
-    initial = getattr(loss_fn, "initial_bias", None)
-    value = initial(num_classes) if callable(initial) else None
-    if value is not None:  # where the loss's optimum puts false logits far below 0 (docs/losses.md)
-        with torch.no_grad():
-            model.head.bias.copy_(torch.as_tensor(value, dtype=torch.float32).expand(num_classes))
+    if not resume:
+        _init_head(model, loss_fn, num_classes, cfg.batch_size)
     return model, loss_fn, sampler
+
+
+def _init_head(model: SLCNet, loss_fn, num_classes: int, batch_size: int) -> None:
+    """Where the loss wants the head to start (trainer/losses/init.py, docs/losses.md "Initial head"):
+    its weights scaled by `initial_weight_scale` (0: every logit starts at its bias) and its bias at
+    `initial_bias`, the constant where the loss's optimum puts false logits (e.g. −log(D−1) for bce).
+    A user's loss without these hooks keeps the default head."""
+    scale = getattr(loss_fn, "initial_weight_scale", None)
+    initial = getattr(loss_fn, "initial_bias", None)
+    value = _initial_bias(initial, num_classes, batch_size) if callable(initial) else None
+    with torch.no_grad():
+        if scale is not None:
+            model.head.weight.mul_(float(scale))
+        if value is not None:
+            model.head.bias.copy_(torch.as_tensor(value, dtype=torch.float32).expand(num_classes))
+
+
+def _initial_bias(rule, num_classes: int, batch_size: int):
+    try:
+        return rule(num_classes, batch_size=batch_size)
+    except TypeError:  # a user's loss written before the batch size was passed
+        return rule(num_classes)
 
 
 def _checkpoint_state(cfg, model, optimizer, schedule, scaler, sampler, progress: _Progress) -> dict:

@@ -17,7 +17,9 @@ Decoding: a JPEG much larger than the spec is decoded at a reduced scale (libjpe
 EXIF orientation applied; 16-bit grey scaled to 8 bits (round(v / 257), by a table, a band of
 rows at a time: no wide copy of the image); transparency
 flattened onto the background colour (black for `dark`, white for `light` and `any`); converted to
-grey (channels 1) or RGB (3); resized to width × height when it differs (`resample`, after an
+grey (channels 1) or RGB (3); for a spec with `content_box` (grey only), cropped to the square
+around what is drawn plus that margin (`crop_to_content`: a character filling a third of the
+image or all of it, anywhere, gives the same crop); resized to width × height when it differs (`resample`, after an
 integer box reduction down to REDUCE_GAP times the size: Pillow's `reducing_gap`); for grey
 images of a `dark` (`light`) background spec whose border is brighter (darker) than mid-grey,
 inverted, so dark-on-light drawings and scans work too (`any`: never inverted); multiplied by
@@ -37,6 +39,8 @@ FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")  # the Pillow decoders e
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # image files of a dataset
 MAX_PIXELS = 16_000_000  # decoded pixels of an image body; a larger one (or a decompression bomb) is refused
 FILE_MAX_PIXELS = 89_478_485  # of an image file (Pillow's own decompression-bomb limit): camera photos pass
+CONTENT_PROBE = 256  # the content box is found on a copy at most this many pixels on a side
+CONTENT_MIN_CONTRAST = 24  # an image whose pixels differ less from its border than this is blank
 REDUCE_GAP = 3  # large images are reduced cheaply to >= 3x the target size before resampling (10x faster
 #                 on a 12-megapixel photo, a mean difference of 0.1 grey level: tests/serving/bundle/test_image.py)
 # Structure limits (check_structure), far above what encoders write: libjpeg writes 6 (grey) to 18
@@ -240,6 +244,43 @@ def _sixteen_to_eight_bits(img):
     return Image.fromarray(out)
 
 
+def content_box(grey: np.ndarray, margin: float) -> tuple[float, float, float, float, int] | None:
+    """The square around what is drawn on grey [H, W] uint8, `margin` of its side added on each
+    side: (left, top, right, bottom, background level), or None for a blank image. The background is
+    the border's median; what differs from it by more than half the largest difference is drawn,
+    light on dark or dark on light alike."""
+    a = grey.astype(np.int16)  # [H, W]
+    bg = int(np.median(np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])))
+    d = np.abs(a - bg)  # [H, W]
+    peak = int(d.max())
+    if peak < CONTENT_MIN_CONTRAST:
+        return None
+    rows, cols = np.flatnonzero((d > peak // 2).any(1)), np.flatnonzero((d > peak // 2).any(0))
+    top, bottom, left, right = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
+    side = max(bottom - top, right - left) * (1 + 2 * margin)
+    cy, cx = (top + bottom) / 2, (left + right) / 2
+    return cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2, bg
+
+
+def crop_to_content(img, margin: float):
+    """A grey PIL image cropped to its content box (`content_box`), padded with its background
+    where the square leaves the image: wherever a character sits and whatever its size, the same
+    crop. The trainer's glyph renderings and the server's image bodies both go through here."""
+    from PIL import Image
+
+    small = img if max(img.size) <= CONTENT_PROBE else img.reduce(-(-max(img.size) // CONTENT_PROBE))
+    box = content_box(np.asarray(small), margin)
+    if box is None:
+        return img
+    fx, fy = img.width / small.width, img.height / small.height
+    left, top, right, bottom = (round(v * f) for v, f in zip(box[:4], (fx, fy, fx, fy)))
+    side = max(right - left, bottom - top, 1)
+    out = Image.new("L", (side, side), box[4])
+    out.paste(img.crop((max(left, 0), max(top, 0), min(left + side, img.width), min(top + side, img.height))),
+              (max(-left, 0), max(-top, 0)))
+    return out
+
+
 def preprocess(img, spec: dict) -> np.ndarray:
     """A decoded PIL image -> float32 example laid out as the spec says (see the module doc)."""
     from PIL import Image, ImageOps
@@ -250,6 +291,8 @@ def preprocess(img, spec: dict) -> np.ndarray:
     if img.mode.startswith("I;16"):  # 16-bit grey: scaled to 8 bits, not clipped at 255
         img = _sixteen_to_eight_bits(img)
     img = _flatten_transparency(img, background).convert("L" if c == 1 else "RGB")
+    if c == 1 and spec.get("content_box") is not None:
+        img = crop_to_content(img, float(spec["content_box"]))
     if img.size != (w, h):
         method = {"lanczos": Image.LANCZOS, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}
         img = img.resize((w, h), method[spec.get("resample", "lanczos")], reducing_gap=REDUCE_GAP or None)

@@ -20,7 +20,7 @@ def done(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("glyph-exp")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLC_HOME", str(tmp / "home"))
-        plan = GlyphPlan(dataset="glyphs-latin", seeds=(0, 1), epochs=1, lr=0.01, batch_size=256, width=4, embed=16)
+        plan = GlyphPlan(dataset="glyphs-latin", seeds=(0, 1), epochs=1, lr=0.01, batch_size=256, width=4, embed=16, lrs=())
         first = glyph_experiment(plan, tmp / "out", tmp / "runs", "test", rows=ROWS)
         again = glyph_experiment(plan, tmp / "out2", tmp / "runs", "test", rows=ROWS)
         partial = glyph_experiment(GlyphPlan(**{**plan.__dict__, "seeds": (0, 1, 2)}), tmp / "out3", tmp / "runs",

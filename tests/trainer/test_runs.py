@@ -133,9 +133,10 @@ def test_best_weights_are_the_best_validated_epoch(tmp_path):
 
 
 def test_early_stopping_stops_after_patience_validations_without_gain(tmp_path):
-    """With a learning rate too small to change anything, accuracy never improves after the first
-    validation: patience 1 stops after the second epoch."""
-    run = train(_cfg(epochs=5, lr=1e-12, schedule="constant", warmup_steps=0, patience=1), tmp_path / "run",
+    """With a learning rate of 0 nothing changes, so accuracy never improves after the first
+    validation: patience 1 stops after the second epoch. (A tiny rate is not nothing: from the
+    zero head, the first steps alone decide every argmax.)"""
+    run = train(_cfg(epochs=5, lr=0.0, schedule="constant", warmup_steps=0, patience=1), tmp_path / "run",
                 progress=False)
     config = json.loads((run / "config.json").read_text())
     assert config["stopped_early"] and config["step"] == 2 * config["steps_per_epoch"]

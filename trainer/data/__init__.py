@@ -148,10 +148,11 @@ def image_spec(name: str) -> dict | None:
         return {"height": 8, "width": 8, "channels": 1, "layout": "flat", "scale": 16.0 / 255.0,
                 "background": "dark", "resample": "lanczos"}
     if name.startswith("glyphs"):  # trainer/data/glyphs.py: 32x32 grey, white on black, [1, 32, 32]
-        from trainer.data.glyphs import SIZE
+        from trainer.data.glyphs import SIZE, glyph_set
 
+        box = glyph_set(name).content_box  # glyphs3755/6763: cropped to the content, as the arrays were
         return {"height": SIZE, "width": SIZE, "channels": 1, "layout": "CHW", "scale": 1.0, "background": "dark",
-                "resample": "lanczos"}
+                "resample": "lanczos", **({"content_box": box} if box is not None else {})}
     return None
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 SIZE = 32
 FONT_SIZE = 26
-FORMAT_VERSION = 3  # bumped whenever rendering changes: cached arrays are rebuilt
+FORMAT_VERSION = 4  # bumped whenever rendering changes: cached arrays are rebuilt
+CONTENT_MARGIN = 0.1  # glyphs3755/6763: every image cropped to its content box plus this margin per side
+SPLITS = ("train", "calibration", "test")  # what the trainer reads; other splits are the test face as users send it
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,13 @@ class GlyphSet:
     chars: str
     faces: dict[str, tuple[Face, ...]]  # split -> faces
     augment: dict[str, int]  # split -> renderings per (character, face)
+    content_box: float | None = None  # crop every rendering to its content (serving/bundle/image.py), this margin
+    raw: dict[str, str] = field(default_factory=dict)  # extra split -> "small" | "tight": as users send them
+
+    def view(self, split: str) -> str:
+        """How `split` is rendered: "content" (cropped to its content box), "small" or "tight" (raw
+        images as a user sends them, for the serving path to crop), or "plain"."""
+        return self.raw.get(split) or ("content" if self.content_box is not None else "plain")
 
     def all_faces(self) -> list[Face]:
         return [f for faces in self.faces.values() for f in faces]
@@ -128,8 +137,10 @@ CJK_FACES = {
 
 
 def _gb2312(name: str, level1_only: bool) -> GlyphSet:
-    return GlyphSet(name=name, chars=gb2312(level1_only), faces=CJK_FACES,
-                    augment={"train": 8, "calibration": 2, "test": 2})
+    faces = {**CJK_FACES, "test_small": CJK_FACES["test"], "test_tight": CJK_FACES["test"]}
+    return GlyphSet(name=name, chars=gb2312(level1_only), faces=faces, content_box=CONTENT_MARGIN,
+                    augment={"train": 8, "calibration": 4, "test": 8, "test_small": 8, "test_tight": 8},
+                    raw={"test_small": "small", "test_tight": "tight"})
 
 
 GLYPH_SETS = {"glyphs-latin": _latin, "glyphs3755": lambda: _gb2312("glyphs3755", True),
@@ -151,24 +162,30 @@ def require_fonts(gs: GlyphSet) -> None:
                                 + hint)
 
 
-def render(font, char: str, rng: np.random.Generator | None = None) -> np.ndarray:
-    """One character centred in SIZE×SIZE, white on black, uint8 [SIZE, SIZE]; augmented when rng."""
+def render(font, char: str, rng: np.random.Generator | None = None, view: str = "plain",
+           margin: float = CONTENT_MARGIN) -> np.ndarray:
+    """One character, white on black, uint8 [SIZE, SIZE]; augmented when rng. `view`: "plain"
+    (centred, about a third of the image), "content" (cropped to its content box plus `margin`,
+    as `serving/bundle/image.py` crops an image body), "small" (plain, anywhere in the image) or
+    "tight" (filling the image)."""
     from PIL import Image, ImageDraw, ImageFilter
 
-    canvas = Image.new("L", (2 * SIZE, 2 * SIZE), 0)
+    n = 2 * SIZE * max(1, round(font.size / FONT_SIZE))  # the canvas: twice the image, more for a larger font
+    canvas = Image.new("L", (n, n), 0)
     draw = ImageDraw.Draw(canvas)
     x0, y0, x1, y1 = draw.textbbox((0, 0), char, font=font)
-    draw.text(((2 * SIZE - (x1 - x0)) / 2 - x0, (2 * SIZE - (y1 - y0)) / 2 - y0), char, fill=255, font=font)
+    draw.text(((n - (x1 - x0)) / 2 - x0, (n - (y1 - y0)) / 2 - y0), char, fill=255, font=font)
     if rng is not None:
         angle, scale = rng.uniform(-8, 8), rng.uniform(0.9, 1.1)
-        dx, dy = rng.uniform(-2, 2, size=2)
-        canvas = canvas.rotate(angle, resample=Image.BILINEAR, center=(SIZE, SIZE), translate=(dx, dy))
-        canvas = canvas.resize((round(2 * SIZE * scale),) * 2, Image.BILINEAR)
-        off = (canvas.width - 2 * SIZE) // 2
-        canvas = canvas.crop((off, off, off + 2 * SIZE, off + 2 * SIZE))
+        dx, dy = rng.uniform(-2, 2, size=2) * n / (2 * SIZE)
+        canvas = canvas.rotate(angle, resample=Image.BILINEAR, center=(n // 2, n // 2), translate=(dx, dy))
+        canvas = canvas.resize((round(n * scale),) * 2, Image.BILINEAR)
+        off = (canvas.width - n) // 2
+        canvas = canvas.crop((off, off, off + n, off + n))
         stroke = (0, 0, 1, 2)[rng.integers(0, 4)]  # as drawn (half the time), thicker, thinner
         if stroke:
             canvas = canvas.filter(ImageFilter.MaxFilter(3) if stroke == 1 else ImageFilter.MinFilter(3))
+    canvas = _view(canvas, view, margin, rng)
     img = np.asarray(canvas.resize((SIZE, SIZE), Image.LANCZOS), dtype=np.float32)  # [SIZE, SIZE]
     if rng is not None:
         img = img * rng.uniform(0.75, 1.0) + rng.uniform(0, 30)  # contrast, background
@@ -176,15 +193,40 @@ def render(font, char: str, rng: np.random.Generator | None = None) -> np.ndarra
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
 
 
+def font_size(view: str) -> int:
+    """The font size to render `view` at: twice for a content crop, which enlarges the glyph about
+    twice (a third of the image -> most of it), so its strokes keep their detail; so does "tight"."""
+    return 2 * FONT_SIZE if view in ("content", "tight") else FONT_SIZE
+
+
+def _view(canvas, view: str, margin: float, rng: np.random.Generator | None):
+    """The rendered canvas [2·SIZE]² as `view` asks (see `render`)."""
+    from serving.bundle.image import crop_to_content
+
+    if view == "content":
+        return crop_to_content(canvas, margin)
+    if view == "tight":  # the glyph fills 90-100% of the image's side, off-centre by what is left
+        crop = crop_to_content(canvas, 0.0)
+        side = round(crop.width / (rng.uniform(0.9, 1.0) if rng is not None else 0.95))
+        left, top = rng.integers(0, side - crop.width + 1, size=2) if rng is not None else ((side - crop.width) // 2,) * 2
+        return crop.crop((-int(left), -int(top), side - int(left), side - int(top)))
+    if view == "small":  # the plain rendering moved anywhere the glyph stays inside
+        shift = rng.integers(-canvas.width // 4, canvas.width // 4 + 1, size=2) if rng is not None else (0, 0)
+        return canvas.rotate(0, translate=(int(shift[0]), int(shift[1])))
+    if view != "plain":
+        raise ValueError(f"unknown glyph view {view!r}")
+    return canvas
+
+
 def distinct_chars(gs: GlyphSet) -> str:
     """The characters every face has, minus those rendering identically to an earlier one in a training face."""
     cmaps = [f.cmap() for f in gs.all_faces()]
     chars = [c for c in gs.chars if all(ord(c) in cmap for cmap in cmaps)]
-    train_fonts = [f.load() for f in gs.faces["train"]]
+    train_fonts = [f.load(font_size(gs.view("train"))) for f in gs.faces["train"]]
     seen_per_face: list[dict] = [dict() for _ in train_fonts]
     keep = []
     for c in chars:
-        images = [render(font, c).tobytes() for font in train_fonts]
+        images = [render(font, c, view=gs.view("train")).tobytes() for font in train_fonts]
         if any(img in seen for img, seen in zip(images, seen_per_face)):
             continue  # a homoglyph of an earlier class
         for img, seen in zip(images, seen_per_face):
@@ -199,15 +241,16 @@ def _face_info(face: Face) -> dict:
             "package": face.package or "matplotlib"}
 
 
-def _render_face(face: Face, chars: str, augment: int, seed: np.random.SeedSequence, path: Path, start: int) -> int:
+def _render_face(face: Face, chars: str, augment: int, view: str, seed: np.random.SeedSequence, path: Path,
+                 start: int) -> int:
     """Worker: render one face's block (every character, `augment` times) into rows start.. of x at `path`."""
     rng = np.random.default_rng(seed)
-    font = face.load()
+    font = face.load(font_size(view))
     x = np.load(path, mmap_mode="r+", allow_pickle=False)
     i = start
     for c in chars:
         for _ in range(augment):
-            x[i, 0] = render(font, c, rng)
+            x[i, 0] = render(font, c, rng, view)
             i += 1
     x.flush()
     return i - start
@@ -229,8 +272,8 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, workers: i
     stage = out.with_name(out.name + ".building")
     stage.mkdir(parents=True, exist_ok=True)
     manifest = {"format_version": FORMAT_VERSION, "name": name, "seed": seed, "size": SIZE, "classes": list(chars),
-                "splits": {}}
-    jobs = []  # (face, augment, seed, x path, first row)
+                "content_box": gs.content_box, "splits": {}}
+    jobs = []  # _render_face arguments: (face, chars, augment, view, seed, x path, first row)
     seeds = iter(np.random.SeedSequence(seed).spawn(len(gs.all_faces())))
     for split, faces in gs.faces.items():
         per_face = len(chars) * gs.augment[split]
@@ -238,13 +281,13 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, workers: i
         np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(per_face * len(faces), 1, SIZE, SIZE)).flush()
         np.save(stage / f"y_{split}.npy", np.tile(np.repeat(np.arange(len(chars)), gs.augment[split]), len(faces)))
         np.save(stage / f"face_{split}.npy", np.repeat(np.arange(len(faces), dtype=np.int16), per_face))
-        jobs += [(f, gs.augment[split], next(seeds), path, fi * per_face) for fi, f in enumerate(faces)]
+        jobs += [(f, chars, gs.augment[split], gs.view(split), next(seeds), path, fi * per_face) for fi, f in enumerate(faces)]
         manifest["splits"][split] = {"examples": per_face * len(faces), "faces": [_face_info(f) for f in faces],
-                                     "renderings_per_face": gs.augment[split]}
+                                     "renderings_per_face": gs.augment[split], "view": gs.view(split)}
     total = sum(info["examples"] for info in manifest["splits"].values())
     with tqdm(total=total, desc=f"rendering {name}", unit="img", disable=not progress) as bar, \
             ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        futures = [pool.submit(_render_face, f, chars, aug, sd, path, start) for f, aug, sd, path, start in jobs]
+        futures = [pool.submit(_render_face, *job) for job in jobs]
         for done in as_completed(futures):
             bar.update(done.result())
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
@@ -263,6 +306,10 @@ def load(name: str, progress: bool = True) -> tuple[dict, dict[str, tuple[np.nda
         log.info("building %s under %s (once)", name, path)
         build(name, path, progress=progress)
     manifest = json.loads(manifest_path.read_text())
-    splits = {s: (np.load(path / f"x_{s}.npy", mmap_mode="r", allow_pickle=False),
-                  np.load(path / f"y_{s}.npy", allow_pickle=False)) for s in ("train", "calibration", "test")}
-    return manifest, splits
+    return manifest, {s: load_split(path, s) for s in SPLITS}
+
+
+def load_split(path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x uint8 [N, 1, 32, 32] memory-mapped, y [N]) of one split of the arrays at `path`."""
+    return np.load(path / f"x_{split}.npy", mmap_mode="r", allow_pickle=False), \
+        np.load(path / f"y_{split}.npy", allow_pickle=False)

@@ -128,7 +128,11 @@ def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progr
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     done: dict[tuple[str, float], list[Path | None]] = {row: [] for row in rows}
-    search = {row: choose_lr(plan, *row, runs, progress, train_missing) for row in rows}
+    search = {row: choose_lr(plan, *row, runs, progress, train_missing) for row in rows if row[1] == 1.0}
+    for loss, rate in rows:  # a sampled head takes the rate its loss chose with the full head
+        if (loss, rate) not in search:
+            lr, _ = search.get((loss, 1.0)) or choose_lr(plan, loss, rate, runs, progress, train_missing)
+            search[(loss, rate)] = (lr, {"inherited from": row_name(loss, 1.0)} if (loss, 1.0) in search else {})
     trained = 0
     for seed in plan.seeds:  # seeds outside: a partial table has all of seed 0
         for loss, rate in rows:

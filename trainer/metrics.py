@@ -14,47 +14,54 @@ from typing import Callable, Iterable
 import numpy as np
 
 
-def _per_class_curves(scores: np.ndarray, labels: np.ndarray):
-    """Per class, cumulative counts at every position of the descending score order.
+COUNT_MAX_POSITIVES = 32  # up to this many positives per class, thresholds are counted by comparison
 
-    Returns (tp [N, C], predicted [N, 1], group_end [N, C], n_pos [C]); column c of each
-    refers to class c's own ordering. `group_end[k, c]` is True where position k is the last
-    of its run of tied scores, i.e. where a threshold can stop.
+
+def _positive_rates(scores: np.ndarray, labels: np.ndarray, block: int = 2048):
+    """Per class, precision and recall at each of its positives' scores, the only thresholds a
+    class average needs (a threshold between two positives only adds negatives).
+
+    scores [N, C]; labels [N] (a label outside 0..C-1 is no column's positive). Returns
+    (precision [K, C], recall [K, C], valid [K, C], n_pos [C]) with K the largest number of
+    positives of a class; row r of column c is the class's r-th positive, `valid` where it exists.
+    At a positive's score s the threshold keeps every example with a score ≥ s: ties enter
+    together, as in scikit-learn. Counting, not sorting: O(N·C·K) comparisons.
     """
     n, c = scores.shape
-    order = np.argsort(-scores, axis=0, kind="stable")  # [N, C] row indices, best first
-    sorted_scores = np.take_along_axis(scores, order, axis=0)  # [N, C]
-    positive = labels[order] == np.arange(c)[None, :]  # [N, C]
-    tp = np.cumsum(positive, axis=0)  # [N, C]
-    predicted = np.arange(1, n + 1)[:, None]  # [N, 1] examples above-or-at the threshold
-    group_end = np.ones((n, c), dtype=bool)
-    group_end[:-1] = sorted_scores[:-1] != sorted_scores[1:]
-    return positive, tp, predicted, group_end, tp[-1]
-
-
-def _average_precision(positive, tp, predicted, group_end, n_pos) -> np.ndarray:
-    """AP_c = Σ_thresholds (R_k − R_{k−1}) · P_k, scikit-learn's definition. -> [C]
-
-    Every positive raises recall by 1/n_pos at the threshold that closes its tie group, so
-    AP = mean over positives of the precision at the end of the positive's tie group.
-    """
-    n = tp.shape[0]
-    precision = tp / predicted  # [N, C]
-    # Index of the end of each position's tie group: the next group_end at or after it.
-    end_index = np.where(group_end, np.arange(n)[:, None], n)  # [N, C]
-    end_index = np.minimum.accumulate(end_index[::-1], axis=0)[::-1]  # [N, C]
-    precision_at_group_end = np.take_along_axis(precision, end_index, axis=0)  # [N, C]
+    mine = (labels >= 0) & (labels < c)
+    rows, cls = np.flatnonzero(mine), labels[mine]
+    n_pos = np.bincount(cls, minlength=c)  # [C]
+    k = int(n_pos.max(initial=0))
+    pos = np.full((max(k, 1), c), np.inf)  # [K, C] each class's positive scores, +inf padding
+    order = np.lexsort((rows, cls))
+    rank = np.arange(len(order)) - np.repeat(np.cumsum(n_pos) - n_pos, n_pos)  # position within its class
+    pos[rank, cls[order]] = scores[rows[order], cls[order]]
+    valid = np.isfinite(pos)  # [K, C]
+    if k <= COUNT_MAX_POSITIVES:  # a few positives per class (many classes): compare
+        kept = np.zeros(pos.shape, dtype=np.int64)  # [K, C] examples with a score ≥ the positive's
+        for first in range(0, n, block):
+            kept += (scores[first:first + block, None, :] >= pos[None]).sum(axis=0)
+        tp = ((pos[None, :, :] >= pos[:, None, :]) & valid[None]).sum(axis=1)  # [K, C] positives scoring ≥ row r
+    else:  # many positives per class (few classes): sort each column once
+        kept, tp = np.zeros(pos.shape, dtype=np.int64), np.zeros(pos.shape, dtype=np.int64)
+        for j in range(c):
+            kept[:, j] = n - np.searchsorted(np.sort(scores[:, j]), pos[:, j], side="left")
+            tp[:, j] = n_pos[j] - np.searchsorted(np.sort(pos[:n_pos[j], j]), pos[:, j], side="left")
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(positive, precision_at_group_end, 0.0).sum(axis=0) / n_pos  # [C]
+        return np.where(valid, tp / np.maximum(kept, 1), 0.0), np.where(valid, tp / n_pos, 0.0), valid, n_pos
 
 
-def _precision_at_recall(tp, predicted, group_end, n_pos, min_recall: float) -> np.ndarray:
-    """Highest precision among thresholds whose recall is ≥ min_recall. -> [C]"""
+def _class_figures(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(AP [C], P@R0.9 [C], P@R0.99 [C], n_pos [C]); AP NaN and P@R −inf for a class without positives.
+
+    AP_c = Σ_thresholds (R_k − R_{k−1}) · P_k (scikit-learn's definition) = the mean over the
+    class's positives of the precision at its score; P@R = the best precision among thresholds
+    whose recall is at least R."""
+    precision, recall, valid, n_pos = _positive_rates(scores, labels)
     with np.errstate(invalid="ignore", divide="ignore"):
-        recall = tp / n_pos  # [N, C]
-    precision = tp / predicted  # [N, C]
-    allowed = group_end & (recall >= min_recall - 1e-12)  # [N, C]
-    return np.where(allowed, precision, -np.inf).max(axis=0)  # [C]; -inf only when n_pos == 0
+        ap = precision.sum(axis=0) / n_pos
+    at = [np.where(valid & (recall >= r - 1e-12), precision, -np.inf).max(axis=0) for r in (0.90, 0.99)]
+    return ap, at[0], at[1], n_pos
 
 
 def slc_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -71,11 +78,8 @@ def slc_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     n, c = scores.shape
     if labels.min(initial=0) < 0 or labels.max(initial=0) >= c:
         raise ValueError(f"labels must lie in 0..{c - 1}")
-    positive, tp, predicted, group_end, n_pos = _per_class_curves(scores, labels)
+    ap, p90, p99, n_pos = _class_figures(scores, labels)
     present = n_pos > 0
-    ap = _average_precision(positive, tp, predicted, group_end, n_pos)
-    p90 = _precision_at_recall(tp, predicted, group_end, n_pos, 0.90)
-    p99 = _precision_at_recall(tp, predicted, group_end, n_pos, 0.99)
     # Stable ordering, so ties resolve to the lowest class id exactly as argmax does.
     ranked = np.argsort(-scores, axis=1, kind="stable")  # [N, C]
     top5 = (ranked[:, :5] == labels[:, None]).any(axis=1)
@@ -92,8 +96,7 @@ def per_class_average_precision(scores: np.ndarray, labels: np.ndarray) -> np.nd
     """AP of every class [C] (NaN for classes with no positive)."""
     scores = np.asarray(scores, dtype=np.float64)
     labels = np.asarray(labels).astype(np.int64)
-    positive, tp, predicted, group_end, n_pos = _per_class_curves(scores, labels)
-    return _average_precision(positive, tp, predicted, group_end, n_pos)
+    return _class_figures(scores, labels)[0]
 
 
 def pooled_separation(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -149,10 +152,10 @@ def streaming_slc_metrics(chunks: Callable[[], Iterable[tuple[int, np.ndarray]]]
         if not np.isfinite(z).all():
             raise ValueError("scores contain NaN or inf")
         local = labels - first  # positives of this chunk are 0..c-1; others never match
-        positive, tp, predicted, group_end, n_pos = _per_class_curves(z, local)
-        ap.append(_average_precision(positive, tp, predicted, group_end, n_pos))
-        p90.append(_precision_at_recall(tp, predicted, group_end, n_pos, 0.90))
-        p99.append(_precision_at_recall(tp, predicted, group_end, n_pos, 0.99))
+        a, b, c, n_pos = _class_figures(z, local)
+        ap.append(a)
+        p90.append(b)
+        p99.append(c)
         present.append(n_pos > 0)
         top_v, top_i = _merge_top(top_v, top_i, z, first, min(5, num_classes))
         mine = (local >= 0) & (local < z.shape[1])

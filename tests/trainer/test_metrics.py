@@ -39,8 +39,9 @@ def _data(seed: int, n: int, c: int, tie_levels: int | None):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("tie_levels", [None, 1, 3])
-def test_slc_metrics_match_sklearn(seed, tie_levels):
-    scores, labels = _data(seed, n=300, c=7, tie_levels=tie_levels)
+@pytest.mark.parametrize("n, c", [(300, 7), (400, 120)])  # ~43 positives a class (sorted), ~3 (counted)
+def test_slc_metrics_match_sklearn(seed, tie_levels, n, c):
+    scores, labels = _data(seed, n=n, c=c, tie_levels=tie_levels)
     ours = slc_metrics(scores, labels)
     ref = _sklearn_reference(scores, labels)
     assert ours.keys() == ref.keys()

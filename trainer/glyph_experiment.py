@@ -1,15 +1,17 @@
 """`slc experiment glyphs`: the PoLS claim at thousands of classes (glyphs3755, held-out typefaces).
 
-Rows: ce and max_margin (no PoLS), the PoLS paper's five PoLS losses, and ce and batch_ce on a
-sampled head (R = 0.1). One recipe for every row (no per-loss learning-rate search: a search
-would multiply hours of CPU by the grid; the Table 1 experiment on mnist5k has one), at least
-two seeds; metrics of DESIGN.md §5 on the test face (AR PL UKai) and on the calibration faces.
+Rows: ce and max_margin (no PoLS), the PoLS paper's five PoLS losses, normalized CE (ce's logits
+after softmax normalisation), and ce and batch_ce on a sampled head (R = 0.1). The paper's
+protocol: each row's learning rate chosen from a grid by calibration-face accuracy after a short
+budget (never the test face; a sampled head takes its loss's choice), then every row trained for
+the same number of epochs with at least two seeds; metrics of DESIGN.md §5 on the test face (AR PL
+UKai, 8 renderings per class), on the same face as users send it (small and anywhere, or filling
+the image: trainer/glyph_eval.py) and on the calibration faces, plus the detect route's recall at
+the precision calibrated on the calibration faces.
 
-Runs are cached under `runs` by their config alone (not the code's hash, unlike Table 1): one
-run costs minutes, and the table is built over several sittings while the trainer grows (the
-sharded head) in ways that leave the unsharded path as it was. Each run records the code it
-was trained with (`code.json`: the training code's hash), and the table says how many code
-versions it spans. Seeds go in the outer loop, so a partial table has every row of seed 0.
+Runs are cached by their config and the code that trained them (trainer/run_cache.py: one key,
+one function for both experiments); seeds go in the outer loop, so a partial table has every row
+of seed 0. The tables and curves are written by trainer/glyph_report.py.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from trainer.run_cache import PENDING, cached_run
 
 import numpy as np
 
-from trainer.experiments import claim_check, format_error, summarise_seeds
+from trainer.experiments import summarise_seeds
+from trainer.glyph_report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +107,47 @@ def _run_info(run: Path) -> dict:
     code = json.loads((run / "code.json").read_text())["code"] if (run / "code.json").exists() else "?"
     return {"train_seconds": cfg.get("train_seconds", float("nan")), "eval_seconds": cfg.get("eval_seconds", float("nan")),
             "images_per_second": cfg.get("train_images_per_second", float("nan")), "code": code,
-            "steps": cfg["steps"], "num_classes": cfg["num_classes"]}
+            "steps": cfg["steps"], "num_classes": cfg["num_classes"], "lr": cfg.get("lr")}
 
 
-def _row(loss: str, rate: float, runs: list, split: str) -> dict:
-    from trainer.losses import build_loss
+def _split_metrics(run: Path, split: str, extras: dict, normalized: bool = False) -> dict | None:
+    """A run's metrics on `split` (test, calibration, or a user view), normalized-CE ones when asked."""
+    extra = extras.get(str(run), {})
+    if normalized:
+        return extra.get("normalized", {}).get(split)
+    if split in ("test", "calibration"):
+        return json.loads((run / "metrics.json").read_text())[split]
+    return extra.get("views", {}).get(split)
 
-    ok = [r for r in runs if isinstance(r, Path)]
-    per_seed = [json.loads((r / "metrics.json").read_text())[split] for r in ok]
-    pols = bool(getattr(build_loss(loss, 10), "pols", False))
-    row = summarise_seeds(row_name(loss, rate), pols, None, per_seed, sum(r is None for r in runs))
+
+def _row(name: str, pols: bool, runs: list, split: str, extras: dict, normalized: bool = False) -> dict:
+    per_seed = [m for r in runs if isinstance(r, Path) and (m := _split_metrics(r, split, extras, normalized))]
+    row = summarise_seeds(name, pols, None, per_seed, sum(r is None for r in runs))
     row["seeds_pending"] = sum(r == PENDING for r in runs)
     return row
+
+
+def _rows(done: dict, split: str, extras: dict) -> list[dict]:
+    """The table's rows on one split: every (loss, rate), normalized CE right after ce."""
+    from trainer.losses import build_loss
+
+    rows = []
+    for (loss, rate), runs in done.items():
+        rows.append(_row(row_name(loss, rate), bool(getattr(build_loss(loss, 10), "pols", False)), runs, split, extras))
+        if (loss, rate) == ("ce", 1.0) and extras:
+            rows.append(_row("normalized_ce", True, runs, split, extras, normalized=True))
+    return rows
+
+
+def _detect(done: dict, extras: dict) -> dict:
+    """Per row: means over seeds of the detect rates at the calibrated precision, per split."""
+    out = {}
+    for (loss, rate), runs in done.items():
+        per_seed = [extras[str(r)]["detect"] for r in runs if isinstance(r, Path) and str(r) in extras]
+        if per_seed:
+            out[row_name(loss, rate)] = {split: {k: float(np.mean([d[split][k] for d in per_seed]))
+                                                 for k in per_seed[0][split]} for split in per_seed[0]}
+    return out
 
 
 def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progress: bool = False,
@@ -142,20 +174,38 @@ def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progr
                 train_or_reuse(plan.config(loss, rate, seed, lr), runs, progress, train_missing)
             done[(loss, rate)].append(run)
             trained += new
-    result = _result(plan, done, trained, time.perf_counter() - started)
+    extras = _extras(plan.dataset, done)
+    result = _result(plan, done, extras, trained, time.perf_counter() - started)
     result["lr_search"] = {row_name(*row): {"grid": grid, "chosen": lr} for row, (lr, grid) in search.items()}
     (out / f"{plan.dataset}.json").write_text(json.dumps(result, indent=2))
-    _write_markdown(out, plan, result, command)
+    write_report(out, plan, result, command)
     return result
 
 
-def _result(plan: GlyphPlan, done: dict, trained: int, elapsed: float) -> dict:
+def _extras(dataset: str, done: dict) -> dict:
+    """{run path: RUN/glyph_eval.json} for every finished run (the user views, normalized CE for
+    ce's full-head runs, detect at calibrated precision); {} for a glyph set without user views."""
+    from trainer.data import load_dataset
+    from trainer.data.glyphs import glyph_set
+    from trainer.glyph_eval import evaluate, user_views
+
+    finished = [(loss, rate, r) for (loss, rate), runs in done.items() for r in runs if isinstance(r, Path)]
+    if not finished or not glyph_set(dataset).raw:
+        return {}
+    splits, views = load_dataset(dataset), user_views(dataset)
+    return {str(r): evaluate(r, splits, views, normalized=(loss == "ce" and rate == 1.0)) for loss, rate, r in finished}
+
+
+def _result(plan: GlyphPlan, done: dict, extras: dict, trained: int, elapsed: float) -> dict:
+    from trainer.glyph_eval import VIEWS
+
     infos = [_run_info(r) for runs_ in done.values() for r in runs_ if isinstance(r, Path)]
     return {
         "plan": asdict(plan),
-        "rows": {split: [_row(loss, rate, r, split) for (loss, rate), r in done.items()]
-                 for split in ("test", "calibration")},
+        "rows": {split: _rows(done, split, extras) for split in ("test", *(VIEWS if extras else ()), "calibration")},
+        "detect": _detect(done, extras),
         "runs": {row_name(*k): [str(r) if r else None for r in v] for k, v in done.items()},
+        "run_info": {row_name(*k): [_run_info(r) if isinstance(r, Path) else None for r in v] for k, v in done.items()},
         "pending": sum(r == PENDING for v in done.values() for r in v),
         "timing": {"runs_trained_now": trained, "elapsed_seconds": elapsed,
                    "train_seconds_total": float(sum(i["train_seconds"] for i in infos)),
@@ -165,74 +215,3 @@ def _result(plan: GlyphPlan, done: dict, trained: int, elapsed: float) -> dict:
         "code_versions": sorted({i["code"] for i in infos}),
         "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}",
     }
-
-
-def _table(rows: list[dict]) -> list[str]:
-    lines = ["| loss | PoLS | seeds | 1−Acc | 1−AUPRC | 1−P@R0.9 | 1−P@R0.99 | top-5 acc |", "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        top5 = f"{row['top5_accuracy']:.3f}" if np.isfinite(row["top5_accuracy"]) else "—"
-        if row["seeds_ok"] == 0:
-            lines.append(f"| {row['loss']} | {'yes' if row['pols'] else 'no'} | 0 ({row['seeds_pending']} pending) |"
-                         + " — |" * 5)
-            continue
-        lines.append(f"| {row['loss']} | {'yes' if row['pols'] else 'no'} | {row['seeds_ok']}"
-                     + (f" (+{row['seeds_failed']} diverged)" if row["seeds_failed"] else "")
-                     + (f" (+{row['seeds_pending']} pending)" if row.get("seeds_pending") else "") + " | "
-                     + " | ".join(format_error(row, k) if row["seeds_ok"] > 1 else f"{1 - row[k]:.3f}"
-                                  for k in ("accuracy", "auprc", "p_at_r90", "p_at_r99"))
-                     + f" | {top5} |")
-    return lines
-
-
-def _lr_lines(search: dict, plan: GlyphPlan) -> list[str]:
-    """The learning-rate search: calibration-face accuracy of every grid point, the choice in bold."""
-    if not plan.lrs:
-        return []
-    lines = [f"Learning rate per row (the paper's protocol): each grid point trained {plan.search_steps} steps "
-             f"with seed {plan.seeds[0]}; the best calibration-face accuracy chose (never the test face).", "",
-             "| row | " + " | ".join(f"lr {lr:g}" for lr in plan.lrs) + " | chosen |",
-             "|---|" + "---:|" * (len(plan.lrs) + 1)]
-    for row, info in search.items():
-        cells = [("—" if (a := info["grid"].get(f"{lr:g}")) is None else
-                  (f"**{a:.3f}**" if info["chosen"] == lr else f"{a:.3f}")) for lr in plan.lrs]
-        lines.append(f"| {row} | " + " | ".join(cells) + f" | {info['chosen']} |")
-    return lines + [""]
-
-
-def _write_markdown(out: Path, plan: GlyphPlan, result: dict, command: str) -> None:
-    t = result["timing"]
-    n_runs = sum(1 for v in result["runs"].values() for r in v if r and r != PENDING)
-    lines = [
-        f"# The PoLS claim at {plan.dataset}: single-logit metrics on unseen typefaces",
-        "",
-        f"Command: `{command}`  ",
-        f"Hardware: {result['hardware']} (shared, no GPU). {n_runs} runs: {t['train_seconds_total'] / 60:.0f} min of "
-        f"training and {t['eval_seconds_total'] / 60:.0f} min of evaluation in all (median "
-        f"{t['images_per_second'] or 0:.0f} training images/s); {t['runs_trained_now']} trained by the last "
-        f"invocation, the rest reused from the run cache. Code versions among the runs: {len(result['code_versions'])}."
-        + (f" **Partial: {result['pending']} runs still pending.**" if result.get("pending") else ""),
-        "",
-        f"Recipe (every row): `resnet_glyph` width {plan.width}, embedding {plan.embed}, Adam lr {plan.lr:g}, "
-        f"cosine decay, batch {plan.batch_size}, {plan.epochs} epoch(s) = {result['steps']} steps over the 7 "
-        "training faces × 8 augmentations (56 images per class per epoch); seeds "
-        f"{list(plan.seeds)}; mean ± sample std over seeds; **1 − metric, lower is better**; raw logits.",
-        "",
-        "With about 2 test positives per class (4 on the calibration faces), recall 0.9 already needs every "
-        "positive, so P@R0.9 equals P@R0.99 on the test face. A reading of these figures, and the pilot that "
-        f"chose the recipe: {plan.dataset}-reading.md.",
-        "",
-        *_lr_lines(result.get("lr_search") or {}, plan),
-        "## Test face: AR PL UKai (a brush design never seen in training)",
-        "",
-        *_table(result["rows"]["test"]),
-        "",
-        "## Calibration faces: AR PL UMing and Unifont (never seen in training)",
-        "",
-        *_table(result["rows"]["calibration"]),
-        "",
-        "## The paper's claim, checked on the test-face means",
-        "",
-        *claim_check({r["loss"]: r for r in result["rows"]["test"]}),
-        "",
-    ]
-    (out / f"{plan.dataset}.md").write_text("\n".join(lines))

@@ -1,0 +1,99 @@
+"""What the glyph table measures of a trained run beyond its metrics.json (issue 27).
+
+- the test face as users send it: `test_small` (the glyph a third of the image, anywhere) and
+  `test_tight` (the glyph filling the image), raw images put through the server's own
+  preprocessing (serving/bundle/image.py, the bundle's image spec with its content box);
+- normalized CE: the logits minus their logsumexp over all D classes (softmax normalisation, the
+  method that needs every logit), scored like any single logit;
+- detect at the calibrated precision: per-class thresholds chosen on the calibration faces for
+  precision 0.99 (trainer/calibrate.py, what `slc export` ships), then the test face's mean
+  per-class recall and precision at them.
+
+Results go to RUN/glyph_eval.json, tagged with EVAL_VERSION so a changed evaluation recomputes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+EVAL_VERSION = 1
+VIEWS = ("test_small", "test_tight")
+DETECT_TARGET = {"precision": 0.99}
+CHUNK = 512  # classes per logits chunk: [N, 512] float64 at a time
+
+
+def user_views(dataset: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{view: (x float32 [N, 1, 32, 32] after the server's preprocessing, y [N])} of the test face."""
+    from PIL import Image
+
+    from serving.bundle.image import preprocess
+    from trainer.data import image_spec
+    from trainer.data.glyphs import cache_dir, load_split
+
+    spec = image_spec(dataset)
+    out = {}
+    for view in VIEWS:
+        raw, y = load_split(cache_dir(dataset), view)
+        out[view] = (np.stack([preprocess(Image.fromarray(np.asarray(raw[i, 0])), spec) for i in range(len(raw))]), y)
+    return out
+
+
+def embed(model, x, batch: int = 2048) -> np.ndarray:
+    """h [N, d] float64 of x [N, ...] (eval mode, fp32)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.cat([model.embed(torch.tensor(np.asarray(x[i:i + batch], dtype=np.float32)))
+                          for i in range(0, len(x), batch)]).double().numpy()
+
+
+def normalized_chunks(h: np.ndarray, w: np.ndarray, b: np.ndarray, chunk: int = CHUNK):
+    """`chunks` (trainer/metrics.py) of z − logsumexp(z) over all D: the softmax-normalised logits."""
+    lse = np.full(len(h), -np.inf)  # [N]
+    for first in range(0, len(w), chunk):
+        lse = np.logaddexp(lse, _logsumexp(h @ w[first:first + chunk].T + b[first:first + chunk]))
+
+    def gen():
+        for first in range(0, len(w), chunk):
+            yield first, h @ w[first:first + chunk].T + b[first:first + chunk] - lse[:, None]  # [N, c]
+    return gen
+
+
+def _logsumexp(z: np.ndarray) -> np.ndarray:
+    m = z.max(axis=1)
+    return m + np.log(np.exp(z - m[:, None]).sum(axis=1))
+
+
+def evaluate(run: Path, splits, views: dict, normalized: bool) -> dict:
+    """RUN/glyph_eval.json: metrics on the user views, detect rates at calibrated precision, and
+    (for `normalized`, ce's runs) the normalized-CE metrics on every split; computed once.
+    `splits`: the run's dataset (trainer.data.Splits), `views`: user_views of it."""
+    from trainer.calibrate import calibrate_chunks
+    from trainer.metrics import head_chunks, streaming_slc_metrics
+    from trainer.train import load_run
+
+    path = Path(run) / "glyph_eval.json"
+    if path.is_file() and (old := json.loads(path.read_text())).get("version") == EVAL_VERSION \
+            and ("normalized" in old or not normalized):
+        return old
+    model = load_run(run)[0]
+    w, b = (p.detach().double().numpy() for p in (model.head.weight, model.head.bias))  # [D, d], [D]
+    h = {"test": embed(model, splits.test[0]), "calibration": embed(model, splits.calibration[0]),
+         **{v: embed(model, x) for v, (x, _) in views.items()}}
+    y = {"test": splits.test[1], "calibration": splits.calibration[1], **{v: yv for v, (_, yv) in views.items()}}
+    d = len(b)
+    out = {"version": EVAL_VERSION,
+           "views": {v: streaming_slc_metrics(head_chunks(h[v], w, b, CHUNK), y[v], d) for v in views}}
+    out["detect"] = {}
+    for split in ("test", *views):
+        cal = calibrate_chunks(head_chunks(h["calibration"], w, b, CHUNK), y["calibration"], d, DETECT_TARGET,
+                               head_chunks(h[split], w, b, CHUNK), y[split])
+        out["detect"][split] = {k: cal["summary"]["test"][k] for k in ("per_class_mean_recall", "per_class_mean_precision",
+                                                                        "classes_reaching_target")}
+        out["detect"][split]["calibration_recall"] = cal["summary"]["per_class_mean_recall"]
+    if normalized:
+        out["normalized"] = {s: streaming_slc_metrics(normalized_chunks(h[s], w, b), y[s], d) for s in h}
+    path.write_text(json.dumps(out, indent=1))
+    return out

@@ -30,6 +30,9 @@ def check_image_spec(spec: dict, input_shape: tuple[int, ...]) -> Optional[str]:
         return f"image spec out of range: {spec}"
     if spec.get("background", "dark") not in BACKGROUNDS or spec.get("resample", "lanczos") not in RESAMPLE:
         return f"image spec: background must be one of {BACKGROUNDS}, resample one of {RESAMPLE}"
+    box = spec.get("content_box")
+    if box is not None and (isinstance(box, bool) or not isinstance(box, (int, float)) or not 0 <= box <= 1 or c != 1):
+        return f"image spec: content_box must be a margin between 0 and 1 on a grey (channels 1) image, got {box!r}"
     want = input_shape_of(spec)
     if tuple(input_shape) != want:
         return f"image spec ({layout} {h}x{w}x{c}) does not give the input shape {list(input_shape)}"

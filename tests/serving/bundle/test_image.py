@@ -114,6 +114,15 @@ def test_check_image_spec_takes_any_and_hw_and_refuses_what_preprocess_cannot_do
     assert "input shape" in check_image_spec(hw, (1, 28, 28))
 
 
+@pytest.mark.parametrize("box, ok", [(0.1, True), (0, True), (1, True), (-0.1, False), (1.5, False), ("0.1", False),
+                                     (True, False)])
+def test_check_image_spec_takes_a_content_box_margin_in_0_1_on_grey_only(box, ok):
+    hw = {**SPECS["grey HW dark"], "content_box": box}
+    assert (check_image_spec(hw, (28, 28)) is None) is ok
+    rgb = {**SPECS["grey CHW any"], "channels": 3, "content_box": 0.1}
+    assert "content_box" in check_image_spec(rgb, (3, 32, 32))
+
+
 def test_image_files_may_be_larger_than_image_bodies(tmp_path):
     """A 17.5-megapixel file is training data; the same bytes as a body are 413 (MAX_PIXELS)."""
     from serving.bundle.image import MAX_PIXELS

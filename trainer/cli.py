@@ -325,7 +325,7 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
 @experiment.command("glyphs")
 @click.option("--dataset", default="glyphs3755", show_default=True, **DATASET)
 @click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--lr", type=POSITIVE, default=3e-3, show_default=True, help="Adam learning rate of every row when --lrs is empty")
 @click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="resnet_glyph width")
 @click.option("--lrs", default="0.001,0.003,0.01", show_default=True,

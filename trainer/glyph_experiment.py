@@ -51,7 +51,7 @@ class GlyphPlan:
 
     dataset: str = "glyphs3755"
     seeds: tuple[int, ...] = (0, 1)
-    epochs: int = 3
+    epochs: int = 2
     lr: float = 3e-3
     batch_size: int = 256
     width: int = 16
@@ -68,7 +68,7 @@ class GlyphPlan:
 
         return TrainConfig(dataset=self.dataset, backbone="resnet_glyph",
                            backbone_params={"width": self.width, "embed": self.embed}, loss=loss,
-                           loss_params=dict(LOSS_PARAMS.get(loss, ())), epochs=self.epochs, lr=self.lr if lr is None else lr, batch_size=self.batch_size,
+                           loss_params=dict(LOSS_PARAMS.get(loss, ())), epochs=1 if max_steps else self.epochs, lr=self.lr if lr is None else lr, batch_size=self.batch_size,
                            optimizer="adam", schedule="cosine", seed=seed, head_sample=rate, max_steps=max_steps,
                            patience=0 if max_steps else self.patience, augment=self.augment,
                            precision=self.precision, channels_last=self.channels_last)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import orjson
 
-from serving import head_scan
+from serving import head_scan, quantized_head
 from serving.batcher import Batcher, Job, JobFailed
 from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
 from serving.gallery import GalleryUnavailable, StorageFull
@@ -98,6 +98,13 @@ class Engine:
         self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
         if self.softmax_impl in ("ort_pair", "packed_pair") and self._ort_pair is None:
             raise ValueError(f"softmax_impl={self.softmax_impl} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
+        self.head_precision = settings.head_precision
+        if self.head_precision != "float32" and self.head_precision not in bundle.heads:
+            raise ValueError(f"head_precision={self.head_precision}: the bundle has no {self.head_precision} head "
+                             f"(add one with: slc bundle quantize {bundle.path} --precision {self.head_precision})")
+        self._quantized: Optional[Any] = None  # Int8Head / Bf16Head (serving/quantized_head.py), built at warm-up
+        # a quantized pass keeps a few more top-k candidates, re-scored exactly (TopK.rescore)
+        self._topk_extra = quantized_head.TOPK_EXTRA if self.head_precision != "float32" else 0
         self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
@@ -132,46 +139,28 @@ class Engine:
         if self.index is not None:
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 
+    def _quantized_head(self):
+        """The int8 or bf16 ChunkGemm of the head (built once)."""
+        if self._quantized is None:
+            head = self.bundle.heads[self.head_precision]
+            if self.head_precision == "int8":
+                rows = quantized_head.int8_rows(self.num_classes, head_scan.pair_rows(self.settings.max_batch, self.num_classes))
+                self._quantized = quantized_head.Int8Head(head["weight"], head["scale"], self.bundle.bias, rows)
+            else:
+                self._quantized = quantized_head.Bf16Head(head["weight"], self.bundle.bias)
+        return self._quantized
+
+    def _quantized_rows(self, m: int) -> int:
+        q = self._quantized_head()
+        return q.rows if self.head_precision == "int8" else head_scan.pair_rows(m, self.num_classes)
+
     def _choose_softmax_impl(self) -> tuple[str, dict[str, float]]:
-        """Time a softmax batch through the chunked numpy head against full.onnx; keep the faster (or
-        time only the path the settings name: its time sets the batch's patience)."""
-        rng = np.random.default_rng(0)
+        """Time a softmax batch through each path the settings allow; keep the fastest (or time only
+        the path the settings name, or the quantized head's: its time sets the batch's patience)."""
         n = self.settings.max_batch
-        x = rng.standard_normal((n,) + self.input_shape).astype(np.float32)
+        x = np.random.default_rng(0).standard_normal((n,) + self.input_shape).astype(np.float32)
         timings = {}
-
-        def scan_path(gemm):
-            def run():
-                head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(), gemm=gemm,
-                               pool=self._scan_pool)
-            return run
-
-        def per_input():  # one request per input, as under load
-            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self._logsumexp)) for i in range(n)]
-
-        def onnx_path():
-            head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)
-
-        def pair_path(impl):
-            def run():
-                self._scan_head_pair(self.runtime.embed(x), per_input(), impl)
-            return run
-
-        paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
-        if self._ort_pair is not None:
-            paths.append(("ort_pair", pair_path("ort_pair")))
-        fits_twice = self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES
-        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and fits_twice):
-            paths.append(("onnx", onnx_path))
-        if self._ort_pair is not None and (self.settings.softmax_impl == "packed_pair" or
-                                           (self.settings.softmax_impl == "auto" and fits_twice)):
-            paths.append(("packed_pair", pair_path("packed_pair")))
-        if self.settings.softmax_impl != "auto":
-            paths = [p for p in paths if p[0] == self.settings.softmax_impl]
-        elif len(paths) == 2:
-            log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
-                     self.num_classes * self.bundle.embed_dim)
-        for name, fn in paths:
+        for name, fn in self._softmax_paths(x):
             try:
                 if name == "packed_pair" and self._packed is None:
                     self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
@@ -184,6 +173,8 @@ class Engine:
                     best = min(best, time.perf_counter() - t0)
                 timings[name] = best
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
+                if self.head_precision != "float32":
+                    raise
                 log.warning("softmax path %s unavailable: %s", name, exc)
         if not timings:
             raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
@@ -192,9 +183,39 @@ class Engine:
             self.runtime.drop_full()
         if best != "packed_pair":
             self._packed = None  # its packed copy of the head
-        if best not in ("ort_pair", "packed_pair"):
+        if best not in ("ort_pair", "packed_pair") and self.head_precision == "float32":
             self._pair_bufs = None
         return best, timings
+
+    def _softmax_paths(self, x: np.ndarray) -> list[tuple[str, Any]]:
+        """(name, one softmax batch over x) of every path the settings and the bundle allow."""
+        def per_input():  # one request per input, as under load
+            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self._logsumexp)) for i in range(len(x))]
+
+        def scan_path(gemm):
+            return lambda: head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(),
+                                          gemm=gemm, pool=self._scan_pool)
+
+        def pair_path(impl):
+            return lambda: self._scan_head_pair(self.runtime.embed(x), per_input(), impl)
+
+        if self.head_precision != "float32":  # the passes read the quantized head: nothing to choose
+            return [(self.head_precision, lambda: self._scan_quantized(self.runtime.embed(x), per_input()))]
+        paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
+        if self._ort_pair is not None:
+            paths.append(("ort_pair", pair_path("ort_pair")))
+        fits_twice = self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES
+        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and fits_twice):
+            paths.append(("onnx", lambda: head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)))
+        if self._ort_pair is not None and (self.settings.softmax_impl == "packed_pair" or
+                                           (self.settings.softmax_impl == "auto" and fits_twice)):
+            paths.append(("packed_pair", pair_path("packed_pair")))
+        if self.settings.softmax_impl != "auto":
+            return [p for p in paths if p[0] == self.settings.softmax_impl]
+        if len(paths) == 2:
+            log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
+                     self.num_classes * self.bundle.embed_dim)
+        return paths
 
     # ------------------------------------------------------------------ batch compute (worker thread)
     def _compute(self, jobs: list[Job], shared: bool = False) -> list[Any]:
@@ -254,6 +275,18 @@ class Engine:
         rows = self._pair_rows(len(h), impl)
         head_scan.scan_two(self.num_classes, h, parts, gemms, self._pair_buffers(len(h), rows), self._scan_pool, rows)
 
+    def _scan_quantized(self, h: np.ndarray, parts: list) -> None:
+        """The pass on the quantized head (both threads when there are two), then each answer
+        finished on the float32 rows: the top-k's candidates and the softmax's own logit re-scored."""
+        rows = self._quantized_rows(len(h))
+        gemm = self._quantized_head()
+        head_scan.scan_two(self.num_classes, h, parts, (gemm, gemm), self._pair_buffers(len(h), rows), self._scan_pool, rows)
+        for sl, acc in parts:
+            if isinstance(acc, head_scan.TopK):
+                acc.rescore(h[sl], self._weight, self._bias, keep=acc.k - quantized_head.TOPK_EXTRA)
+            elif isinstance(acc, head_scan.SoftmaxStats):
+                acc.rescore(h[sl], self._weight, self._bias)
+
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
@@ -268,7 +301,9 @@ class Engine:
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
         hq = h if self.softmax_impl == "onnx" or len(rows) == len(h) else h[rows]
-        if self.softmax_impl in ("ort_pair", "packed_pair"):
+        if self.head_precision != "float32":
+            self._scan_quantized(hq, parts)
+        elif self.softmax_impl in ("ort_pair", "packed_pair"):
             self._scan_head_pair(hq, parts, self.softmax_impl)
         elif self.softmax_impl != "onnx":
             head_scan.scan(self.bundle.weight, self.bundle.bias, hq, parts,
@@ -378,7 +413,8 @@ class Engine:
                 return entries(ids, logits)
 
             results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                                accumulator=lambda n: head_scan.TopK(n, k), patience=self.scan_patience)
+                                                accumulator=lambda n: head_scan.TopK(n, k + self._topk_extra),
+                                                patience=self.scan_patience)
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found

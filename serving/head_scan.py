@@ -184,7 +184,8 @@ def scan_two(num_classes: int, h: np.ndarray, parts: Iterable[tuple[slice, Accum
     its slower half). Chunks finish in any order; the softmax statistics are kept per thread and
     combined at the end, the other accumulators are updated under a lock.
     gemms: one per thread (over_rows(OrtGemm, ...)), or the same PackedHead twice (a session per
-    chunk); bufs: flat float32 arrays of at least M x rows values each (rows: pair_rows unless given)."""
+    chunk); bufs: flat float32 arrays of at least M x rows values each (rows: pair_rows unless given).
+    Without a pool (one intra-op thread), this thread takes every chunk."""
     parts = list(parts)
     parts, _, done = _merged(parts, None)
     h = np.ascontiguousarray(h, dtype=np.float32)
@@ -211,11 +212,12 @@ def scan_two(num_classes: int, h: np.ndarray, parts: Iterable[tuple[slice, Accum
                 with lock:
                     _update(locked, z, start)
 
-    other = pool.submit(work, gemms[1], bufs[1], own[1])
+    other = pool.submit(work, gemms[1], bufs[1], own[1]) if pool is not None else None
     try:
         work(gemms[0], bufs[0], own[0])
     finally:  # the buffers are the caller's to reuse: never before the other thread is done
-        other.result()
+        if other is not None:
+            other.result()
     for (_, acc), (_, theirs) in zip(*own):
         acc.combine(theirs)
     done()
@@ -356,6 +358,13 @@ class SoftmaxStats:
         for name in ("m", "s", "zj", "has_j", "top", "finite"):
             setattr(self, name, getattr(other, name)[rows].copy())
 
+    def rescore(self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> None:
+        """After a pass on a quantized head: the logit of j exact (float64 on the float32 rows), so
+        the probability is that exact logit over the pass's normaliser. h [n, d]."""
+        j = np.broadcast_to(self.j, (len(h),))
+        self.zj = np.einsum("nd,nd->n", np.asarray(h, dtype=np.float64), np.asarray(weight[j], dtype=np.float64)) \
+            + np.asarray(bias[j], dtype=np.float64)
+
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(probability [n], logit of j [n], is_top1 [n]), all float64 / bool."""
         lse = self.m + np.log(self.s)
@@ -416,6 +425,17 @@ class TopK:
         keep = np.argpartition(-scores, min(self.k, scores.shape[1]) - 1, axis=1)[:, :self.k]
         self.scores = np.take_along_axis(scores, keep, axis=1)
         self.ids = np.take_along_axis(ids, keep, axis=1)
+
+    def rescore(self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray, keep: int) -> None:
+        """After a pass on a quantized head (k = keep + a few): the candidates' logits exact on the
+        float32 rows, and the best `keep` of them kept. h [n, d]."""
+        ids = np.maximum(self.ids, 0)  # [n, k]; -1 marks no candidate (scored -inf)
+        rows = np.asarray(weight[ids.ravel()], dtype=np.float64).reshape(*ids.shape, -1)  # [n, k, d]
+        z = np.einsum("nkd,nd->nk", rows, np.asarray(h, dtype=np.float64)) + np.asarray(bias[ids], dtype=np.float64)
+        self.scores = np.where(self.ids >= 0, z, -np.inf).astype(np.float32)
+        self.k = min(keep, self.k)
+        if self.scores.shape[1] > self.k:
+            self._merge(self.scores[:, :0], self.ids[:, :0])
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(logits [n, k] float32, ids [n, k] int64), best first; equal logits among the k by the

@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         "packed_pair: each chunk's rows pre-packed once, a second copy of the head; both with two or more "
         "intra-op threads), or full.onnx; auto = the fastest at warm-up (packed_pair and onnx only for heads of "
         "at most 64 Mi weights)")
+    head_precision: Literal["float32", "int8", "bf16"] = Field(
+        "float32", description="the head the passes over all D classes read (softmax, exact top-k, all logits): the "
+        "float32 rows, or the bundle's int8 / bf16 copy (slc bundle quantize; docs/bundle-format.md). The top-k "
+        "and the asked class's logit are re-scored on the float32 rows; all logits are then the quantized ones. "
+        "Detect always reads its float32 row")
     concurrent_batches: int = Field(2, ge=1, le=2, description=(
         "batches computed at once, each in a worker thread of its own: backbone-only requests (detect, v2 single "
         "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "

@@ -253,18 +253,26 @@ def evaluate(run: Path, split: str, data: Optional[str]) -> None:
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
+@click.option("--head-precision", "head_precision", default="",
+              help="also write quantized heads: int8, bf16 or both, comma-separated (docs/bundle-format.md)")
 def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float],
-           threshold_method: str, kappa: float, data: Optional[str]) -> None:
+           threshold_method: str, kappa: float, data: Optional[str], head_precision: str) -> None:
     """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
     from serving.bundle import load_bundle
+    from serving.bundle.quantize import PRECISIONS
     from trainer.export import export_bundle
 
+    precisions = tuple(dict.fromkeys(p.strip() for p in head_precision.split(",") if p.strip()))
+    if bad := [p for p in precisions if p not in PRECISIONS]:
+        raise click.BadParameter(f"unknown head precision {bad[0]!r}; known: {', '.join(PRECISIONS)}",
+                                 param_hint="--head-precision")
     t0 = time.perf_counter()
     method = {"name": threshold_method, "kappa": kappa} if threshold_method == "shrink" else {"name": threshold_method}
     try:
-        export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method, data=data)
+        export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method, data=data,
+                      head_precisions=precisions)
     except ValueError as exc:  # the run's data gone or changed: one line
         raise click.UsageError(str(exc)) from None
     b = load_bundle(out, verify=False)

@@ -36,6 +36,7 @@ from serving.bundle import (
     write_manifest,
 )
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
+from serving.bundle.quantize import write_heads
 from trainer.calibrate import calibrate_chunks, chunk_classes
 
 log = logging.getLogger(__name__)
@@ -295,9 +296,10 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
 
 
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
-                  method: dict | None = None, data: str | None = None) -> Path:
+                  method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = ()) -> Path:
     """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful.
-    `data`: the run's dataset at its new place, when it has moved (trainer.data.load_run_data)."""
+    `data`: the run's dataset at its new place, when it has moved (trainer.data.load_run_data);
+    `head_precisions`: quantized copies of the head to add (serving/bundle/quantize.py)."""
     run, out = Path(run), Path(out)
     target = _target(target_precision, target_recall)
     r = _open_run(run, data)
@@ -312,7 +314,10 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
         _write_head(stage, weight, bias)
         cal = _write_calibration(r, stage, target, method)
         _write_samples(r, stage, D)
-        write_manifest(stage, _manifest(r, stage, classes, d, cal, parity_report))
+        manifest = _manifest(r, stage, classes, d, cal, parity_report)
+        if head_precisions:
+            manifest["heads"] = write_heads(stage, weight, tuple(head_precisions))
+        write_manifest(stage, manifest)
         problems = verify_bundle(stage)
         if problems:
             raise ExportError("exported bundle fails verification: " + "; ".join(problems))

@@ -1,4 +1,4 @@
-"""`slc bundle synthetic`: a bundle with random weights, for scale work (no torch)."""
+"""`slc bundle`: synthetic bundles for scale work, quantized heads, Triton repositories (no torch)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,16 @@ from serving.bundle.synthetic import ROW_KINDS
 
 @click.group(no_args_is_help=True)
 def bundle() -> None:
-    """Bundles without training, and Triton model repositories."""
+    """Bundles without training, quantized heads, and Triton model repositories."""
+
+
+def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    from serving.bundle.quantize import PRECISIONS
+
+    names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
+    if not names or (bad := [x for x in names if x not in PRECISIONS]):
+        raise click.BadParameter(f"expected a comma list of {', '.join(PRECISIONS)}, got {value!r}", ctx, param)
+    return names
 
 
 @bundle.command()
@@ -23,16 +32,42 @@ def bundle() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--rows", type=click.Choice(ROW_KINDS), default="clustered", show_default=True,
               help="clustered: rows share directions, like trained heads; gaussian: i.i.d., the worst case for an index")
+@click.option("--head-precision", "precisions", default="", help="also write quantized heads: int8, bf16 or both "
+              "(comma list; docs/bundle-format.md)")
 @click.option("--out", required=True, help="bundle directory (replaced)", **OUT)
-def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, out: Path) -> None:
+def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, out: Path) -> None:
     """A bundle with a random backbone and D random class rows, for scale work."""
+    from serving.bundle.quantize import add_heads
     from serving.bundle.synthetic import build_synthetic_bundle
 
+    wanted = _precisions(None, None, precisions) if precisions else ()
     t0 = time.perf_counter()
     build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows)
+    if wanted:
+        add_heads(out, wanted, progress=True)
     head_mb = classes * (dim + 1) * 4 / 2**20
     click.echo(f"bundle {out}: {classes:,} {rows} classes, d={dim}, head {head_mb:,.1f} MiB "
                f"({time.perf_counter() - t0:.1f} s)  -> slc verify {out}; slc serve {out}")
+
+
+@bundle.command()
+@click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--precision", "precisions", default="int8", show_default=True, callback=_precisions,
+              help="int8, bf16 or both (comma list)")
+def quantize(bundle_dir: Path, precisions: tuple[str, ...]) -> None:
+    """Add quantized copies of the head (int8, bf16) to a bundle; the float32 head stays the reference."""
+    from serving.bundle.quantize import FILES, add_heads
+    from serving.bundle.verify import verify_bundle
+
+    t0 = time.perf_counter()
+    if problems := verify_bundle(bundle_dir):
+        raise click.ClickException(f"{bundle_dir} does not verify, so it is not quantized: {problems[0]}")
+    add_heads(bundle_dir, precisions, progress=True)
+    sizes = {p: sum((bundle_dir / n).stat().st_size for n in FILES[p].values()) / 2**20 for p in precisions}
+    base = (bundle_dir / "head_weight.npy").stat().st_size / 2**20
+    click.echo(f"{bundle_dir}: " + ", ".join(f"{p} head {mb:,.1f} MiB" for p, mb in sizes.items())
+               + f" (float32 {base:,.1f} MiB; {time.perf_counter() - t0:.1f} s)  -> slc verify {bundle_dir}; "
+               f"SLC_HEAD_PRECISION={precisions[0]} slc serve {bundle_dir}")
 
 
 @bundle.command()

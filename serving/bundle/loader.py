@@ -59,6 +59,7 @@ class Bundle:
     global_threshold: float
     digest: str  # sha256 hex of manifest.json bytes
     image: dict | None = None  # how an image becomes one input (manifest "image"; serving/images.py)
+    heads: dict = field(default_factory=dict)  # quantized heads {precision: {"weight", "scale"}} (bundle/quantize.py)
     _class_index: dict[str, int] | None = field(default=None, repr=False, compare=False)
 
     def graph_path(self, kind: str) -> Path:
@@ -95,6 +96,7 @@ def load_bundle(path: Path | str, verify: bool = True) -> Bundle:
         raise BundleError("; ".join(problems))
     manifest, calibration, arrays = parts["manifest"], parts["calibration"], parts["arrays"]
     weight, bias, manifest_bytes = parts["weight"], parts["bias"], parts["manifest_bytes"]
+    heads = parts.get("heads") or {}
     classes = compact_names(manifest["classes"])
     manifest["classes"] = classes  # the parsed list of D strings goes; the self-hash was checked on it already
     parts.clear()
@@ -116,5 +118,6 @@ def load_bundle(path: Path | str, verify: bool = True) -> Bundle:
         global_threshold=float(calibration["global"]["threshold"]),
         digest=hashlib.sha256(manifest_bytes).hexdigest(),
         image=manifest.get("image"),
+        heads=heads,
     )
 

@@ -16,6 +16,7 @@ from serving.bundle.calibration import read_calibration
 from serving.bundle.imagespec import check_image_spec
 from serving.bundle.format import MANIFEST, REQUIRED_FILES, SELF_HASH_KEY, FORMAT, FORMAT_VERSION, canonical_manifest_hash, json_load, sha256_file
 from serving.bundle.files import not_regular, read_bounded
+from serving.bundle.quantize import check_heads, open_heads
 from serving.bundle.graphs import check_graphs
 from serving.bundle.npy import open_head
 from serving.bundle.session import ort_session
@@ -211,6 +212,11 @@ def inspect_bundle(path: Path, deep: bool) -> tuple[list[str], dict]:
     try:
         weight, bias, head_problems = open_head(path, manifest)
         problems += head_problems
+        heads, quantized_problems = open_heads(path, manifest)
+        problems += quantized_problems
+        parts["heads"] = heads
+        if deep and weight is not None and heads:
+            problems += check_heads(weight, heads)
         calibration, arrays, cal_problems = read_calibration(path, manifest)
         problems += cal_problems
         parts.update(weight=weight, bias=bias, calibration=calibration, arrays=arrays)

@@ -53,6 +53,7 @@ def evaluate_targets(rows: list[dict], default_model: Optional[dict], paired: Op
     else:
         add("detect / trivial endpoint throughput, default model", None, 0.6,
             note=(default_model or {}).get("error", "not measured")[:200])
+    precision_targets(add, by_d)
     for D in (100_000, hi):
         if D in by_d and "closed" in by_d[D].get("peer", {}):
             add(f"slc softmax / torch peer softmax throughput at D={D:,}",
@@ -62,6 +63,35 @@ def evaluate_targets(rows: list[dict], default_model: Optional[dict], paired: Op
             if D == hi:
                 break
     return t
+
+
+def precision_targets(add, by_d: dict) -> None:
+    """Issue 29: the int8 head's one-connection softmax at least 2x faster than float32's (same run)."""
+    if 100_000 in by_d and "precisions" in by_d[100_000]:
+        p = by_d[100_000]["precisions"]
+        add("float32 / int8 one-connection softmax p50 at D=100,000 (one server each)",
+            _ratio(p["float32"]["single"]["p50_ms"], p["int8"]["single"]["p50_ms"]), 2.0,
+            note=f"int8 p50 / its bandwidth floor {_fmt(p['int8'].get('p50_over_floor'), 2)}")
+
+
+def _md_precisions(res: dict) -> list[str]:
+    """The full softmax on the float32, bf16 and int8 heads (serving/bench/precision.py)."""
+    rows = [r for r in res["rows"] if "precisions" in r]
+    if not rows:
+        return []
+    L = ["", "## Head precision: the full softmax on float32, bf16 and int8 heads", "",
+         "Each precision in a server of its own (`SLC_HEAD_PRECISION`), softmax alone. Floor: the bytes one pass "
+         "reads in that precision over this machine's read bandwidth (numpy sum of 256 MiB, best of 7), i.e. the "
+         "time any server needs to read the head once per request. The top-k and the asked class's logit are "
+         "re-scored on float32 (exactness: docs/results/head-precision.md).", "",
+         "| D | precision | one connection p50 ms | p99 ms | floor ms | p50 / floor | saturated req/s | p99 ms | RSS MiB |",
+         "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for name, p in r["precisions"].items():
+            L.append(f"| {r['classes']:,} | {name} | {_fmt(p['single']['p50_ms'], 2)} | {_fmt(p['single']['p99_ms'], 2)} | "
+                     f"{_fmt(p['floor_ms'], 2)} | {_fmt(p['p50_over_floor'], 2)} | {_fmt(p['saturated']['rps'])} | "
+                     f"{_fmt(p['saturated']['p99_ms'], 1)} | {_fmt(p['rss'] / 2**20)} |")
+    return L
 
 
 def _protocols_single(row: dict) -> dict:
@@ -304,7 +334,8 @@ def _md_default_model(res: dict) -> list[str]:
 
 def scale_markdown(res: dict) -> str:
     L = [line for section in (_md_header, _md_throughput, _md_protocols, _md_latency_closed, _md_latency_single, _md_memory,
-                              _md_head_alone, _md_ceiling, _md_paired, _md_default_model) for line in section(res)]
+                              _md_head_alone, _md_precisions, _md_ceiling, _md_paired, _md_default_model)
+         for line in section(res)]
     L += ["", "Peer: serving/bench/torch_peer.py — FastAPI, pydantic body, eager torch backbone rebuilt from backbone.onnx, "
           "W and b as torch tensors, full softmax over D per request, no batching.", ""]
     return "\n".join(L)

@@ -11,7 +11,9 @@ For each D: a cached synthetic bundle, a real `slc serve` subprocess, then
 - recall@10 of topk index against topk exact on the same inputs (over HTTP);
 - the server's resident memory against the head's size;
 - the head alone in numpy (one logit vs all D logits, per input and per batch of 64);
-- the plain torch peer (torch_peer.py, in a subprocess) on its softmax route, same loads.
+- the plain torch peer (torch_peer.py, in a subprocess) on its softmax route, same loads;
+- from D = 10⁵: the full softmax on the float32, bf16 and int8 heads, each in a server of its own,
+  against the floor of the bytes each reads per pass (serving/bench/precision.py).
 Writes OUT/scale.json, scale.md, scale.png. Uses the server's HTTP API and serving.bundle only.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from serving import loadtest as lt
 from serving.bench import cpu
 from serving.bench.head import head_alone
+from serving.bench.precision import bench_precisions, read_bandwidth
 from serving.bench.report import evaluate_targets, scale_markdown, scale_plot
 from serving.bench.server import grpc_available, peer_server, process_tree_memory, slc_server
 from serving.bundle import replace_dir, slc_home
@@ -46,6 +49,7 @@ SINGLE = ["detect", "softmax", "topk_exact", "topk_index", "v2", "v2_binary"]
 ONE_BATCH = 64  # connections that fill one batch (the server's max_batch)
 SATURATE = 2 * ONE_BATCH  # connections that keep the next full batch queued while one computes
 SYNTHETIC_ROWS = "clustered"  # like trained heads; "gaussian" is the index worst case
+PRECISION_MIN_CLASSES = 100_000  # from here on the full softmax is also measured on the int8 and bf16 heads
 
 
 def bench_home() -> Path:
@@ -197,6 +201,9 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         log.info(f"D={D}: slc done; RSS {loaded['rss'] / 2**20:.0f} MiB, head {head_bytes / 2**20:.0f} MiB")
     row["head_alone"] = head_alone(bundle)
     phase("head_alone")
+    if D >= PRECISION_MIN_CLASSES:
+        row["precisions"] = bench_precisions(bundle, D, dim, duration, SATURATE, log_dir, read_bandwidth())
+        phase("precisions")
     if with_peer:
         with peer_server(bundle, log_dir, f"D{D}") as peer:
             try:

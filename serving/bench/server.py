@@ -109,16 +109,17 @@ def grpc_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("grpc", "tritonclient"))
 
 
-def slc_server(bundle: Optional[Path], log_dir: Path, tag: str, data_dir: Path, grpc: bool = False) -> ServerProcess:
+def slc_server(bundle: Optional[Path], log_dir: Path, tag: str, data_dir: Path, grpc: bool = False,
+               env: Optional[dict] = None) -> ServerProcess:
     """`slc serve BUNDLE` (the default model when None) on a free port, logging to log_dir; with `grpc`,
-    KServe v2 over gRPC on a second free port (`.grpc_port`)."""
+    KServe v2 over gRPC on a second free port (`.grpc_port`); `env`: more SLC_* settings."""
     port = free_port()
     argv = [sys.executable, "-m", "slc", "serve"] + ([str(bundle)] if bundle else []) + [
         "--port", str(port), "--data-dir", str(data_dir)]
     grpc_port = free_port() if grpc else None
     if grpc_port:
         argv += ["--grpc-port", str(grpc_port)]
-    server = ServerProcess(argv, port, log_dir / f"server-{tag}.log", env={"SLC_LOG_LEVEL": "warning"})
+    server = ServerProcess(argv, port, log_dir / f"server-{tag}.log", env={"SLC_LOG_LEVEL": "warning", **(env or {})})
     server.grpc_port = grpc_port
     return server
 

@@ -37,6 +37,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "mixed": ("serving.bench.cli:mixed", "Detect latency beside full-softmax load: one batch at a time against two lanes."),
     "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
+    "precision": ("serving.bench.cli:precision", "int8 / bf16 heads against float64: logit error, p(j) error, top-k agreement."),
     "agreement": ("serving.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),
     "gallery": ("serving.bench.cli:gallery", "Shared (PostgreSQL) gallery: how soon another replica sees a write."),
     "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),

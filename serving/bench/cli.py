@@ -328,3 +328,40 @@ def mixed(classes: int, dim: int, softmax_concurrency: int, duration: float, rou
     click.echo(mixed_markdown(r, command, classes))
     click.echo(f"detect p50 beside softmax load: {one['p50']:.2f} ms one batch at a time, {two['p50']:.2f} ms with two "
                f"lanes -> {out / 'mixed.md'}")
+
+
+@click.command()
+@click.option("--bundle", "bundle_dir", required=True, type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--inputs", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="inputs .npy [N, *input shape] (e.g. a test split); default: --samples standard normal inputs")
+@click.option("--samples", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--precision", "precisions", default="int8,bf16", show_default=True)
+@click.option("--out", default="docs/results", show_default=True, help="where head-precision.{json,md} go", **OUT)
+def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions: str, out: Path) -> None:
+    """How exact the int8 / bf16 heads' answers are against float64 (no HTTP): OUT/head-precision.md."""
+    import numpy as np
+
+    from serving.bench.precision import exactness, exactness_markdown
+    from serving.bundle import load_bundle
+
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    if bad := [p for p in names if p not in ("int8", "bf16")]:
+        raise click.BadParameter(f"unknown precision {bad[0]!r}; known: int8, bf16", param_hint="--precision")
+    shape = load_bundle(bundle_dir, verify=False).input_shape
+    x = np.load(inputs, mmap_mode="r") if inputs else \
+        np.random.default_rng(0).standard_normal((samples, *shape)).astype(np.float32)
+    if tuple(x.shape[1:]) != tuple(shape):
+        raise click.BadParameter(f"inputs of shape {list(x.shape[1:])}, the bundle takes {list(shape)}", param_hint="--inputs")
+    store = out / "head-precision.json"
+    rows = json.loads(store.read_text()) if store.is_file() else []
+    command = f"slc bench precision --bundle {bundle_dir}" + (f" --inputs {inputs}" if inputs else f" --samples {samples}")
+    for p in names:
+        r = {**exactness(bundle_dir, x, p), "bundle": bundle_dir.name, "command": command,
+             "inputs_from": inputs.name if inputs else "standard normal"}
+        rows = [o for o in rows if (o["bundle"], o["precision"]) != (r["bundle"], p)] + [r]
+        click.echo(f"{bundle_dir.name} {p}: max |dlogit| {r['max_abs_logit_error']:.3g} (logit std {r['logit_std']:.3g}), "
+                   f"top-1 agreement {r['top1_agreement']:.4f}, exact top-5 after re-scoring {r['top5_exact_after_rescoring']:.4f}")
+    out.mkdir(parents=True, exist_ok=True)
+    store.write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "head-precision.md").write_text(exactness_markdown(rows))
+    click.echo(f"-> {out / 'head-precision.md'}")

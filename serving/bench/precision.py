@@ -69,3 +69,85 @@ def bench_precisions(bundle: Path, classes: int, dim: int, duration: float, satu
         log.info(f"D={classes:,} {precision}: one connection p50 {single['p50_ms']:.2f} ms (floor {floor_ms:.2f} ms), "
                  f"RSS {rss / 2**20:.0f} MiB")
     return out
+
+
+# ---------------------------------------------------------------- exactness (no HTTP)
+TOPK = 5
+
+
+def _embeddings(bundle, inputs: np.ndarray, batch: int = 1024) -> np.ndarray:
+    """h [N, d] float32 through the bundle's backbone.onnx."""
+    from serving.bundle.session import ort_session
+
+    session = ort_session(bundle.graph_path("backbone"), prepack=False)
+    return np.concatenate([session.run(None, {"input": np.asarray(inputs[i:i + batch], np.float32)})[0]
+                           for i in range(0, len(inputs), batch)])
+
+
+def _quantized_gemm(bundle, precision: str, batch: int):
+    from serving import head_scan, quantized_head
+
+    head = bundle.heads[precision]
+    if precision == "bf16":
+        return quantized_head.Bf16Head(head["weight"], bundle.bias), head_scan.pair_rows(batch, bundle.num_classes)
+    rows = quantized_head.int8_rows(bundle.num_classes, head_scan.pair_rows(batch, bundle.num_classes))
+    return quantized_head.Int8Head(head["weight"], head["scale"], bundle.bias, rows), rows
+
+
+def exactness(bundle_dir: Path, inputs: np.ndarray, precision: str, labels: np.ndarray | None = None) -> dict:
+    """The quantized head's logits against float64 ones on `inputs`: max and mean |Δlogit|, the
+    relative error of p(j) as served (exact logit of j over the quantized normaliser; j = the label,
+    else the exact argmax), top-1 agreement, top-5 overlap before and exact top-5 after re-scoring."""
+    from serving import head_scan, quantized_head
+    from serving.bundle import load_bundle
+
+    ensure_heads(Path(bundle_dir))
+    bundle = load_bundle(bundle_dir, verify=False)
+    h = _embeddings(bundle, inputs)  # [N, d]
+    h64, n = h.astype(np.float64), len(h)
+    gemm, rows = _quantized_gemm(bundle, precision, n)
+    lse = {k: np.full(n, -np.inf) for k in ("exact", "quant")}
+    top = {"exact": head_scan.TopK(n, TOPK), "quant": head_scan.TopK(n, TOPK), "rescored": head_scan.TopK(n, TOPK + quantized_head.TOPK_EXTRA)}
+    err_max, err_sum, z_sum, z_sq, buf = 0.0, 0.0, 0.0, 0.0, np.empty((n, rows), np.float32)
+    for start in range(0, bundle.num_classes, rows):
+        stop = min(start + rows, bundle.num_classes)
+        exact = h64 @ np.asarray(bundle.weight[start:stop], np.float64).T + np.asarray(bundle.bias[start:stop], np.float64)
+        quant = gemm(h, start, stop, buf[:, :stop - start]).astype(np.float64)  # [N, C]
+        err = np.abs(quant - exact)
+        err_max, err_sum = max(err_max, float(err.max())), err_sum + float(err.sum())
+        z_sum, z_sq = z_sum + float(exact.sum()), z_sq + float((exact ** 2).sum())
+        for key, z in (("exact", exact), ("quant", quant)):
+            m = z.max(axis=1)
+            lse[key] = np.logaddexp(lse[key], m + np.log(np.exp(z - m[:, None]).sum(axis=1)))
+        top["exact"].update(exact.astype(np.float32), start)
+        top["quant"].update(quant.astype(np.float32), start)
+        top["rescored"].update(quant.astype(np.float32), start)
+    top["rescored"].rescore(h, bundle.weight, bundle.bias, keep=TOPK)
+    ids = {k: t.result()[1] for k, t in top.items()}  # [N, 5] best first
+    return {"precision": precision, "inputs": n, "classes": bundle.num_classes,
+            "logit_std": float(np.sqrt(max(z_sq / (n * bundle.num_classes) - (z_sum / (n * bundle.num_classes)) ** 2, 0))),
+            "max_abs_logit_error": err_max, "mean_abs_logit_error": err_sum / (n * bundle.num_classes),
+            "p_j_rel_error_max": float(np.abs(np.expm1(lse["exact"] - lse["quant"])).max()),
+            "p_j_rel_error_mean": float(np.abs(np.expm1(lse["exact"] - lse["quant"])).mean()),
+            "p_j_of": "label" if labels is not None else "exact argmax",
+            "top1_agreement": float((ids["quant"][:, 0] == ids["exact"][:, 0]).mean()),
+            "top5_overlap": float(np.mean([len(set(a) & set(b)) / TOPK for a, b in zip(ids["quant"], ids["exact"])])),
+            "top5_exact_after_rescoring": float((ids["rescored"] == ids["exact"]).all(axis=1).mean())}
+
+
+def exactness_markdown(rows: list[dict]) -> str:
+    L = ["# Quantized heads: how exact the served answers are", "",
+         "Each row: the bundle's int8 or bf16 head (serving/bundle/quantize.py) through the server's own pass "
+         "(serving/quantized_head.py) against float64 logits from the float32 head, on the inputs named. p(j) "
+         "as served is the exact logit of j over the quantized normaliser, so its relative error is "
+         "|exp(lse − lse_q) − 1|; the top-5 as served is re-scored exactly from the 5 + 16 best quantized "
+         "candidates. Speed and memory: scale.md, \"Head precision\".", "",
+         "| bundle | inputs | D | precision | logit std | max \\|Δlogit\\| | mean \\|Δlogit\\| | p(j) rel. error max | mean | "
+         "top-1 agreement | top-5 overlap (quantized) | top-5 exact after re-scoring | command |",
+         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        L.append(f"| {r['bundle']} | {r['inputs_from']} ({r['inputs']:,}) | {r['classes']:,} | {r['precision']} | "
+                 f"{r['logit_std']:.3g} | {r['max_abs_logit_error']:.3g} | {r['mean_abs_logit_error']:.3g} | "
+                 f"{r['p_j_rel_error_max']:.2e} | {r['p_j_rel_error_mean']:.2e} | {r['top1_agreement']:.4f} | "
+                 f"{r['top5_overlap']:.4f} | {r['top5_exact_after_rescoring']:.4f} | `{r['command']}` |")
+    return "\n".join(L) + "\n"

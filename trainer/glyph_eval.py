@@ -66,34 +66,53 @@ def _logsumexp(z: np.ndarray) -> np.ndarray:
     return m + np.log(np.exp(z - m[:, None]).sum(axis=1))
 
 
-def evaluate(run: Path, splits, views: dict, normalized: bool) -> dict:
-    """RUN/glyph_eval.json: metrics on the user views, detect rates at calibrated precision, and
-    (for `normalized`, ce's runs) the normalized-CE metrics on every split; computed once.
-    `splits`: the run's dataset (trainer.data.Splits), `views`: user_views of it."""
-    from trainer.calibrate import calibrate_chunks
+def evaluate(run: Path, splits, views: dict, normalized: bool, detect: bool = True) -> dict:
+    """RUN/glyph_eval.json: metrics on the user views, detect rates at calibrated precision (when
+    `detect`), and (for `normalized`, ce's runs) the normalized-CE metrics on the test and
+    calibration splits; computed once. `splits`: the run's dataset (trainer.data.Splits), `views`:
+    user_views of it ({} to skip them)."""
     from trainer.metrics import head_chunks, streaming_slc_metrics
     from trainer.train import load_run
 
     path = Path(run) / "glyph_eval.json"
+    want = {"views": sorted(views), "detect": detect, "normalized": normalized}
     if path.is_file() and (old := json.loads(path.read_text())).get("version") == EVAL_VERSION \
-            and ("normalized" in old or not normalized):
+            and all(old.get("asked", {}).get(k) == v for k, v in want.items()):
         return old
     model = load_run(run)[0]
     w, b = (p.detach().double().numpy() for p in (model.head.weight, model.head.bias))  # [D, d], [D]
-    h = {"test": embed(model, splits.test[0]), "calibration": embed(model, splits.calibration[0]),
-         **{v: embed(model, x) for v, (x, _) in views.items()}}
-    y = {"test": splits.test[1], "calibration": splits.calibration[1], **{v: yv for v, (_, yv) in views.items()}}
+    named = {"test": splits.test, "calibration": splits.calibration, **views}
+    needed = [s for s in named if s in views or normalized or (detect and s in ("test", "calibration"))]
+    h = {s: embed(model, named[s][0]) for s in needed}
+    y = {s: named[s][1] for s in needed}
     d = len(b)
-    out = {"version": EVAL_VERSION,
+    out = {"version": EVAL_VERSION, "asked": want,
            "views": {v: streaming_slc_metrics(head_chunks(h[v], w, b, CHUNK), y[v], d) for v in views}}
-    out["detect"] = {}
-    for split in ("test", *views):
-        cal = calibrate_chunks(head_chunks(h["calibration"], w, b, CHUNK), y["calibration"], d, DETECT_TARGET,
-                               head_chunks(h[split], w, b, CHUNK), y[split])
-        out["detect"][split] = {k: cal["summary"]["test"][k] for k in ("per_class_mean_recall", "per_class_mean_precision",
-                                                                        "classes_reaching_target")}
-        out["detect"][split]["calibration_recall"] = cal["summary"]["per_class_mean_recall"]
+    if detect:
+        out["detect"] = _detect(h, y, w, b, ("test", *views))
     if normalized:
-        out["normalized"] = {s: streaming_slc_metrics(normalized_chunks(h[s], w, b), y[s], d) for s in h}
+        out["normalized"] = {s: streaming_slc_metrics(normalized_chunks(h[s], w, b), y[s], d)
+                             for s in ("test", "calibration", *views)}
     path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _detect(h: dict, y: dict, w: np.ndarray, b: np.ndarray, splits: tuple[str, ...]) -> dict:
+    """Per-class thresholds calibrated on the calibration split (DETECT_TARGET, the export's
+    default method), then each split's mean per-class recall and precision at them."""
+    from trainer.calibrate import _test_rates, calibrate_chunks
+    from trainer.metrics import head_chunks
+
+    d = len(b)
+    cal = calibrate_chunks(head_chunks(h["calibration"], w, b, CHUNK), y["calibration"], d, DETECT_TARGET,
+                           head_chunks(h[splits[0]], w, b, CHUNK), y[splits[0]])
+    thresholds = np.array([c["threshold"] for c in cal["per_class"]], dtype=np.float64)  # [D]
+    out = {}
+    for split in splits:
+        rates = _test_rates(head_chunks(h[split], w, b, CHUNK), y[split], d, thresholds,
+                            float(cal["global"]["threshold"]))["per_class"]
+        out[split] = {"per_class_mean_recall": float(rates["recall"].mean()),
+                      "per_class_mean_precision": float(rates["precision"].mean()),
+                      "classes_reaching_target": int((rates["precision"] >= DETECT_TARGET["precision"] - 1e-12).sum()),
+                      "calibration_recall": cal["summary"]["per_class_mean_recall"]}
     return out

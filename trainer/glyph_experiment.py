@@ -143,7 +143,7 @@ def _detect(done: dict, extras: dict) -> dict:
     """Per row: means over seeds of the detect rates at the calibrated precision, per split."""
     out = {}
     for (loss, rate), runs in done.items():
-        per_seed = [extras[str(r)]["detect"] for r in runs if isinstance(r, Path) and str(r) in extras]
+        per_seed = [extras[str(r)]["detect"] for r in runs if isinstance(r, Path) and "detect" in extras.get(str(r), {})]
         if per_seed:
             out[row_name(loss, rate)] = {split: {k: float(np.mean([d[split][k] for d in per_seed]))
                                                  for k in per_seed[0][split]} for split in per_seed[0]}
@@ -183,17 +183,24 @@ def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progr
 
 
 def _extras(dataset: str, done: dict) -> dict:
-    """{run path: RUN/glyph_eval.json} for every finished run (the user views, normalized CE for
-    ce's full-head runs, detect at calibrated precision); {} for a glyph set without user views."""
+    """{run path: RUN/glyph_eval.json}: the user views and detect at calibrated precision for each
+    row's first seed, normalized CE for every seed of ce's full-head runs; {} for a glyph set
+    without user views."""
     from trainer.data import load_dataset
     from trainer.data.glyphs import glyph_set
     from trainer.glyph_eval import evaluate, user_views
 
-    finished = [(loss, rate, r) for (loss, rate), runs in done.items() for r in runs if isinstance(r, Path)]
+    finished = [(loss, rate, seed, r) for (loss, rate), runs in done.items() for seed, r in enumerate(runs)
+                if isinstance(r, Path)]
     if not finished or not glyph_set(dataset).raw:
         return {}
     splits, views = load_dataset(dataset), user_views(dataset)
-    return {str(r): evaluate(r, splits, views, normalized=(loss == "ce" and rate == 1.0)) for loss, rate, r in finished}
+    out = {}
+    for loss, rate, seed, run in finished:  # the views and detect on the first seed (minutes of CPU per run)
+        ce = loss == "ce" and rate == 1.0
+        if seed == 0 or ce:
+            out[str(run)] = evaluate(run, splits, views if seed == 0 else {}, normalized=ce, detect=seed == 0)
+    return out
 
 
 def _result(plan: GlyphPlan, done: dict, extras: dict, trained: int, elapsed: float) -> dict:

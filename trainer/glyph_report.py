@@ -151,7 +151,8 @@ def write_report(out: Path, plan, result: dict, command: str) -> None:
         lines += [f"## {VIEW_TITLES.get(split, split)}", "", *table(rows), ""]
     lines += ["## The detect route at the calibrated precision", "",
               "Per-class thresholds chosen on the calibration faces for precision 0.99 (what `slc export` ships), "
-              "then measured on the test face: means over classes (first seeds' mean when two).", "",
+              "then measured on the test face and its user views: means over classes, first seed. Precision "
+              "counts a class that matches nothing as 1 (the export's convention), so read recall first.", "",
               *detect_lines(result.get("detect") or {}),
               "## The paper's claim, checked on the test-face means", "",
               *claim_check({r["loss"]: r for r in result["rows"]["test"]}), "",

@@ -2,10 +2,11 @@
 
 Both are head_scan ChunkGemms, run by head_scan.scan_two like the packed float32 head:
 
-- `Int8Head`: one one-thread onnxruntime session per chunk of classes, each a
-  com.microsoft.DynamicQuantizeMatMul (the input quantized to uint8 per call, the chunk's int8
-  rows with their per-class scales as a constant that onnxruntime packs once for its integer
-  GEMM): a quarter of float32's bytes read per request.
+- `Int8Head`: one-thread onnxruntime sessions per chunk of classes, the chunk's int8 rows and
+  per-class scales constants that onnxruntime packs once: com.microsoft.MatMulNBits (8 bits, the
+  decode-time kernel of language models) for one or a few inputs, DynamicQuantizeMatMul (the
+  inputs quantized to uint8 per call, an integer GEMM) for batches: a quarter of float32's bytes
+  read per request.
 - `Bf16Head`: each chunk's bfloat16 rows widened to float32 in a buffer of the thread's, then one
   numpy GEMM: half the bytes read from memory, but a widening pass per chunk (neither numpy nor
   onnxruntime's CPU provider has a bfloat16 GEMM on x86).
@@ -22,6 +23,7 @@ import numpy as np
 
 MAX_CHUNKS = 512  # sessions per head at most: a 10⁷-class head gets chunks of ~20k classes
 TOPK_EXTRA = 16  # a quantized top-k pass keeps k + this many candidates for the exact re-scoring
+NBITS_MAX_BATCH = 4  # up to this many inputs MatMulNBits is the faster int8 kernel, above it DynamicQuantizeMatMul
 
 
 def int8_rows(num_classes: int, pair_rows: int) -> int:
@@ -29,18 +31,29 @@ def int8_rows(num_classes: int, pair_rows: int) -> int:
     return max(pair_rows, -(-num_classes // MAX_CHUNKS))
 
 
-def _int8_graph(embed_dim: int, q_t: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> bytes:
-    """z [M, C] = dequantize(quantize(h) @ q_t) * scale + bias; q_t [d, C] int8 (B of the op)."""
+def _int8_graph(embed_dim: int, q: np.ndarray, scale: np.ndarray, bias: np.ndarray, kind: str) -> bytes:
+    """z [M, C] ≈ h @ (scale · q).T + bias for one chunk; q [C, d] int8 rows, scale [C].
+
+    kind "dynamic": com.microsoft.DynamicQuantizeMatMul (h quantized to uint8 per call, an
+    integer GEMM: the faster for batches); kind "nbits": com.microsoft.MatMulNBits with 8 bits
+    and one block per row (q + 128 as uint8, accuracy level 4: int8 compute; the faster for one
+    or a few inputs, the decode-time kernel of language models)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    c = q_t.shape[1]
-    node = helper.make_node("DynamicQuantizeMatMul", ["h", "q", "scale", "zero", "bias"], ["z"], domain="com.microsoft")
+    c = q.shape[0]
+    if kind == "dynamic":
+        node = helper.make_node("DynamicQuantizeMatMul", ["h", "q", "scale", "zero", "bias"], ["z"], domain="com.microsoft")
+        inits = [numpy_helper.from_array(np.ascontiguousarray(q.T), "q"), numpy_helper.from_array(scale, "scale"),
+                 numpy_helper.from_array(np.zeros(c, np.int8), "zero"), numpy_helper.from_array(bias, "bias")]
+    else:
+        node = helper.make_node("MatMulNBits", ["h", "q", "scale", "", "", "bias"], ["z"], domain="com.microsoft",
+                                K=embed_dim, N=c, bits=8, block_size=embed_dim, accuracy_level=4)
+        blob = (q.astype(np.int16) + 128).astype(np.uint8).reshape(c, 1, embed_dim)  # [N, blocks, bytes]
+        inits = [numpy_helper.from_array(blob, "q"), numpy_helper.from_array(scale, "scale"),
+                 numpy_helper.from_array(bias, "bias")]
     graph = helper.make_graph(
-        [node], "int8_head_chunk",
-        [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["M", embed_dim])],
-        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", c])],
-        initializer=[numpy_helper.from_array(q_t, "q"), numpy_helper.from_array(scale, "scale"),
-                     numpy_helper.from_array(np.zeros(c, np.int8), "zero"), numpy_helper.from_array(bias, "bias")])
+        [node], f"int8_head_chunk_{kind}", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["M", embed_dim])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", c])], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
     return model.SerializeToString()
@@ -48,7 +61,9 @@ def _int8_graph(embed_dim: int, q_t: np.ndarray, scale: np.ndarray, bias: np.nda
 
 class Int8Head:
     """head_scan.ChunkGemm over chunks of `rows` classes of an int8 head (q [D, d] int8, scale [D],
-    bias [D] float32), each a one-thread session; start must be a multiple of `rows`."""
+    bias [D] float32); start must be a multiple of `rows`. Each chunk has two one-thread sessions,
+    MatMulNBits for up to NBITS_MAX_BATCH inputs and DynamicQuantizeMatMul above (both pack the
+    rows once: about two bytes per weight in all, half of float32's four)."""
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, bias: np.ndarray, rows: int):
         import onnxruntime as ort
@@ -57,20 +72,23 @@ class Int8Head:
 
         self.rows = int(rows)
         self.num_classes, self.embed_dim = q.shape
-        self._sessions = []
+        self._sessions: list[dict[str, object]] = []
         for start in range(0, self.num_classes, self.rows):
             stop = min(start + self.rows, self.num_classes)
-            graph = _int8_graph(self.embed_dim, np.ascontiguousarray(np.asarray(q[start:stop]).T),
-                                np.asarray(scale[start:stop], dtype=np.float32), np.asarray(bias[start:stop], dtype=np.float32))
-            opts = ort_session_options(threads=1, spin=False, arena=False)
-            self._sessions.append(ort.InferenceSession(graph, sess_options=opts, providers=["CPUExecutionProvider"]))
-            del graph  # onnxruntime holds the packed rows now
+            rows_q = np.asarray(q[start:stop])
+            parts = (np.asarray(scale[start:stop], dtype=np.float32), np.asarray(bias[start:stop], dtype=np.float32))
+            chunk = {}
+            for kind in ("nbits", "dynamic"):
+                opts = ort_session_options(threads=1, spin=False, arena=False)
+                chunk[kind] = ort.InferenceSession(_int8_graph(self.embed_dim, rows_q, *parts, kind), sess_options=opts,
+                                                   providers=["CPUExecutionProvider"])
+            self._sessions.append(chunk)
 
     def __call__(self, h: np.ndarray, start: int, stop: int, out: np.ndarray) -> np.ndarray:
         k, rest = divmod(start, self.rows)
         if rest or stop - start != min(self.rows, self.num_classes - start):
             raise ValueError(f"classes {start}..{stop}: not one of this head's chunks of {self.rows}")
-        session = self._sessions[k]
+        session = self._sessions[k]["nbits" if len(h) <= NBITS_MAX_BATCH else "dynamic"]
         io = session.io_binding()
         io.bind_cpu_input("h", np.ascontiguousarray(h, dtype=np.float32))
         io.bind_output("z", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)

@@ -110,19 +110,20 @@ def test_serving_a_precision_the_bundle_lacks_fails_in_one_line(client_factory):
 
 def _bound(h: np.ndarray, weight: np.ndarray, heads, precision: str) -> np.ndarray:
     """|quantized logit − float64 logit| per (input, class) [N, D]: the row's rounding times |h|,
-    plus for int8 the input's own uint8 rounding (DynamicQuantizeMatMul) times |w|."""
+    plus for int8 the input's own rounding by the kernel times |w|."""
     h = h.astype(np.float64)
     if precision == "bf16":
         return np.abs(h) @ (np.abs(weight) * 2.0 ** -8).T + 1e-5
     scale = heads["int8"]["scale"].astype(np.float64)  # [D]
     wq = np.abs(heads["int8"]["weight"].astype(np.float64)) * scale[:, None]  # |ŵ| [D, d]
-    step_h = (np.maximum(h.max(1), 0) - np.minimum(h.min(1), 0)) / 255  # [N] uint8 step of each input
+    step_h = np.abs(h).max(1) / 127  # [N] the input's int8 step (MatMulNBits); uint8's (DynamicQuantizeMatMul) is smaller
     return np.abs(h).sum(1)[:, None] * scale[None] / 2 + step_h[:, None] / 2 * wq.sum(1)[None] + 1e-4
 
 
+@pytest.mark.parametrize("n", [1, 6])  # int8: MatMulNBits for one input, DynamicQuantizeMatMul for six
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
-def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path, precision, threads):
+def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path, precision, threads, n):
     from fastapi.testclient import TestClient
 
     from serving.app import create_app
@@ -130,7 +131,7 @@ def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path,
 
     b = load_bundle(qbundle)
     offline = Offline(b)
-    x = np.random.default_rng(4).standard_normal((6, INPUT_DIM)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((n, INPUT_DIM)).astype(np.float32)
     z = offline.logits(x)  # [N, D] float64
     bound = _bound(offline.embed(x), offline.W, b.heads, precision)
     with TestClient(create_app(make_settings(qbundle, tmp_path, head_precision=precision, intra_op_threads=threads))) as c:

@@ -354,7 +354,9 @@ def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions
         raise click.BadParameter(f"inputs of shape {list(x.shape[1:])}, the bundle takes {list(shape)}", param_hint="--inputs")
     store = out / "head-precision.json"
     rows = json.loads(store.read_text()) if store.is_file() else []
-    command = f"slc bench precision --bundle {bundle_dir}" + (f" --inputs {inputs}" if inputs else f" --samples {samples}")
+    home = str(Path.home())
+    command = f"slc bench precision --bundle {str(bundle_dir).replace(home, '~')}" + (
+        f" --inputs {str(inputs).replace(home, '~')}" if inputs else f" --samples {samples}")
     for p in names:
         r = {**exactness(bundle_dir, x, p), "bundle": bundle_dir.name, "command": command,
              "inputs_from": inputs.name if inputs else "standard normal"}

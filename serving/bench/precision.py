@@ -114,11 +114,12 @@ def exactness(bundle_dir: Path, inputs: np.ndarray, precision: str, labels: np.n
     gemm, rows = _quantized_gemm(bundle, precision, n)
     lse = {k: np.full(n, -np.inf) for k in ("exact", "quant")}
     top = {"exact": head_scan.TopK(n, TOPK), "quant": head_scan.TopK(n, TOPK), "rescored": head_scan.TopK(n, TOPK + quantized_head.TOPK_EXTRA)}
-    err_max, err_sum, z_sum, z_sq, buf = 0.0, 0.0, 0.0, 0.0, np.empty((n, rows), np.float32)
+    err_max, err_sum, z_sum, z_sq, buf = 0.0, 0.0, 0.0, 0.0, np.empty(n * rows, np.float32)
     for start in range(0, bundle.num_classes, rows):
         stop = min(start + rows, bundle.num_classes)
         exact = h64 @ np.asarray(bundle.weight[start:stop], np.float64).T + np.asarray(bundle.bias[start:stop], np.float64)
-        quant = gemm(h, start, stop, buf[:, :stop - start]).astype(np.float64)  # [N, C]
+        out = buf[:n * (stop - start)].reshape(n, stop - start)  # [N, C] contiguous, as the server's passes
+        quant = gemm(h, start, stop, out).astype(np.float64)  # [N, C]
         err = np.abs(quant - exact)
         err_max, err_sum = max(err_max, float(err.max())), err_sum + float(err.sum())
         z_sum, z_sq = z_sum + float(exact.sum()), z_sq + float((exact ** 2).sum())
@@ -147,7 +148,8 @@ def exactness_markdown(rows: list[dict]) -> str:
          "(serving/quantized_head.py) against float64 logits from the float32 head, on the inputs named. p(j) "
          "as served is the exact logit of j over the quantized normaliser, so its relative error is "
          "|exp(lse − lse_q) − 1|; the top-5 as served is re-scored exactly from the 5 + 16 best quantized "
-         "candidates. Speed and memory: scale.md, \"Head precision\".", "",
+         "candidates. The synthetic bundles are `slc bench scale`'s (`slc bundle synthetic --classes D --dim 256`, "
+         "kept under ~/.cache/slc/bench). Speed and memory: scale.md, \"Head precision\".", "",
          "| bundle | inputs | D | precision | logit std | max \\|Δlogit\\| | mean \\|Δlogit\\| | p(j) rel. error max | mean | "
          "top-1 agreement | top-5 overlap (quantized) | top-5 exact after re-scoring | command |",
          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

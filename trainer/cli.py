@@ -241,6 +241,15 @@ def evaluate(run: Path, split: str, data: Optional[str]) -> None:
     click.echo(f"{run} on {split}: accuracy {metrics['accuracy']:.4f}, auprc {metrics['auprc']:.4f}")
 
 
+def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    from serving.bundle.quantize import PRECISIONS
+
+    names = tuple(dict.fromkeys(p.strip() for p in value.split(",") if p.strip()))
+    if bad := [p for p in names if p not in PRECISIONS]:
+        raise click.BadParameter(f"unknown head precision {bad[0]!r}; known: {', '.join(PRECISIONS)}", ctx, param)
+    return names
+
+
 @click.command("export")
 @click.argument("run", **RUN)
 @click.option("--out", required=True, help="bundle directory to write (replaced atomically)", **OUT)
@@ -253,21 +262,17 @@ def evaluate(run: Path, split: str, data: Optional[str]) -> None:
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
-@click.option("--head-precision", "head_precision", default="",
+@click.option("--head-precision", "head_precision", default="", callback=_head_precisions,
               help="also write quantized heads: int8, bf16 or both, comma-separated (docs/bundle-format.md)")
 def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float],
-           threshold_method: str, kappa: float, data: Optional[str], head_precision: str) -> None:
+           threshold_method: str, kappa: float, data: Optional[str], head_precision: tuple[str, ...]) -> None:
     """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
     from serving.bundle import load_bundle
-    from serving.bundle.quantize import PRECISIONS
     from trainer.export import export_bundle
 
-    precisions = tuple(dict.fromkeys(p.strip() for p in head_precision.split(",") if p.strip()))
-    if bad := [p for p in precisions if p not in PRECISIONS]:
-        raise click.BadParameter(f"unknown head precision {bad[0]!r}; known: {', '.join(PRECISIONS)}",
-                                 param_hint="--head-precision")
+    precisions = head_precision
     t0 = time.perf_counter()
     method = {"name": threshold_method, "kappa": kappa} if threshold_method == "shrink" else {"name": threshold_method}
     try:

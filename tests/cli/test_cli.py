@@ -53,6 +53,9 @@ MISTAKES = [
     (["verify", "{tmp}/nothing"], "{tmp}/nothing"),
     (["bundle", "synthetic", "--classes", "0", "--out", "{tmp}/b"], "--classes"),
     (["bundle", "synthetic", "--classes", "5", "--rows", "uniform", "--out", "{tmp}/b"], "'uniform' is not one of"),
+    (["bundle", "quantize", "{tmp}/nothing"], "not a bundle directory"),
+    (["bundle", "synthetic", "--classes", "5", "--head-precision", "fp8", "--out", "{tmp}/b"], "expected a comma list of int8, bf16"),
+    (["export", "--head-precision", "int4", "{tmp}/r", "--out", "{tmp}/b"], "unknown head precision 'int4'"),
     (["loadtest", "--url", "127.0.0.1:9", "--endpoint", "detekt", "--out", "{tmp}/lt"], "'detekt' is not an endpoint"),
     (["loadtest", "--url", "127.0.0.1:9", "--rate", "5", "--concurrency", "2", "--out", "{tmp}/lt"], "not both"),
     (["loadtest", "--url", "http://192.0.2.1:80", "--out", "{tmp}/lt"], "--allow-remote"),
@@ -119,6 +122,18 @@ def test_bundle_and_verify_end_with_a_summary(tmp_path, capsys):
     code, out, err = run(capsys, "verify", tmp_path / "b")
     assert code == 0, err
     assert out.strip().startswith(f"OK {tmp_path / 'b'}: 12 classes, d=4, 7 files hashed")
+
+
+def test_bundle_quantize_adds_verified_heads_and_refuses_a_bundle_that_does_not_verify(tmp_path, capsys):
+    assert run(capsys, "bundle", "synthetic", "--classes", 12, "--dim", 4, "--input-dim", 3, "--out", tmp_path / "b")[0] == 0
+    code, out, err = run(capsys, "bundle", "quantize", tmp_path / "b", "--precision", "int8,bf16")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1].startswith(f"{tmp_path / 'b'}: int8 head ")
+    code, out, err = run(capsys, "verify", tmp_path / "b")
+    assert code == 0 and "10 files hashed" in out, (out, err)
+    (tmp_path / "b" / "samples.npz").unlink()
+    code, _, err = run(capsys, "bundle", "quantize", tmp_path / "b")
+    assert code == 1 and err.strip().splitlines()[-1].startswith("error: ") and "does not verify" in err
 
 
 def test_verify_failure_lists_each_problem_then_one_summary_line(tmp_path, capsys):

@@ -21,30 +21,30 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "train": ("trainer.cli:train", "Fit a backbone and class head with a loss; writes a run directory."),
     "evaluate": ("trainer.cli:evaluate", "Single-logit metrics of a trained run on a split."),
     "export": ("trainer.cli:export", "Write the ONNX bundle of a trained run, calibrated on its calibration split."),
-    "experiment": ("trainer.cli:experiment", "Paper experiments (table1, glyphs)."),
+    "experiment": ("tools.cli:experiment", "Paper experiments (table1, glyphs)."),
     "data": ("trainer.cli:data", "Datasets that are built, not downloaded (glyphs rendered from fonts)."),
     "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),
     "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
     "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work) and Triton model repositories."),
-    "loadtest": ("serving.loadtest.cli:loadtest", "Load a running server; writes report.json, report.md, latency.png."),
+    "loadtest": ("tools.loadtest.cli:loadtest", "Load a running server; writes report.json, report.md, latency.png."),
     "bench": (None, "Benchmarks written to docs/results (scale, routes, index, losses, ...)."),
 }
 BENCH: dict[str, tuple[Optional[str], str]] = {
-    "scale": ("serving.bench.cli:scale", "Single-logit vs full softmax serving as the number of classes grows."),
-    "index": ("serving.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
-    "soak": ("serving.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
-    "routes": ("serving.bench.cli:routes", "Server time per request on each route, the app called in-process (no HTTP noise)."),
-    "mixed": ("serving.bench.cli:mixed", "Detect latency beside full-softmax load: one batch at a time against two lanes."),
-    "hostile": ("serving.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
-    "fuzz": ("serving.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
-    "precision": ("serving.bench.cli:precision", "int8 / bf16 heads against float64: logit error, p(j) error, top-k agreement."),
-    "agreement": ("serving.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),
-    "gallery": ("serving.bench.cli:gallery", "Shared (PostgreSQL) gallery: how soon another replica sees a write."),
-    "losses": ("trainer.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
-    "head": ("trainer.cli:bench_head", "Training at many classes: full vs sampled vs sharded head, as D grows."),
+    "scale": ("tools.bench.cli:scale", "Single-logit vs full softmax serving as the number of classes grows."),
+    "index": ("tools.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
+    "soak": ("tools.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
+    "routes": ("tools.bench.cli:routes", "Server time per request on each route, the app called in-process (no HTTP noise)."),
+    "mixed": ("tools.bench.cli:mixed", "Detect latency beside full-softmax load: one batch at a time against two lanes."),
+    "hostile": ("tools.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
+    "fuzz": ("tools.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
+    "precision": ("tools.bench.cli:precision", "int8 / bf16 heads against float64: logit error, p(j) error, top-k agreement."),
+    "agreement": ("tools.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),
+    "gallery": ("tools.bench.cli:gallery", "Shared (PostgreSQL) gallery: how soon another replica sees a write."),
+    "losses": ("tools.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
+    "head": ("tools.cli:bench_head", "Training at many classes: full vs sampled vs sharded head, as D grows."),
 }
 # the extra a command's module needs beyond the base (server) install
-EXTRAS = {"trainer": "train", "serving.loadtest.cli": "bench", "serving.bench.cli": "bench"}
+EXTRAS = {"trainer": "train", "tools.cli": "train", "tools.loadtest.cli": "bench", "tools.bench.cli": "bench"}
 DEBUG_ENV = "SLC_DEBUG"
 
 
@@ -69,7 +69,7 @@ class LazyGroup(click.Group):
         try:
             return getattr(importlib.import_module(module), attr)
         except ImportError as exc:  # a command whose extra is not installed
-            extra = "train" if module.startswith("trainer") else EXTRAS.get(module, "bench")
+            extra = "train" if module.startswith("trainer") else EXTRAS.get(module, "bench")  # module: e.g. tools.cli
             raise click.ClickException(f"`{ctx.command_path} {name}` needs {exc.name or exc}, which this install "
                                        f"lacks: pip install 'slc[{extra}]'") from None
 

@@ -1,5 +1,5 @@
 """gRPC limits (serving/grpc_v2.py, issue 30) against a real `slc serve --grpc-port` process, with
-misbehaving clients written as raw HTTP/2 frames (serving/bench/h2_attack.py): streams that
+misbehaving clients written as raw HTTP/2 frames (tools/bench/h2_attack.py): streams that
 announce megabytes and stall are bounded and their memory given back when the client leaves;
 calls that only send headers are refused past the limits and ended after body_timeout_s; while
 either runs, health and detect over HTTP answer. Every shape error is INVALID_ARGUMENT, typed
@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.bench import h2_attack
+from tools.bench import h2_attack
 from tests.serving.helpers import INPUT_DIM, free_port, serve_process, wait_http_ready
 
 grpc = pytest.importorskip("grpc", reason="pip install 'slc[grpc]'")

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serving.bench.hostile import KINDS, hostile_body
+from tools.bench.hostile import KINDS, hostile_body
 from tests.serving.helpers import INPUT_DIM, assert_envelope
 
 pytestmark = pytest.mark.integration  # a real uvicorn

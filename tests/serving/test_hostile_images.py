@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from serving import image_decoder
-from serving.bench.hostile_images import chunk_flood_png, png_chunk, progressive_jpeg, sixteen_bit_png
+from tools.bench.hostile_images import chunk_flood_png, png_chunk, progressive_jpeg, sixteen_bit_png
 from serving.bundle.image import (FILE_MAX_PIXELS, MAX_JPEG_SCANS, MAX_PNG_CHUNKS, SCANS_AT_MAX_PIXELS,
                                   ImageTooComplex, check_structure, decode_image)
 from serving.errors import ApiError

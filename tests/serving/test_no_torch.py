@@ -31,12 +31,14 @@ with TestClient(app) as c:
         time.sleep(0.05)
     status = c.post("/v1/classes/0/detect", json={"inputs": [[0.0] * 12]}).status_code
     topk = c.post("/v1/topk", json={"inputs": [[0.0] * 12], "k": 3, "mode": "index"}).status_code
-# every serving module except the torch baseline peer, which is not on the serving path
-skipped = {"serving.bench.torch_peer"}
-for m in pkgutil.walk_packages(serving.__path__, "serving."):
-    name = m.name
-    if name not in skipped:
-        importlib.import_module(name)
+# every serving module, and the server-side tools (load tester, benchmarks): not the torch baseline
+# peer, which runs only as a subprocess of its own, nor the trainer's benchmarks (head_train, losses)
+import tools.bench, tools.loadtest
+skipped = {"tools.bench.torch_peer", "tools.bench.head_train", "tools.bench.losses"}
+for pkg in (serving, tools.loadtest, tools.bench):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if m.name not in skipped:
+            importlib.import_module(m.name)
 print(json.dumps({"torch": "torch" in sys.modules or "trainer" in sys.modules, "status": status, "topk": topk}))
 """
 

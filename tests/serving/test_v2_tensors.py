@@ -11,7 +11,7 @@ import pytest
 
 from serving import inputs as read, v2_tensors
 from serving.errors import ApiError
-from serving.loadtest.client import v2_binary_body, v2_json_body
+from tools.loadtest.client import v2_binary_body, v2_json_body
 from tests.serving.helpers import json_mutations
 
 SHAPE, MAX_INPUTS = (12,), 8

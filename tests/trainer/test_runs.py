@@ -206,7 +206,7 @@ def test_max_steps_is_a_budget_that_ends_the_schedule(tmp_path):
 
 def test_the_run_cache_key_changes_with_the_config_and_with_the_code(monkeypatch):
     """One key for every experiment: a changed option or a changed loss module is a new run."""
-    import trainer.run_cache as rc
+    import tools.experiments.run_cache as rc
 
     base = rc.run_key(_cfg())
     assert rc.run_key(_cfg()) == base

@@ -168,7 +168,7 @@ def test_two_rank_sharded_head_trains_the_single_process_head(tmp_path, loss):
 def test_table1_rows_are_means_of_their_runs(tmp_path, monkeypatch):
     """table1.json rows = mean/std over seeds of independently recomputed run metrics;
     normalized_ce = metrics of the ce models' softmax; the markdown prints 1 − x."""
-    from trainer.experiments import table1
+    from tools.experiments.table1 import table1
 
     monkeypatch.setenv("SLC_CACHE_DIR", str(tmp_path / "cache"))
     result = table1(dataset="digits", seeds=2, epochs=1, lrs=[0.1], losses=["ce", "batch_ce"], out=tmp_path / "t1")

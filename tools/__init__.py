@@ -1,0 +1,1 @@
+"""Experiments, benchmarks and the load tester: above trainer/ and serving/, never imported by them."""

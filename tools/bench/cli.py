@@ -1,0 +1,369 @@
+"""`slc bench scale`, `routes`, `index` and the others (the trainer's `slc bench losses` lives in trainer/cli.py)."""
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import click
+
+from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, key_values, require
+
+
+@contextmanager
+def _served(bundle: Path, tag: str, grpc: bool = False) -> Iterator[tuple]:
+    """(`slc serve BUNDLE` ready on a free port, its scratch directory), stopped after."""
+    from tools.bench.server import slc_server
+
+    with tempfile.TemporaryDirectory(prefix=f"slc-{tag}-") as tmp:
+        with slc_server(bundle, Path(tmp), tag, Path(tmp) / "data", grpc=grpc) as srv:
+            srv.wait_ready(300)
+            yield srv, Path(tmp)
+
+
+def _classes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        classes = sorted({int(c) for c in value.split(",") if c.strip()})
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", ctx, param) from None
+    if not classes or classes[0] < 2:
+        raise click.BadParameter(f"every D must be >= 2, got {value!r}", ctx, param)
+    return classes
+
+
+@click.command()
+@click.option("--classes", default="10,1000,100000,1000000", show_default=True, callback=_classes, help="comma list of D")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
+@click.option("--duration", type=POSITIVE, default=8.0, show_default=True, help="measured seconds per endpoint and D")
+@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="closed-loop workers")
+@click.option("--peer/--no-peer", default=True, show_default=True, help="also measure the plain torch peer (train extra)")
+@click.option("--default-model/--no-default-model", default=True, show_default=True,
+              help="also measure detect on the default model")
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
+              help="measure this one bundle (e.g. a trained model) instead of the synthetic sweep")
+@click.option("--out", default="docs/results", show_default=True, help="where scale.{json,md,png} go", **OUT)
+def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer: bool, default_model: bool,
+          bundle_dir: Optional[Path], out: Path) -> None:
+    """Single-logit vs full softmax as D grows: OUT/scale.{json,md,png}; or on one real bundle."""
+    if bundle_dir is not None:
+        from tools.bench.bundle_scale import bench_bundle, bundle_markdown
+
+        r = bench_bundle(bundle_dir, duration, concurrency)
+        command = f"slc bench scale --bundle {bundle_dir} --duration {duration:g} --concurrency {concurrency}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"scale-{r['bundle']}.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+        (out / f"scale-{r['bundle']}.md").write_text(bundle_markdown(r, command))
+        click.echo(f"{r['bundle']}: detect/softmax throughput {r['ratios']['detect_over_softmax_rps']:.2f}x "
+                   f"-> {out / ('scale-' + r['bundle'] + '.md')}")
+        return
+    from tools.bench.report import scale_markdown
+    from tools.bench.run import run_scale_bench
+
+    require("matplotlib", "bench")  # scale.png, written after the sweep
+    res = run_scale_bench(classes=classes, dim=dim, duration=duration, out=out, concurrency=concurrency,
+                          with_peer=peer, default_model=default_model)
+    click.echo(scale_markdown(res))
+    missed = [t["target"] for t in res["targets"] if t["met"] is False]
+    click.echo(f"{len(res['rows'])} sizes in {res['elapsed_s']:.0f} s -> {out / 'scale.md'}; "
+               f"targets met {sum(t['met'] is True for t in res['targets'])}/{len(res['targets'])}"
+               + (f"; missed: {'; '.join(missed)}" if missed else ""))
+
+
+@click.command()
+@click.option("--classes", type=click.IntRange(min=2), default=100_000, show_default=True, help="rows of the synthetic head")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--rows", type=click.Choice(["gaussian", "clustered"]), default="gaussian", show_default=True)
+@click.option("--kind", type=click.Choice(["exact", "flat", "ivf", "hnsw"]), help="[default: the server's choice for this D]")
+@click.option("--param", "params", multiple=True, callback=key_values,
+              help="k=v build parameter (nlist, nprobe, codes=none|sq4|sq8|flat, rerank, ...), repeatable")
+@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--work", default="/tmp/slc-index-bench", show_default=True,
+              help="where the head and the index cache are kept between runs", **OUT)
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
+              help="measure on this bundle's trained head with real queries instead of a synthetic head")
+@click.option("--inputs", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="with --bundle: a .npy of raw inputs to embed as queries [default: the bundle's samples]")
+@click.option("--grow", default="", help="with --bundle: comma list of head sizes grown by perturbed copies of the rows")
+@click.option("--sigma", type=POSITIVE, default=0.3, show_default=True, help="with --bundle: perturbation of the copies")
+@click.option("--out", default="docs/results", show_default=True, help="with --bundle: where the report goes", **OUT)
+def index(classes: int, dim: int, rows: str, kind: Optional[str], params: dict, batch: int, work: Path,
+          bundle_dir: Optional[Path], inputs: Optional[Path], grow: str, sigma: float, out: Path) -> None:
+    """Build time, memory, recall@10 and speed-up vs exact of the top-k index on a synthetic head
+    (the first run writes the head; run again for memory figures that exclude writing it), or with
+    --bundle on a trained head and real queries."""
+    if bundle_dir is not None:
+        return _trained_index(bundle_dir, inputs, grow, sigma, kind, work, out)
+    from tools.bench.index import run_index_bench
+
+    report = run_index_bench(classes, dim, rows, work, kind=kind, params=params, batch=batch)
+    click.echo(json.dumps(report, indent=1))
+    click.echo(f"{report['info'].get('kind')} index over {classes:,} rows: open {report['open_seconds']} s, "
+               f"recall@10 {report['near_row']['recall_at_10']} (near-row queries), "
+               f"{report['near_row']['speedup_batch']}x exact per batch")
+
+
+@click.command()
+@click.option("--duration", type=POSITIVE, default=60.0, show_default=True, help="seconds of load in all")
+@click.option("--kills", type=click.IntRange(min=1), default=3, show_default=True, help="kill -9 rounds in the first half")
+@click.option("--classes", type=click.IntRange(min=2), default=1000, show_default=True, help="D of the synthetic bundle")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="load client workers")
+@click.option("--out", default="docs/results", show_default=True, help="where soak.{json,md} go", **OUT)
+def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path) -> None:
+    """Mixed load with kill -9 of the server during gallery writes: acknowledged writes lost (must be 0),
+    memory growth, open descriptors, errors. Exit 1 if an acknowledged write was lost."""
+    import sys
+
+    from tools.bench.run import INPUT_DIM, cached_bundle
+    from tools.bench.soak import run_soak, soak_markdown
+
+    bundle = cached_bundle(classes, 64)
+    with tempfile.TemporaryDirectory(prefix="slc-soak-") as tmp:
+        res = run_soak(bundle, INPUT_DIM, Path(tmp), duration, kills, concurrency, [sys.executable, "-m", "slc"])
+    command = f"slc bench soak --duration {duration:g} --kills {kills} --classes {classes} --concurrency {concurrency}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "soak.md").write_text(soak_markdown(res, command))
+    w = res["writes"]
+    click.echo(f"soak: {w['acknowledged']} acknowledged writes, {w['lost_at_end']} lost; memory "
+               f"{res['memory']['growth_bytes'] / 2**20:+.1f} MiB after warm-up; fds {res['fds']['after_warmup']} -> "
+               f"{res['fds']['end']} -> {out / 'soak.md'}")
+    if w["lost_at_end"]:
+        raise click.ClickException(f"{w['lost_at_end']} acknowledged writes were lost")
+
+
+@click.command()
+@click.option("--max-examples", type=click.IntRange(min=1), default=100, show_default=True,
+              help="examples per operation and phase")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--classes", type=click.IntRange(min=2), default=50, show_default=True, help="D of the synthetic bundle")
+@click.option("--out", default="docs/results", show_default=True, help="where fuzz.{json,md} go", **OUT)
+def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
+    """schemathesis against a real server from its own OpenAPI: 0 server errors, 0 responses off
+    their schema, 0 undocumented statuses. Exit 1 otherwise."""
+    from tools.bench.fuzz import fuzz_markdown, run_fuzz
+    from tools.bench.run import cached_bundle
+
+    require("schemathesis", "bench")
+    with _served(cached_bundle(classes, 16), "fuzz") as (srv, tmp):
+        res = run_fuzz(srv.url, max_examples, seed, tmp)
+    command = f"slc bench fuzz --max-examples {max_examples} --seed {seed} --classes {classes}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fuzz.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "fuzz.md").write_text(fuzz_markdown(res, command))
+    v = res["verdict"]
+    click.echo(f"fuzz: {res['test_cases']['generated']} requests over {res['operations']['tested']} operations; "
+               + ", ".join(f"{n} {name}" for name, n in v.items()) + f" -> {out / 'fuzz.md'}")
+    if not res["passed"]:
+        raise click.ClickException("the server failed the fuzz verdict; see " + str(out / "fuzz.md"))
+
+
+@click.command()
+@click.option("--size-mb", type=click.FloatRange(min=0.01, max=8.0), default=7.5, show_default=True,
+              help="body size (the server's limit is 8 MiB)")
+@click.option("--out", default="docs/results", show_default=True, help="where hostile.{json,md} go", **OUT)
+def hostile(size_mb: float, out: Path) -> None:
+    """Hostile bodies (strings, objects, nesting, counts, huge examples) against a real server: time
+    to answer, peak-memory growth, and a concurrent health probe's worst latency; then hostile images
+    (scan bomb, chunk flood, 16-bit PNG), several at once, against a server of an image bundle: also
+    a valid image's latency during the attack and the RSS of the server and its decode processes."""
+    from tools.bench.hostile import KINDS, hostile_markdown, measure
+    from tools.bench.run import INPUT_DIM, cached_bundle
+
+    from tools.bench.hostile_service import service_markdown, service_rows
+    from tools.bench.server import grpc_available
+
+    with _served(cached_bundle(1000, 64), "hostile", grpc=grpc_available()) as (srv, tmp):
+        rows = [measure(srv, kind, int(size_mb * (1 << 20)), INPUT_DIM) for kind in KINDS]
+        service = service_rows(srv, tmp / "data", INPUT_DIM)  # gallery and gRPC attacks
+    from tools.bench.hostile_images import image_markdown, image_rows
+
+    with tempfile.TemporaryDirectory(prefix="slc-hostile-images-") as tmp:
+        images = image_rows(Path(tmp))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hostile.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "hostile-images.json").write_text(json.dumps(images, indent=2) + "\n")
+    (out / "hostile-service.json").write_text(json.dumps(service, indent=2) + "\n")
+    text = hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}") + "\n" + image_markdown(
+        images, "slc bench hostile") + service_markdown(service)
+    (out / "hostile.md").write_text(text)
+    click.echo(text)
+    worst = max(rows, key=lambda r: r["seconds"])
+    click.echo(f"{len(rows)} hostile bodies: slowest answer {worst['seconds']:.3f} s ({worst['kind']}), worst probe "
+               f"{max(r['worst_probe_ms'] for r in rows):.1f} ms -> {out / 'hostile.md'}")
+
+
+@click.command()
+@click.option("--gallery-url", required=True, help="postgresql://… (a database the benchmark may write to)")
+@click.option("--items", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def gallery(gallery_url: str, items: int, out: Path) -> None:
+    """Shared gallery: delay until another replica sees a write or delete, and the write rate."""
+    from tools.bench.gallery_sync import markdown, measure
+
+    require("psycopg", "postgres")
+    result = measure(gallery_url, items)
+    command = f"slc bench gallery --gallery-url postgresql://… --items {items}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shared-gallery.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "shared-gallery.md").write_text(markdown(result, command))
+    up = result["upsert"]
+    click.echo(f"gallery: upsert seen by the other replica after p50 {up['p50_ms']:.1f} ms, p99 {up['p99_ms']:.1f} ms; "
+               f"{result['writes_per_s']:.0f} writes/s -> {out / 'shared-gallery.md'}")
+
+
+def _trained_index(bundle_dir: Path, inputs: Optional[Path], grow: str, sigma: float, kind: Optional[str],
+                   work: Path, out: Path) -> None:
+    from tools.bench.trained_index import markdown, run
+
+    sizes = [int(g) for g in grow.split(",") if g.strip()]
+    kinds = (kind,) if kind else ("ivf", "hnsw")
+    result = run(bundle_dir, inputs, sizes, sigma, kinds, work)
+    command = (f"slc bench index --bundle {bundle_dir}" + (f" --inputs {inputs}" if inputs else "")
+               + (f" --grow {grow}" if grow else "") + f" --sigma {sigma:g}" + (f" --kind {kind}" if kind else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"index-trained-{result['bundle']}"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result, command))
+    worst = min(result["rows"], key=lambda r: r["recall_at_10"])
+    click.echo(f"index on {result['bundle']}: {len(result['rows'])} head x kind rows, lowest recall@10 "
+               f"{worst['recall_at_10']:.3f} ({worst['kind']}, {worst['classes']:,} classes) -> {out / name}.md")
+
+
+@click.command()
+@click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--inputs", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=".npy of the split's raw inputs (the one export measured: the run's test split)")
+@click.option("--labels", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=".npy of their class ids")
+@click.option("--classes", type=click.IntRange(min=1), default=50, show_default=True,
+              help="classes whose detect answers are compared one by one")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: Path) -> None:
+    """Top-1 and per-class detect precision/recall over HTTP against the offline figures of export."""
+    import numpy as np
+
+    from tools.bench.agreement import markdown, measure
+
+    x, y = np.load(inputs, mmap_mode="r"), np.load(labels)
+    if len(x) != len(y):
+        raise click.BadParameter(f"{len(x)} inputs but {len(y)} labels", param_hint="--labels")
+    r = measure(bundle_dir, x, y, classes)
+    command = f"slc bench agreement BUNDLE --inputs {inputs.name} --labels {labels.name} --classes {classes}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"agreement-{r['bundle']}.json").write_text(json.dumps(r, indent=2) + "\n")
+    (out / f"agreement-{r['bundle']}.md").write_text(markdown(r, command))
+    click.echo(f"{r['bundle']}: HTTP top-1 {r['http_accuracy']:.4f} (offline {r['offline_accuracy']}); detect equal on "
+               f"{r['classes_equal']}/{r['classes_clear']} classes -> {out / ('agreement-' + r['bundle'] + '.md')}")
+
+
+@click.command()
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
+              help="[default: the synthetic D = 10 bundle of `slc bench scale`, 64-value inputs]")
+@click.option("--default-model", is_flag=True, help="the embedded default model instead (784-value inputs)")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True, help="rounds over the routes")
+@click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True, help="requests per route and round")
+@click.option("--out", default="docs/results", show_default=True,
+              help="where routes.{json,md} go (routes-default-model.*, routes-BUNDLE.*)", **OUT)
+def routes(bundle_dir: Optional[Path], default_model: bool, rounds: int, requests: int, out: Path) -> None:
+    """Server time per request on each route (live, detect, v2 JSON and binary, softmax), the app called
+    in-process one request at a time: route against route without HTTP or load-client noise."""
+    from rich.progress import Progress
+
+    from tools.bench.routes import ROUTES, measure_routes, routes_markdown
+    from tools.bench.run import cached_bundle
+
+    if bundle_dir is not None and default_model:
+        raise click.UsageError("give --bundle or --default-model, not both")
+    if default_model:
+        from serving.bundle import slc_home
+        from serving.default_model import ensure_default_bundle
+
+        bundle, stem, flag = ensure_default_bundle(slc_home()), "routes-default-model", " --default-model"
+    elif bundle_dir is not None:
+        bundle, stem, flag = bundle_dir, f"routes-{bundle_dir.name}", f" --bundle {bundle_dir}"
+    else:
+        bundle, stem, flag = cached_bundle(10, 256), "routes", ""
+    with Progress(transient=True) as bar:
+        task = bar.add_task("routes", total=rounds * len(ROUTES))
+        r = measure_routes(bundle, ROUTES, rounds, requests, progress=lambda: bar.advance(task))
+    command = f"slc bench routes{flag} --rounds {rounds} --requests {requests}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({**r, "command": command}, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(routes_markdown(r, command))
+    best = r["best_us"]
+    click.echo(routes_markdown(r, command))
+    click.echo(f"detect {best['detect']:.0f} µs, v2 JSON {best['v2']:.0f} µs ({best['v2'] / best['detect']:.2f}×), "
+               f"v2 binary {best['v2_binary']:.0f} µs per request -> {out / (stem + '.md')}")
+
+
+@click.command()
+@click.option("--classes", type=click.IntRange(min=2), default=100_000, show_default=True, help="D of the synthetic bundle")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
+@click.option("--softmax-concurrency", type=click.IntRange(min=1), default=16, show_default=True,
+              help="connections asking the full softmax meanwhile")
+@click.option("--duration", type=POSITIVE, default=5.0, show_default=True, help="measured seconds per phase")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True, help="alternations of the two servers")
+@click.option("--out", default="docs/results", show_default=True, help="where mixed.{json,md} go", **OUT)
+def mixed(classes: int, dim: int, softmax_concurrency: int, duration: float, rounds: int, out: Path) -> None:
+    """Detect on one connection beside full-softmax load: one batch at a time against two lanes
+    (SLC_CONCURRENT_BATCHES 1 and 2), two servers alternating."""
+    from rich.progress import Progress
+
+    from tools.bench.mixed import mixed_markdown, run_mixed
+    from tools.bench.run import cached_bundle
+
+    bundle = cached_bundle(classes, dim)
+    with tempfile.TemporaryDirectory(prefix="slc-mixed-") as tmp, Progress(transient=True) as bar:
+        task = bar.add_task("mixed", total=None)
+        r = run_mixed(bundle, Path(tmp), duration, softmax_concurrency, rounds,
+                      progress=lambda what: bar.update(task, description=what))
+    command = (f"slc bench mixed --classes {classes} --dim {dim} --softmax-concurrency {softmax_concurrency} "
+               f"--duration {duration:g} --rounds {rounds}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mixed.json").write_text(json.dumps({**r, "classes": classes, "command": command}, indent=2) + "\n")
+    (out / "mixed.md").write_text(mixed_markdown(r, command, classes))
+    one, two = (r["servers"][name]["detect_beside_softmax"] for name in ("one batch at a time", "two lanes"))
+    click.echo(mixed_markdown(r, command, classes))
+    click.echo(f"detect p50 beside softmax load: {one['p50']:.2f} ms one batch at a time, {two['p50']:.2f} ms with two "
+               f"lanes -> {out / 'mixed.md'}")
+
+
+@click.command()
+@click.option("--bundle", "bundle_dir", required=True, type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--inputs", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="inputs .npy [N, *input shape] (e.g. a test split); default: --samples standard normal inputs")
+@click.option("--samples", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--precision", "precisions", default="int8,bf16", show_default=True)
+@click.option("--out", default="docs/results", show_default=True, help="where head-precision.{json,md} go", **OUT)
+def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions: str, out: Path) -> None:
+    """How exact the int8 / bf16 heads' answers are against float64 (no HTTP): OUT/head-precision.md."""
+    import numpy as np
+
+    from tools.bench.precision import exactness, exactness_markdown
+    from serving.bundle import load_bundle
+
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    if bad := [p for p in names if p not in ("int8", "bf16")]:
+        raise click.BadParameter(f"unknown precision {bad[0]!r}; known: int8, bf16", param_hint="--precision")
+    shape = load_bundle(bundle_dir, verify=False).input_shape
+    x = np.load(inputs, mmap_mode="r") if inputs else \
+        np.random.default_rng(0).standard_normal((samples, *shape)).astype(np.float32)
+    if tuple(x.shape[1:]) != tuple(shape):
+        raise click.BadParameter(f"inputs of shape {list(x.shape[1:])}, the bundle takes {list(shape)}", param_hint="--inputs")
+    store = out / "head-precision.json"
+    rows = json.loads(store.read_text()) if store.is_file() else []
+    home = str(Path.home())
+    command = f"slc bench precision --bundle {str(bundle_dir).replace(home, '~')}" + (
+        f" --inputs {str(inputs).replace(home, '~')}" if inputs else f" --samples {samples}")
+    for p in names:
+        r = {**exactness(bundle_dir, x, p), "bundle": bundle_dir.name, "command": command,
+             "inputs_from": inputs.name if inputs else "standard normal"}
+        rows = [o for o in rows if (o["bundle"], o["precision"]) != (r["bundle"], p)] + [r]
+        click.echo(f"{bundle_dir.name} {p}: max |dlogit| {r['max_abs_logit_error']:.3g} (logit std {r['logit_std']:.3g}), "
+                   f"top-1 agreement {r['top1_agreement']:.4f}, exact top-5 after re-scoring {r['top5_exact_after_rescoring']:.4f}")
+    out.mkdir(parents=True, exist_ok=True)
+    store.write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "head-precision.md").write_text(exactness_markdown(rows))
+    click.echo(f"-> {out / 'head-precision.md'}")

@@ -1,0 +1,169 @@
+"""The commands of the experiments and training benchmarks: `slc experiment table1 / glyphs /
+calibration`, `slc bench losses / head`. Composed into `slc` by slc/cli.py (imported only when one
+of them runs); above trainer/ (it imports the trainer's option checks), never imported by it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from serving.bundle.cliopts import OUT, POSITIVE
+from trainer.augment import AUGMENTS
+from trainer.cli import DATASET
+from trainer.losses import list_losses
+from trainer.sharded_head import sharded_losses
+
+
+@click.group(no_args_is_help=True)
+def experiment() -> None:
+    """Paper experiments."""
+
+
+def _floats(ctx: click.Context, param: click.Parameter, value: str) -> list[float]:
+    try:
+        return [float(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}", ctx, param) from None
+
+
+def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    names = [x for x in value.split(",") if x]
+    if bad := [x for x in names if x not in list_losses()]:
+        raise click.BadParameter(f"unknown loss {bad[0]!r}; choose from {', '.join(list_losses())}", ctx, param)
+    return names
+
+
+@experiment.command("glyphs")
+@click.option("--dataset", default="glyphs3755", show_default=True, **DATASET)
+@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--lr", type=POSITIVE, default=3e-3, show_default=True, help="Adam learning rate of every row when --lrs is empty")
+@click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="resnet_glyph width")
+@click.option("--lrs", default="0.001,0.003,0.01", show_default=True,
+              help="the paper's protocol: a comma grid of learning rates, each row's chosen by calibration-face "
+              "accuracy after --search-steps (empty: --lr for every row)")
+@click.option("--search-steps", type=click.IntRange(min=1), default=250, show_default=True)
+@click.option("--precision", type=click.Choice(("fp32", "bf16")), default="bf16", show_default=True)
+@click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
+              help="full runs stop after N epochs without a better calibration accuracy")
+@click.option("--augment", type=click.Choice(AUGMENTS), default="none", show_default=True)
+@click.option("--runs", "runs_dir", type=click.Path(path_type=Path), default=None,
+              help="run cache [default: $SLC_HOME/runs/glyphs]")
+@click.option("--report-only", is_flag=True, help="write the table from the cached runs; train nothing")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: str, search_steps: int, patience: int,
+           augment: str, precision: str, runs_dir: Optional[Path], report_only: bool, out: Path) -> None:
+    """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
+    import sys
+
+    from serving.bundle import slc_home
+    from tools.experiments.glyphs import GlyphPlan, glyph_experiment
+
+    grid = tuple(_floats(None, None, lrs)) if lrs else ()
+    plan = GlyphPlan(dataset=dataset, seeds=tuple(range(seeds)), epochs=epochs, lr=lr, width=width, lrs=grid,
+                     search_steps=search_steps, patience=patience, augment=augment, precision=precision)
+    command = (f"slc experiment glyphs --dataset {dataset} --seeds {seeds} --epochs {epochs} --lr {lr:g} --width {width}"
+               + (f" --lrs {lrs} --search-steps {search_steps}" if grid else "")
+               + (f" --patience {patience}" if patience else "") + (f" --augment {augment}" if augment != "none" else "")
+               + (f" --precision {precision}" if precision != "bf16" else ""))
+    res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty(),
+                           train_missing=not report_only)
+    t = res["timing"]
+    click.echo(f"glyphs: {len(res['rows']['test'])} rows, {t['runs_trained_now']} runs trained now "
+               f"({t['elapsed_seconds'] / 60:.1f} min) -> {out / (dataset + '.md')}")
+
+
+@experiment.command("calibration")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def calibration_experiment(runs: tuple[Path, ...], out: Path) -> None:
+    """Per-class vs global vs shrunk thresholds, chosen on calibration, judged on the test faces."""
+    from tools.experiments.calibration_study import study, write
+
+    results = []
+    for run in runs:
+        if not (run / "checkpoint.pt").is_file():
+            raise click.BadParameter(f"{run} is not a run directory (no checkpoint.pt)", param_hint="RUNS")
+        results.append(study(run))
+        click.echo(f"{run.name}: {len(results[-1]['rows'])} method x target rows", err=True)
+    path = write(results, out, "slc experiment calibration " + " ".join(str(r) for r in runs))
+    click.echo(f"calibration study of {len(runs)} run(s) -> {path}")
+
+
+@experiment.command("table1")
+@click.option("--dataset", default="mnist5k", show_default=True, **DATASET)
+@click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=30, show_default=True)
+@click.option("--lrs", default="1,0.1,0.01,0.001", show_default=True, callback=_floats,
+              help="learning rates searched per loss on the calibration split")
+@click.option("--losses", default="", callback=_losses, help=f"comma list [default: all: {', '.join(list_losses())}]")
+@click.option("--out", required=True, **OUT)
+def table1(dataset: str, seeds: int, epochs: int, lrs: list[float], losses: list[str], out: Path) -> None:
+    """The PoLS paper's Table 1: every loss, raw single logits, plus the normalized-CE row."""
+    from tools.experiments.table1 import table1 as run_table1
+
+    command = (f"slc experiment table1 --dataset {dataset} --seeds {seeds} --epochs {epochs} "
+               f"--lrs {','.join(f'{x:g}' for x in lrs)}" + (f" --losses {','.join(losses)}" if losses else "")
+               + f" --out {out}")
+    res = run_table1(dataset=dataset, seeds=seeds, epochs=epochs, lrs=lrs, losses=losses or None, out=out,
+                     command=command)
+    p = res["protocol"]
+    click.echo(f"table1: {len(res['rows'])} rows, {p['runs_trained']} runs trained, {p['runs_reused']} reused "
+               f"-> {out / 'table1.md'}")
+
+
+@click.command("losses")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def bench_losses(out: Path) -> None:
+    """Forward+backward time of smooth_topk against ce (C=1000, k=5, B=256)."""
+    from tools.bench.losses import run_loss_bench
+
+    res = run_loss_bench(out=out)
+    click.echo((out / "losses-bench.md").read_text())
+    st = res["methods"]["smooth_topk"]
+    click.echo(f"smooth_topk: {st['median_ms']:.2f} ms per batch, {st['ratio_to_ce']:.1f}x ce -> {out / 'losses-bench.md'}")
+
+
+@click.command("head")
+@click.option("--classes", default="3755,100000,1000000", show_default=True, help="comma list of D")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batch", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--rate", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.1, show_default=True,
+              help="R of the sampled head")
+@click.option("--loss", "loss_name", type=click.Choice(sharded_losses()), default="ce", show_default=True)
+@click.option("--train-classes", default="3755,100000", show_default=True,
+              help="comma list of D for whole glyph-network training steps (empty: skip)")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def bench_head(classes: str, dim: int, batch: int, rate: float, loss_name: str, train_classes: str, out: Path) -> None:
+    """Training at many classes: head time per step (full, sampled, 2 shards) as D grows, and glyph-network images/s."""
+    from tools.bench.head_train import head_bench_markdown, head_step_times, train_step_rates
+
+    sizes, train_sizes = _ints(classes, "--classes"), _ints(train_classes, "--train-classes")
+    rows, train_rows = [], []
+    for D in sizes:
+        rows.append(head_step_times(D, dim, batch, rate, loss_name))
+        r = rows[-1]
+        click.echo(f"head D={D:,}: full {r['full_ms']:.1f} ms, sampled {r['sampled_ms']:.1f} ms, "
+                   f"{r['shards']} shards {r['sharded_ms']:.1f} ms per step", err=True)
+    for D in train_sizes:
+        train_rows.append(train_step_rates(D, rate=rate, loss=loss_name))
+        r = train_rows[-1]
+        click.echo(f"train D={D:,}: full {r['full_images_s']:.0f}, sampled {r['sampled_images_s']:.0f}, "
+                   f"sharded {r['sharded_images_s']:.0f} images/s", err=True)
+    command = (f"slc bench head --classes {classes} --dim {dim} --batch {batch} --rate {rate:g} --loss {loss_name} "
+               f"--train-classes {train_classes}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "head-bench.json").write_text(json.dumps({"head": rows, "train": train_rows}, indent=2) + "\n")
+    (out / "head-bench.md").write_text(head_bench_markdown(rows, train_rows, command))
+    click.echo(f"head bench: {len(rows)} head sizes, {len(train_rows)} training sizes -> {out / 'head-bench.md'}")
+
+
+def _ints(value: str, hint: str) -> list[int]:
+    try:
+        return [int(c) for c in value.split(",") if c]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=hint) from None

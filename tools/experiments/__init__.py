@@ -1,0 +1,1 @@
+"""The paper experiments and their run cache (`slc experiment ...`)."""

@@ -63,9 +63,13 @@ class PackedHead:
         k, rest = divmod(start, self.rows)
         if rest or stop - start != min(self.rows, self.num_classes - start):
             raise ValueError(f"classes {start}..{stop}: not one of this head's chunks of {self.rows}")
-        session = self._sessions[k]
-        io = session.io_binding()
-        io.bind_cpu_input("h", np.ascontiguousarray(h, dtype=np.float32))
-        io.bind_output("z", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-        session.run_with_iobinding(io)
-        return out
+        return run_into(self._sessions[k], h, out)
+
+
+def run_into(session, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """A chunk session's z [M, C] for h [M, d], written straight into `out` (C-contiguous float32)."""
+    io = session.io_binding()
+    io.bind_cpu_input("h", np.ascontiguousarray(h, dtype=np.float32))
+    io.bind_output("z", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+    session.run_with_iobinding(io)
+    return out

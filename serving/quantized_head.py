@@ -21,6 +21,8 @@ import threading
 
 import numpy as np
 
+from serving.packed_head import run_into
+
 MAX_CHUNKS = 512  # sessions per head at most: a 10⁷-class head gets chunks of ~20k classes
 TOPK_EXTRA = 16  # a quantized top-k pass keeps k + this many candidates for the exact re-scoring
 NBITS_MAX_BATCH = 4  # up to this many inputs MatMulNBits is the faster int8 kernel, above it DynamicQuantizeMatMul
@@ -88,12 +90,7 @@ class Int8Head:
         k, rest = divmod(start, self.rows)
         if rest or stop - start != min(self.rows, self.num_classes - start):
             raise ValueError(f"classes {start}..{stop}: not one of this head's chunks of {self.rows}")
-        session = self._sessions[k]["nbits" if len(h) <= NBITS_MAX_BATCH else "dynamic"]
-        io = session.io_binding()
-        io.bind_cpu_input("h", np.ascontiguousarray(h, dtype=np.float32))
-        io.bind_output("z", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-        session.run_with_iobinding(io)
-        return out
+        return run_into(self._sessions[k]["nbits" if len(h) <= NBITS_MAX_BATCH else "dynamic"], h, out)
 
 
 class Bf16Head:

@@ -136,7 +136,8 @@ async def _load(state: ServerState) -> None:
         state.runtime = await asyncio.to_thread(Runtime, bundle, s.device, s.intra_op_threads)
         device = "cuda" if state.runtime.uses_cuda else "cpu"
         s.data_dir.mkdir(parents=True, exist_ok=True)
-        state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device)
+        state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device,
+                                              None if s.class_index == "auto" else s.class_index)
         state.gallery = await asyncio.to_thread(open_gallery, s.gallery_url, s.data_dir, bundle.digest,
                                                 bundle.embed_dim, device, s.gallery_max_bytes)
         engine = Engine(bundle, state.runtime, s, index=state.index, gallery=state.gallery, metrics=state.metrics)

@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         "packed_pair: each chunk's rows pre-packed once, a second copy of the head; both with two or more "
         "intra-op threads), or full.onnx; auto = the fastest at warm-up (packed_pair and onnx only for heads of "
         "at most 64 Mi weights)")
+    class_index: Literal["auto", "exact", "flat", "ivf", "hnsw"] = Field(
+        "auto", description="the class index behind topk mode=index: auto = flat up to 50,000 classes, else ivf "
+        "(hnsw when ivf misses its recall or speed target), built at start and cached under data_dir; exact = no "
+        "index, the same pass as mode=exact (nothing to build: a head too large to index within the start-up "
+        "budget serves at once)")
     head_precision: Literal["float32", "int8", "bf16"] = Field(
         "float32", description="the head the passes over all D classes read (softmax, exact top-k, all logits): the "
         "float32 rows, or the bundle's int8 / bf16 copy (slc bundle quantize; docs/bundle-format.md). The top-k "

@@ -233,3 +233,12 @@ def test_gallery_persists_across_restarts_and_is_reembedded_for_a_new_bundle(cli
     z = other.logits(x)[:, 5]
     assert [h["id"] for h in body["results"]] == [f"k{i}" for i in np.argsort(-z)]
     np.testing.assert_allclose([h["logit"] for h in body["results"]], np.sort(z)[::-1], rtol=1e-4, atol=1e-4)
+
+
+def test_class_index_exact_answers_topk_index_from_the_pass_without_building(client_factory, offline, inputs):
+    """SLC_CLASS_INDEX=exact: no index built (kind exact in /v1/model), topk mode=index answers the
+    exact top-k of the float64 logits."""
+    client = client_factory(class_index="exact")
+    assert client.get("/v1/model").json()["index"]["kind"] == "exact"
+    top = client.post("/v1/topk", json={"inputs": inputs.tolist(), "k": 4, "mode": "index"}).json()
+    assert [[e["class_id"] for e in row] for row in top["results"]] == np.argsort(-offline.logits(inputs), axis=1)[:, :4].tolist()

@@ -110,8 +110,8 @@ def read_bounded(path: Path | str, max_bytes: int) -> bytes:
     size = os.lstat(path).st_size
     if size > max_bytes:
         raise ValueError(f"{size} bytes is over the limit of {max_bytes} for this file")
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:  # grew while read
-        raise ValueError(f"over the limit of {max_bytes} bytes")
+    with open(path, "rb") as f:  # what is there, +1 to see growth (read(n) allocates n bytes up front)
+        data = f.read(size + 1)
+    if len(data) > size:
+        raise ValueError(f"{path} grew while it was read")
     return data

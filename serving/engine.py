@@ -136,7 +136,7 @@ class Engine:
             log.info("backbone: one-thread session for batches of up to %d inputs (faster than the pool there)", small)
         log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
                  self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
-        if self.index is not None:
+        if self.index is not None and not self.index.reads_every_row:  # an exact index is the pass: nothing to warm
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 
     def _quantized_head(self):

@@ -89,17 +89,18 @@ def process_tree_memory(pid: int) -> dict:
         p = todo.pop()
         pids.append(p)
         todo.extend(children.get(p, []))
-    rss = hwm = 0
+    fields = {"VmRSS:": "rss", "VmHWM:": "hwm", "RssAnon:": "rss_anon", "RssFile:": "rss_file"}
+    total = dict.fromkeys(fields.values(), 0)
     for p in pids:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss += int(line.split()[1]) * 1024
-                elif line.startswith("VmHWM:"):
-                    hwm += int(line.split()[1]) * 1024
+                key = fields.get(line.split(":", 1)[0] + ":")
+                if key:
+                    total[key] += int(line.split()[1]) * 1024
         except OSError:
             continue
-    return {"rss": rss, "hwm": hwm, "processes": len(pids), "source": "/proc/PID/status"}
+    # rss_file: pages of mapped files (the head's .npy), clean, which the kernel drops under pressure
+    return {**total, "processes": len(pids), "source": "/proc/PID/status"}
 
 
 def grpc_available() -> bool:

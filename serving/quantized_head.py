@@ -26,6 +26,7 @@ from serving.packed_head import run_into
 MAX_CHUNKS = 512  # sessions per head at most: a 10⁷-class head gets chunks of ~20k classes
 TOPK_EXTRA = 16  # a quantized top-k pass keeps k + this many candidates for the exact re-scoring
 NBITS_MAX_BATCH = 4  # up to this many inputs MatMulNBits is the faster int8 kernel, above it DynamicQuantizeMatMul
+TWO_KERNELS_MAX_VALUES = 1 << 28  # above D·d = 2^28 (10⁶ × 256) one kernel, MatMulNBits: each keeps ~2 bytes a weight
 
 
 def int8_rows(num_classes: int, pair_rows: int) -> int:
@@ -64,8 +65,9 @@ def _int8_graph(embed_dim: int, q: np.ndarray, scale: np.ndarray, bias: np.ndarr
 class Int8Head:
     """head_scan.ChunkGemm over chunks of `rows` classes of an int8 head (q [D, d] int8, scale [D],
     bias [D] float32); start must be a multiple of `rows`. Each chunk has two one-thread sessions,
-    MatMulNBits for up to NBITS_MAX_BATCH inputs and DynamicQuantizeMatMul above (both pack the
-    rows once: about two bytes per weight in all, half of float32's four)."""
+    MatMulNBits for up to NBITS_MAX_BATCH inputs and DynamicQuantizeMatMul above; onnxruntime keeps
+    each kernel's rows and its packed copy, about 2 bytes per weight a kernel, so a head above
+    TWO_KERNELS_MAX_VALUES weights gets MatMulNBits alone (batches then run slower than they could)."""
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, bias: np.ndarray, rows: int):
         import onnxruntime as ort
@@ -74,13 +76,15 @@ class Int8Head:
 
         self.rows = int(rows)
         self.num_classes, self.embed_dim = q.shape
+        big = self.num_classes * self.embed_dim > TWO_KERNELS_MAX_VALUES
+        self.kernels = ("nbits",) if big else ("nbits", "dynamic")  # onnxruntime keeps each its rows and packed copy
         self._sessions: list[dict[str, object]] = []
         for start in range(0, self.num_classes, self.rows):
             stop = min(start + self.rows, self.num_classes)
             rows_q = np.asarray(q[start:stop])
             parts = (np.asarray(scale[start:stop], dtype=np.float32), np.asarray(bias[start:stop], dtype=np.float32))
             chunk = {}
-            for kind in ("nbits", "dynamic"):
+            for kind in self.kernels:
                 opts = ort_session_options(threads=1, spin=False, arena=False)
                 chunk[kind] = ort.InferenceSession(_int8_graph(self.embed_dim, rows_q, *parts, kind), sess_options=opts,
                                                    providers=["CPUExecutionProvider"])
@@ -90,7 +94,8 @@ class Int8Head:
         k, rest = divmod(start, self.rows)
         if rest or stop - start != min(self.rows, self.num_classes - start):
             raise ValueError(f"classes {start}..{stop}: not one of this head's chunks of {self.rows}")
-        return run_into(self._sessions[k]["nbits" if len(h) <= NBITS_MAX_BATCH else "dynamic"], h, out)
+        kernel = "nbits" if len(h) <= NBITS_MAX_BATCH or len(self.kernels) == 1 else "dynamic"
+        return run_into(self._sessions[k][kernel], h, out)
 
 
 class Bf16Head:

@@ -151,3 +151,23 @@ def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path,
     for r, zi, li, bi in zip(soft, z, lse, bound):
         assert r["logit"] == pytest.approx(zi[17], rel=1e-5, abs=1e-5)  # the asked class's own logit: exact
         assert abs(np.log(r["probability"]) - (zi[17] - li)) <= bi.max()  # only the normaliser is quantized
+
+
+@pytest.mark.parametrize("two_kernels", [True, False])
+def test_int8_head_chunks_match_float64_within_bounds_with_one_or_two_kernels(qbundle, monkeypatch, two_kernels):
+    """Int8Head directly, 6 inputs (a batch): DynamicQuantizeMatMul with both kernels; MatMulNBits
+    alone when the head is above TWO_KERNELS_MAX_VALUES (lowered here to force it)."""
+    from serving import quantized_head
+    from serving.bundle import load_bundle
+
+    if not two_kernels:
+        monkeypatch.setattr(quantized_head, "TWO_KERNELS_MAX_VALUES", 0)
+    b = load_bundle(qbundle)
+    offline = Offline(b)
+    h = offline.embed(np.random.default_rng(5).standard_normal((6, INPUT_DIM)).astype(np.float32))
+    head = quantized_head.Int8Head(b.heads["int8"]["weight"], b.heads["int8"]["scale"], b.bias, rows=1000)
+    assert head.kernels == (("nbits", "dynamic") if two_kernels else ("nbits",))
+    z = np.concatenate([head(h, s, min(s + 1000, D_Q), np.empty((6, min(1000, D_Q - s)), np.float32))
+                        for s in range(0, D_Q, 1000)], axis=1)
+    exact = h.astype(np.float64) @ offline.W.T + offline.b
+    assert (np.abs(z - exact) <= _bound(h, offline.W, b.heads, "int8")).all()

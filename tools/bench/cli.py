@@ -367,3 +367,26 @@ def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions
     store.write_text(json.dumps(rows, indent=1) + "\n")
     (out / "head-precision.md").write_text(exactness_markdown(rows))
     click.echo(f"-> {out / 'head-precision.md'}")
+
+
+@click.command()
+@click.option("--classes", type=click.IntRange(min=11), default=10_000_000, show_default=True)
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--precision", type=click.Choice(["float32", "int8", "bf16"]), default="int8", show_default=True)
+@click.option("--class-index", type=click.Choice(["auto", "exact", "flat", "ivf", "hnsw"]), default="exact", show_default=True,
+              help="SLC_CLASS_INDEX of the large server (auto builds an index at start: minutes at 10^7)")
+@click.option("--duration", type=POSITIVE, default=6.0, show_default=True, help="measured seconds per endpoint")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def replica(classes: int, dim: int, precision: str, class_index: str, duration: float, out: Path) -> None:
+    """One replica of a very large synthetic head: ready time, memory, detect / softmax / top-k latency."""
+    from tools.bench.replica import bench_replica, replica_markdown
+
+    command = (f"slc bench replica --classes {classes} --dim {dim} --precision {precision} --class-index {class_index} "
+               f"--duration {duration:g}")
+    with tempfile.TemporaryDirectory(prefix="slc-replica-") as tmp:
+        r = bench_replica(classes, dim, precision, class_index, duration, Path(tmp))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"replica-D{classes}.json").write_text(json.dumps(r, indent=1, default=float) + "\n")
+    (out / f"replica-D{classes}.md").write_text(replica_markdown(r, command))
+    click.echo(f"D={classes:,} {precision}: ready {r['large']['ready_s']:.0f} s, RSS {r['large']['memory']['rss'] / 2**30:.1f} GiB "
+               f"-> {out / f'replica-D{classes}.md'}")

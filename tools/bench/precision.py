@@ -149,7 +149,9 @@ def exactness_markdown(rows: list[dict]) -> str:
          "as served is the exact logit of j over the quantized normaliser, so its relative error is "
          "|exp(lse − lse_q) − 1|; the top-5 as served is re-scored exactly from the 5 + 16 best quantized "
          "candidates. The synthetic bundles are `slc bench scale`'s (`slc bundle synthetic --classes D --dim 256`, "
-         "kept under ~/.cache/slc/bench). Speed and memory: scale.md, \"Head precision\".", "",
+         "kept under ~/.cache/slc/bench). glyphs3755-ce: `slc export RUN --out glyphs3755-ce --head-precision int8,bf16` "
+         "of glyphs3755.md's ce run (seed 0), on its test face (AR PL UKai, 8 renderings per class) saved as a float32 "
+         ".npy. Speed and memory: scale.md, \"Head precision\"; replica-D10000000.md.", "",
          "| bundle | inputs | D | precision | logit std | max \\|Δlogit\\| | mean \\|Δlogit\\| | p(j) rel. error max | mean | "
          "top-1 agreement | top-5 overlap (quantized) | top-5 exact after re-scoring | command |",
          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

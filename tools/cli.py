@@ -54,9 +54,12 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
 @click.option("--runs", "runs_dir", type=click.Path(path_type=Path), default=None,
               help="run cache [default: $SLC_HOME/runs/glyphs]")
 @click.option("--report-only", is_flag=True, help="write the table from the cached runs; train nothing")
+@click.option("--evaluate/--no-evaluate", default=True, show_default=True,
+              help="evaluate finished runs not yet evaluated (test face as users send it, detect; minutes a run), "
+              "or report only the evaluations already made")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
 def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: str, search_steps: int, patience: int,
-           augment: str, precision: str, runs_dir: Optional[Path], report_only: bool, out: Path) -> None:
+           augment: str, precision: str, runs_dir: Optional[Path], report_only: bool, evaluate: bool, out: Path) -> None:
     """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
     import sys
 
@@ -71,7 +74,7 @@ def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: st
                + (f" --patience {patience}" if patience else "") + (f" --augment {augment}" if augment != "none" else "")
                + (f" --precision {precision}" if precision != "bf16" else ""))
     res = glyph_experiment(plan, out, runs_dir or slc_home() / "runs" / "glyphs", command, progress=sys.stderr.isatty(),
-                           train_missing=not report_only)
+                           train_missing=not report_only, evaluate_missing=evaluate)
     t = res["timing"]
     click.echo(f"glyphs: {len(res['rows']['test'])} rows, {t['runs_trained_now']} runs trained now "
                f"({t['elapsed_seconds'] / 60:.1f} min) -> {out / (dataset + '.md')}")

@@ -66,6 +66,15 @@ def _logsumexp(z: np.ndarray) -> np.ndarray:
     return m + np.log(np.exp(z - m[:, None]).sum(axis=1))
 
 
+def cached(run: Path) -> dict | None:
+    """RUN/glyph_eval.json as last computed (this version), or None."""
+    path = Path(run) / "glyph_eval.json"
+    if not path.is_file():
+        return None
+    out = json.loads(path.read_text())
+    return out if out.get("version") == EVAL_VERSION else None
+
+
 def evaluate(run: Path, splits, views: dict, normalized: bool, detect: bool = True) -> dict:
     """RUN/glyph_eval.json: metrics on the user views, detect rates at calibrated precision (when
     `detect`), and (for `normalized`, ce's runs) the normalized-CE metrics on the test and

@@ -151,9 +151,11 @@ def _detect(done: dict, extras: dict) -> dict:
 
 
 def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progress: bool = False,
-                     rows: tuple[tuple[str, float], ...] = ROWS, train_missing: bool = True) -> dict:
+                     rows: tuple[tuple[str, float], ...] = ROWS, train_missing: bool = True,
+                     evaluate_missing: bool = True) -> dict:
     """Train (or reuse) every row × seed, then write out/<dataset>.{json,md}. With train_missing
-    False, only the cached runs are reported (the others are counted as pending)."""
+    False, only the cached runs are reported (the others are counted as pending); with
+    evaluate_missing False, only the runs' evaluations already made (tools/experiments/glyph_eval.py)."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -174,7 +176,7 @@ def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progr
                 train_or_reuse(plan.config(loss, rate, seed, lr), runs, progress, train_missing)
             done[(loss, rate)].append(run)
             trained += new
-    extras = _extras(plan.dataset, done)
+    extras = _extras(plan.dataset, done, evaluate_missing)
     result = _result(plan, done, extras, trained, time.perf_counter() - started)
     result["lr_search"] = {row_name(*row): {"grid": grid, "chosen": lr} for row, (lr, grid) in search.items()}
     (out / f"{plan.dataset}.json").write_text(json.dumps(result, indent=2))
@@ -182,24 +184,25 @@ def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progr
     return result
 
 
-def _extras(dataset: str, done: dict) -> dict:
+def _extras(dataset: str, done: dict, evaluate_missing: bool = True) -> dict:
     """{run path: RUN/glyph_eval.json}: the user views and detect at calibrated precision for each
     row's first seed, normalized CE for every seed of ce's full-head runs; {} for a glyph set
-    without user views."""
+    without user views. Without `evaluate_missing`, only the evaluations already made."""
     from trainer.data import load_dataset
     from trainer.data.glyphs import glyph_set
-    from tools.experiments.glyph_eval import evaluate, user_views
+    from tools.experiments.glyph_eval import cached, evaluate, user_views
 
     finished = [(loss, rate, seed, r) for (loss, rate), runs in done.items() for seed, r in enumerate(runs)
-                if isinstance(r, Path)]
+                if isinstance(r, Path) and (seed == 0 or (loss == "ce" and rate == 1.0))]
     if not finished or not glyph_set(dataset).raw:
         return {}
+    if not evaluate_missing:
+        return {str(r): e for _, _, _, r in finished if (e := cached(r)) is not None}
     splits, views = load_dataset(dataset), user_views(dataset)
     out = {}
     for loss, rate, seed, run in finished:  # the views and detect on the first seed (minutes of CPU per run)
         ce = loss == "ce" and rate == 1.0
-        if seed == 0 or ce:
-            out[str(run)] = evaluate(run, splits, views if seed == 0 else {}, normalized=ce, detect=seed == 0)
+        out[str(run)] = evaluate(run, splits, views if seed == 0 else {}, normalized=ce, detect=seed == 0)
     return out
 
 

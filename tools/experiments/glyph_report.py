@@ -98,9 +98,9 @@ def plot(out: Path, dataset: str, runs: dict, search: dict, lrs: tuple[float, ..
             continue
         _, epochs = read_history(first / "history.csv")
         style = "--" if "R=" in row else "-"
-        left.plot([0] + [r["epoch"] for r in epochs], [0] + [r["cal_accuracy"] for r in epochs], style, marker="o",
+        left.plot([0] + [r["epoch"] + 1 for r in epochs], [0] + [r["cal_accuracy"] for r in epochs], style, marker="o",
                   color=f"C{i % 10}", label=row)
-    left.set(title="calibration-face accuracy per epoch (seed 0)", xlabel="epoch", ylabel="accuracy", ylim=(0, 1))
+    left.set(title="calibration-face accuracy after each epoch (seed 0)", xlabel="epochs trained", ylabel="accuracy", ylim=(0, 1))
     for i, (row, info) in enumerate(search.items()):
         points = [(lr, info["grid"].get(f"{lr:g}")) for lr in lrs]
         points = [(lr, a) for lr, a in points if a is not None]

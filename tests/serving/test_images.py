@@ -1,4 +1,4 @@
-"""Image request bodies (serving/images.py): a training image sent as PNG becomes exactly its
+"""Image request bodies (serving/codecs/images.py): a training image sent as PNG becomes exactly its
 training tensor (mnist5k, glyphs-latin: the spec export records); dark-on-light and transparent
 drawings become the same tensor as light-on-dark ones; over HTTP an image body is answered as
 the JSON body of its tensor; bad images get the envelope (415 / 413 / 422), never a 500."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serving.images import decode, preprocess
+from serving.codecs.images import decode, preprocess
 from tests.serving.helpers import assert_envelope
 
 IMAGE = {"height": 8, "width": 8, "channels": 1, "layout": "flat", "scale": 16.0 / 255.0, "background": "dark",
@@ -85,7 +85,7 @@ def image_bundle(tmp_path_factory):
 def image_client(image_bundle, tmp_path):
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
 
     app = create_app(make_settings(image_bundle, tmp_path))

@@ -1,4 +1,4 @@
-"""What decoding image bodies in worker processes costs (serving/image_decoder.py), and the figures
+"""What decoding image bodies in worker processes costs (serving/codecs/image_decoder.py), and the figures
 behind SLC_DECODE_BUDGET_S: `python -m tools.bench.decode_budget [--out FILE]`.
 
 1. the start of the workers, and the replacement of one killed past its budget;
@@ -60,8 +60,8 @@ def large_cases() -> dict:
 
 async def _pool_figures(rounds: int) -> dict:
     from tools.bench.hostile_images import progressive_jpeg
-    from serving.image_decoder import DecodePool
-    from serving.images import decode
+    from serving.codecs.image_decoder import DecodePool
+    from serving.codecs.images import decode
 
     t0 = time.perf_counter()
     pool = DecodePool(2, 64, 5.0).start()
@@ -105,7 +105,7 @@ async def _pool_figures(rounds: int) -> dict:
 
 
 def measure(rounds: int = 300) -> dict:
-    from serving.image_worker import decode_body
+    from serving.codecs.image_worker import decode_body
 
     result = asyncio.run(_pool_figures(rounds))
     result["large"] = {}
@@ -123,7 +123,7 @@ def markdown(r: dict, command: str, load: str) -> str:
     lines = ["# Image decoding under a budget: what the worker processes cost", "", f"Command: `{command}`", "",
              f"Machine: 2 shared cores; load average at the start: {load} (other work was running: the "
              "figures are under contention).", "",
-             "What was chosen (serving/image_decoder.py): every image body is decoded in a worker process, "
+             "What was chosen (serving/codecs/image_decoder.py): every image body is decoded in a worker process, "
              "small ones too. A thread cannot be stopped once a decoder runs, and the cheap structure checks "
              "(JPEG scans and segments, PNG chunks) only refuse what is known; a process past its wall-clock "
              "budget is killed (SIGKILL) and replaced, so any decode can be stopped. The processes are fresh "

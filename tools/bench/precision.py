@@ -91,7 +91,8 @@ def _embeddings(bundle, inputs: np.ndarray, batch: int = 1024) -> np.ndarray:
 
 
 def _quantized_gemm(bundle, precision: str, batch: int):
-    from serving import head_scan, quantized_head
+    from serving.core import head_scan
+    from serving.core import quantized_head
 
     head = bundle.heads[precision]
     if precision == "bf16":
@@ -104,7 +105,8 @@ def exactness(bundle_dir: Path, inputs: np.ndarray, precision: str, labels: np.n
     """The quantized head's logits against float64 ones on `inputs`: max and mean |Δlogit|, the
     relative error of p(j) as served (exact logit of j over the quantized normaliser; j = the label,
     else the exact argmax), top-1 agreement, top-5 overlap before and exact top-5 after re-scoring."""
-    from serving import head_scan, quantized_head
+    from serving.core import head_scan
+    from serving.core import quantized_head
     from serving.bundle import load_bundle
 
     ensure_heads(Path(bundle_dir))
@@ -145,7 +147,7 @@ def exactness(bundle_dir: Path, inputs: np.ndarray, precision: str, labels: np.n
 def exactness_markdown(rows: list[dict]) -> str:
     L = ["# Quantized heads: how exact the served answers are", "",
          "Each row: the bundle's int8 or bf16 head (serving/bundle/quantize.py) through the server's own pass "
-         "(serving/quantized_head.py) against float64 logits from the float32 head, on the inputs named. p(j) "
+         "(serving/core/quantized_head.py) against float64 logits from the float32 head, on the inputs named. p(j) "
          "as served is the exact logit of j over the quantized normaliser, so its relative error is "
          "|exp(lse − lse_q) − 1|; the top-5 as served is re-scored exactly from the 5 + 16 best quantized "
          "candidates. The synthetic bundles are `slc bench scale`'s (`slc bundle synthetic --classes D --dim 256`, "

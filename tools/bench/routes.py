@@ -109,7 +109,7 @@ async def _measure(app, routes: tuple[str, ...], rounds: int, requests: int, pro
 def measure_routes(bundle: Path, routes: tuple[str, ...] = ROUTES, rounds: int = 5, requests: int = 2000,
                    progress: Callable[[], None] = lambda: None) -> dict:
     """µs per request on each route: {"best_us": {route: µs}, "median_us": ..., "all_us": ...}."""
-    from serving.app import create_app
+    from serving.http.app import create_app
     from serving.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="slc-routes-") as tmp:

@@ -21,7 +21,7 @@ import numpy as np
 
 from serving.bundle import load_bundle
 from serving.bundle.session import ort_session
-from serving.index import ClassIndex, exact_topk
+from serving.core.class_index import ClassIndex, exact_topk
 
 K = 10
 

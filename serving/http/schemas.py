@@ -1,7 +1,7 @@
 """Request and response bodies of the /v1 API (docs/api.md).
 
 These models describe the bodies in the OpenAPI schema. At run time the POST bodies are read by
-serving/inputs.py with the same rules, without walking a million floats in Python: numbers are
+serving/codecs/strict_json.py with the same rules, without walking a million floats in Python: numbers are
 strict (no strings, no booleans) and finite, no value is coerced, and shapes are checked
 against the bundle.
 """

@@ -2,43 +2,37 @@
 
 detect   embed once (batched with other requests), then ONE dot product per input with the
          class row W[j] of the memory-mapped head: the cost does not depend on D.
-softmax  the honest baseline: all D logits per input, in ONE pass over the head per batch (a GEMM
-         per class chunk, numpy BLAS over the mmap head, or full.onnx when it measured faster at
-         warm-up), the softmax statistics streamed over the chunks (serving/head_scan.py).
+softmax  the honest baseline: all D logits per input, in ONE pass over the head per batch (the
+         strategy measured fastest at warm-up: serving/core/compute.py), the softmax statistics
+         streamed over the chunks (serving/core/head_scan.py).
 topk     exact: the same pass keeping the k best; index: the faiss ClassIndex over the rows.
 gallery  embed items and store them; search a class: its row and threshold against the gallery.
 
 Every numeric step runs in the batcher's worker thread (a job's `reduce`), never on the loop.
+Inputs arrive decoded (serving/codecs/); errors are serving/errors.py's, protocol-free.
 """
 from __future__ import annotations
 
 import logging
 import math
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import orjson
 
-from serving import head_scan, quantized_head
-from serving.batcher import Batcher, Job, JobFailed
-from serving.errors import ApiError, GalleryDown, InsufficientStorage, InvalidInput, NotFound
+from serving.core import head_scan
+from serving.core.batcher import Batcher, Job, JobFailed
+from serving.core.compute import HeadPass
+from serving.errors import GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
 from serving.gallery import GalleryUnavailable, StorageFull
 from serving.gallery.executor import GalleryExecutor
-from serving.inputs import examples as read_examples
-from serving.packed_head import PackedHead
 
 log = logging.getLogger(__name__)
 
 # A batch holding a pass over all D classes waits for batch-mates up to this share of the pass's
 # measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
 SCAN_PATIENCE_SHARE = 0.05
-
-# full.onnx and the packed head hold their own (packed) copy of the head in RAM; past this many
-# weights (256 MB of float32) the softmax baseline only reads the memory-mapped rows.
-ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
 
 
 def sigmoid(t: np.ndarray) -> np.ndarray:
@@ -82,30 +76,9 @@ class Engine:
         self._bias, self._thresholds = np.asarray(bundle.bias), np.asarray(bundle.thresholds)
         self._thresholds_finite = bool(np.isfinite(self._thresholds).all())  # else a class falls back to the global one
         self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
-        self.softmax_impl = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
-        self._ort_gemm = head_scan.OrtGemm(int(bundle.embed_dim), threads=runtime.threads)
-        self._logsumexp = head_scan.OrtLogSumExp()  # the softmax statistics of a chunk (MLAS)
+        self.head_pass = HeadPass(bundle, runtime, settings)  # the passes over all D classes
         # batches computed at once: a second lane only where there are threads to share (not on CUDA)
         lanes = settings.concurrent_batches if runtime.threads > 1 and not runtime.uses_cuda else 1
-        self._scan_buf: Optional[np.ndarray] = None  # the pass's chunk buffer, kept: no 8 MiB malloc per batch
-        # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
-        self._scan_pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
-        # softmax_impl ort_pair: two one-thread GEMMs (this thread and the pool's) taking class chunks in turn
-        self._ort_pair = (tuple(head_scan.over_rows(head_scan.OrtGemm(int(bundle.embed_dim), threads=1),
-                                                    bundle.weight, bundle.bias) for _ in range(2))
-                          if self._scan_pool is not None else None)
-        self._packed: Optional[PackedHead] = None  # softmax_impl packed_pair: the same, rows pre-packed (built at warm-up)
-        self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
-        if self.softmax_impl in ("ort_pair", "packed_pair") and self._ort_pair is None:
-            raise ValueError(f"softmax_impl={self.softmax_impl} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
-        self.head_precision = settings.head_precision
-        if self.head_precision != "float32" and self.head_precision not in bundle.heads:
-            raise ValueError(f"head_precision={self.head_precision}: the bundle has no {self.head_precision} head "
-                             f"(add one with: slc bundle quantize {bundle.path} --precision {self.head_precision})")
-        self._quantized: Optional[Any] = None  # Int8Head / Bf16Head (serving/quantized_head.py), built at warm-up
-        # a quantized pass keeps a few more top-k candidates, re-scored exactly (TopK.rescore)
-        self._topk_extra = quantized_head.TOPK_EXTRA if self.head_precision != "float32" else 0
-        self.softmax_timing: dict[str, float] = {}
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
         self.gallery_pool = GalleryExecutor(settings.gallery_threads, settings.gallery_queue_size)
@@ -121,8 +94,7 @@ class Engine:
     async def stop(self) -> None:
         await self.batcher.stop()
         self.gallery_pool.shutdown()
-        if self._scan_pool is not None:
-            self._scan_pool.shutdown(wait=True)
+        self.head_pass.close()
 
     async def warm_up(self) -> None:
         """Touch every path once (ORT allocations, mmap pages) and choose the softmax head."""
@@ -130,7 +102,7 @@ class Engine:
         small = await self.batcher.run_sync(self.runtime.choose_small_batches)
         await self.batcher.run_sync(self.runtime.embed, x[:1])
         await self.batcher.run_sync(self.runtime.embed, x)
-        self.softmax_impl, self.softmax_timing = await self.batcher.run_sync(self._choose_softmax_impl)
+        await self.batcher.run_sync(self.head_pass.choose)
         self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
         if small:
             log.info("backbone: one-thread session for batches of up to %d inputs (faster than the pool there)", small)
@@ -139,93 +111,24 @@ class Engine:
         if self.index is not None and not self.index.reads_every_row:  # an exact index is the pass: nothing to warm
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 
-    def _quantized_head(self):
-        """The int8 or bf16 ChunkGemm of the head (built once)."""
-        if self._quantized is None:
-            head = self.bundle.heads[self.head_precision]
-            if self.head_precision == "int8":
-                rows = quantized_head.int8_rows(self.num_classes, head_scan.pair_rows(self.settings.max_batch, self.num_classes))
-                self._quantized = quantized_head.Int8Head(head["weight"], head["scale"], self.bundle.bias, rows)
-            else:
-                self._quantized = quantized_head.Bf16Head(head["weight"], self.bundle.bias)
-        return self._quantized
+    @property
+    def softmax_impl(self) -> str:
+        """The pass strategy chosen at warm-up (serving/core/compute.py)."""
+        return self.head_pass.name
 
-    def _quantized_rows(self, m: int) -> int:
-        q = self._quantized_head()
-        return q.rows if self.head_precision == "int8" else head_scan.pair_rows(m, self.num_classes)
-
-    def _choose_softmax_impl(self) -> tuple[str, dict[str, float]]:
-        """Time a softmax batch through each path the settings allow; keep the fastest (or time only
-        the path the settings name, or the quantized head's: its time sets the batch's patience)."""
-        n = self.settings.max_batch
-        x = np.random.default_rng(0).standard_normal((n,) + self.input_shape).astype(np.float32)
-        timings = {}
-        for name, fn in self._softmax_paths(x):
-            try:
-                if name == "packed_pair" and self._packed is None:
-                    self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
-                                              head_scan.pair_rows(self.settings.max_batch, self.num_classes))
-                fn()  # first call pays loading and page faults
-                best = math.inf
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    fn()
-                    best = min(best, time.perf_counter() - t0)
-                timings[name] = best
-            except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
-                if self.head_precision != "float32":
-                    raise
-                log.warning("softmax path %s unavailable: %s", name, exc)
-        if not timings:
-            raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
-        best = min(timings, key=timings.get)
-        if best != "onnx":
-            self.runtime.drop_full()
-        if best != "packed_pair":
-            self._packed = None  # its packed copy of the head
-        if best not in ("ort_pair", "packed_pair") and self.head_precision == "float32":
-            self._pair_bufs = None
-        return best, timings
-
-    def _softmax_paths(self, x: np.ndarray) -> list[tuple[str, Any]]:
-        """(name, one softmax batch over x) of every path the settings and the bundle allow."""
-        def per_input():  # one request per input, as under load
-            return [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self._logsumexp)) for i in range(len(x))]
-
-        def scan_path(gemm):
-            return lambda: head_scan.scan(self.bundle.weight, self.bundle.bias, self.runtime.embed(x), per_input(),
-                                          gemm=gemm, pool=self._scan_pool)
-
-        def pair_path(impl):
-            return lambda: self._scan_head_pair(self.runtime.embed(x), per_input(), impl)
-
-        if self.head_precision != "float32":  # the passes read the quantized head: nothing to choose
-            return [(self.head_precision, lambda: self._scan_quantized(self.runtime.embed(x), per_input()))]
-        paths = [("numpy", scan_path(head_scan.numpy_gemm)), ("ort", scan_path(self._ort_gemm))]
-        if self._ort_pair is not None:
-            paths.append(("ort_pair", pair_path("ort_pair")))
-        fits_twice = self.num_classes * self.bundle.embed_dim <= ONNX_HEAD_MAX_VALUES
-        if self.settings.softmax_impl == "onnx" or (self.settings.softmax_impl == "auto" and fits_twice):
-            paths.append(("onnx", lambda: head_scan.feed(self.runtime.full_logits(x), per_input(), pool=self._scan_pool)))
-        if self._ort_pair is not None and (self.settings.softmax_impl == "packed_pair" or
-                                           (self.settings.softmax_impl == "auto" and fits_twice)):
-            paths.append(("packed_pair", pair_path("packed_pair")))
-        if self.settings.softmax_impl != "auto":
-            return [p for p in paths if p[0] == self.settings.softmax_impl]
-        if len(paths) == 2:
-            log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
-                     self.num_classes * self.bundle.embed_dim)
-        return paths
+    @property
+    def softmax_timing(self) -> dict[str, float]:
+        return self.head_pass.timing
 
     # ------------------------------------------------------------------ batch compute (worker thread)
     def _compute(self, jobs: list[Job], shared: bool = False) -> list[Any]:
         """The batch's results, one per job. `shared`: a pass computes at the same time (this batch
-        is backbone-only, serving/batcher.py), so the backbone runs on one thread."""
+        is backbone-only, serving/core/batcher.py), so the backbone runs on one thread."""
         xs = [j.x for j in jobs]
         x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
         offsets = np.cumsum([0] + [j.n for j in jobs])
         scans = [i for i, j in enumerate(jobs) if j.kind == "logits"]
-        need_h = self.softmax_impl != "onnx" or len(scans) < len(jobs)
+        need_h = self.head_pass.needs_embedding or len(scans) < len(jobs)
         h = self.runtime.embed(x, one_thread=shared) if need_h else None  # [M, d]
         accumulated = self._scan_head(jobs, scans, offsets, x, h)
         found = self._index_search(jobs, offsets, h)
@@ -239,58 +142,14 @@ class Engine:
                 rows = h[offsets[i]:offsets[i + 1]]
             try:  # one job's refusal (e.g. non_finite_output) is its own: its batch-mates are answered
                 results.append(job.reduce(rows) if job.reduce is not None else rows)
-            except ApiError as exc:
+            except SlcError as exc:
                 results.append(JobFailed(exc))
         return results
-
-    def _gemm(self) -> head_scan.Gemm:
-        """The chunk GEMM chosen at warm-up: onnxruntime's (ort) or numpy's."""
-        return self._ort_gemm if self.softmax_impl == "ort" else head_scan.numpy_gemm
-
-    def _chunk_buffer(self, m: int) -> np.ndarray:
-        """The flat scratch array of the pass for m inputs, grown when needed and then kept (passes
-        run one at a time: the batcher never starts one beside another)."""
-        need = m * head_scan.chunk_rows(m, self.num_classes)
-        if self._scan_buf is None or self._scan_buf.size < need:
-            self._scan_buf = np.empty(need, dtype=np.float32)
-        return self._scan_buf
-
-    def _pair_rows(self, m: int, impl: str) -> int:
-        """Classes per chunk of a two-thread pass over m inputs: the packed head's own chunks, or pair_rows."""
-        return self._packed.rows if impl == "packed_pair" else head_scan.pair_rows(m, self.num_classes)
-
-    def _pair_buffers(self, m: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """The two chunk buffers of a two-thread pass for m inputs (one chunk each), grown when needed."""
-        need = m * rows
-        if self._pair_bufs is None or self._pair_bufs[0].size < need:
-            self._pair_bufs = (np.empty(need, dtype=np.float32), np.empty(need, dtype=np.float32))
-        return self._pair_bufs
-
-    def _scan_head_pair(self, h: np.ndarray, parts: list, impl: str) -> None:
-        """The pass on two threads taking chunks in turn: one-thread GEMMs over the mapped rows
-        (ort_pair) or the packed head's chunk sessions (packed_pair)."""
-        if impl == "packed_pair" and len(h) > self.settings.max_batch:
-            impl = "ort_pair"  # a lone job above max_batch: chunks of max_batch x rows would grow with it
-        gemms = (self._packed, self._packed) if impl == "packed_pair" else self._ort_pair
-        rows = self._pair_rows(len(h), impl)
-        head_scan.scan_two(self.num_classes, h, parts, gemms, self._pair_buffers(len(h), rows), self._scan_pool, rows)
-
-    def _scan_quantized(self, h: np.ndarray, parts: list) -> None:
-        """The pass on the quantized head (both threads when there are two), then each answer
-        finished on the float32 rows: the top-k's candidates and the softmax's own logit re-scored."""
-        rows = self._quantized_rows(len(h))
-        gemm = self._quantized_head()
-        head_scan.scan_two(self.num_classes, h, parts, (gemm, gemm), self._pair_buffers(len(h), rows), self._scan_pool, rows)
-        for sl, acc in parts:
-            if isinstance(acc, head_scan.TopK):
-                acc.rescore(h[sl], self._weight, self._bias, keep=acc.k - quantized_head.TOPK_EXTRA)
-            elif isinstance(acc, head_scan.SoftmaxStats):
-                acc.rescore(h[sl], self._weight, self._bias)
 
     def _scan_head(self, jobs: list[Job], scans: list[int], offsets: np.ndarray, x: np.ndarray,
                    h: Optional[np.ndarray]) -> dict[int, Any]:
         """ONE pass over the head for every job of the batch that needs all D logits (softmax, exact
-        top-k, full logits), each into its own accumulator (serving/head_scan.py): one GEMM per class
+        top-k, full logits), each into its own accumulator (serving/core/head_scan.py): one GEMM per class
         chunk, never a [batch, D] matrix unless a job answers with one."""
         if not scans:
             return {}
@@ -300,16 +159,11 @@ class Engine:
             accumulated[i] = jobs[i].accumulator(jobs[i].n)
             parts.append((slice(start, start + jobs[i].n), accumulated[i]))
             start += jobs[i].n
-        hq = h if self.softmax_impl == "onnx" or len(rows) == len(h) else h[rows]
-        if self.head_precision != "float32":
-            self._scan_quantized(hq, parts)
-        elif self.softmax_impl in ("ort_pair", "packed_pair"):
-            self._scan_head_pair(hq, parts, self.softmax_impl)
-        elif self.softmax_impl != "onnx":
-            head_scan.scan(self.bundle.weight, self.bundle.bias, hq, parts,
-                           gemm=self._gemm(), buf=self._chunk_buffer(len(rows)), pool=self._scan_pool)
-        else:
-            head_scan.feed(self.runtime.full_logits(x if len(rows) == len(x) else x[rows]), parts, pool=self._scan_pool)
+        every = len(rows) == len(x)
+        if self.head_pass.needs_embedding:
+            self.head_pass.run(None, h if every else h[rows], parts)
+        else:  # full.onnx embeds the inputs itself
+            self.head_pass.run(x if every else x[rows], None, parts)
         return accumulated
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:
@@ -348,19 +202,6 @@ class Engine:
                            code="unknown_class") from None
         return ClassRef(j, str(self.bundle.classes[j]))
 
-    async def image_batch(self, body: bytes, content_type: bytes) -> np.ndarray:
-        """One example [1, *input_shape] from an image body (decoded by a worker process, under a time budget)."""
-        from serving import image_decoder
-
-        x = await image_decoder.decode(self.settings, body, content_type, self.bundle.image, self.input_shape)
-        return x[None].astype(np.float32, copy=False)
-
-    def to_batch(self, inputs: Any, what: str = "inputs", bools_possible: bool = True) -> np.ndarray:
-        """Examples (each nested like the input shape, or flat) -> float32 [N, *input_shape], strictly
-        and with bounds checked first (serving/inputs.py); `bools_possible=False` when the raw body
-        holds no JSON boolean (saves the walk that looks for one)."""
-        return read_examples(inputs, self.input_shape, self.settings.max_inputs, bools_possible, what)
-
     def threshold_of(self, j: int) -> float:
         t = float(self._thresholds[j])
         return t if math.isfinite(t) else float(self.bundle.global_threshold)
@@ -395,7 +236,7 @@ class Engine:
                     for pi, zi, ti in zip(p.tolist(), zj.tolist(), top1.tolist())]
 
         results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j, self._logsumexp), patience=self.scan_patience)
+                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j, self.head_pass.logsumexp), patience=self.scan_patience)
         return {"class_id": j, "class_name": cls.name, "results": results}
 
     async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:
@@ -413,7 +254,7 @@ class Engine:
                 return entries(ids, logits)
 
             results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                                accumulator=lambda n: head_scan.TopK(n, k + self._topk_extra),
+                                                accumulator=lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra),
                                                 patience=self.scan_patience)
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search

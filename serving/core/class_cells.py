@@ -1,6 +1,6 @@
 """IVF cells that hold class ids only: candidates are scored exactly from the memory-mapped head.
 
-The class index (serving/index.py) cuts the classes into cells and probes a few cells per query.
+The class index (serving/core/class_index.py) cuts the classes into cells and probes a few cells per query.
 With ``codes="none"`` (its default) a cell is just the sorted list of its class ids: a search
 gathers the probed cells' rows from the head, which the server maps anyway, and scores them
 exactly (W_j · h + b_j). The index then adds 4 bytes per class and its probe vectors to the

@@ -1,11 +1,9 @@
-"""Prometheus metrics (docs/api.md, GET /metrics), one registry per app so tests can build many apps.
+"""Prometheus metrics (docs/api.md, GET /metrics), one registry per server so tests can build many.
 
 Endpoints are labelled by route template (/v1/classes/{class}/detect), never by raw path,
 so label cardinality stays bounded.
 """
 from __future__ import annotations
-
-import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -51,32 +49,3 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-class MetricsMiddleware:
-    """Pure ASGI: counts and times every HTTP request by its route template and final status."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500
-
-        async def send_wrapper(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.in_flight += 1
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            self.metrics.in_flight -= 1
-            route = scope.get("route")
-            endpoint = getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
-            self.metrics.observe_request(endpoint, scope.get("method", ""), str(status), time.perf_counter() - start)

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from serving.packed_head import run_into
+from serving.core.packed_head import run_into
 
 MAX_CHUNKS = 512  # sessions per head at most: a 10⁷-class head gets chunks of ~20k classes
 TOPK_EXTRA = 16  # a quantized top-k pass keeps k + this many candidates for the exact re-scoring

@@ -10,7 +10,7 @@ query [h, 1]. Kinds:
             the fallback when no index is wanted).
 - ``ivf``   cells over [W_j, s·b_j] queried with [h, 1/s] (same inner product). By default a cell
             holds class ids only and a search scores the probed cells' rows exactly from the
-            memory-mapped head (serving/head_lists.py: 4 bytes per class, no copy of the rows);
+            memory-mapped head (serving/core/class_cells.py: 4 bytes per class, no copy of the rows);
             ``codes=sq4`` keeps faiss's ``IndexIVFScalarQuantizer`` with 4-bit codes instead (an
             eighth of the head's memory, a faster scan; candidates re-scored exactly). The bias matters:
             with b_j spread like the W_j·h (trained and synthetic heads alike) the top logits
@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from serving import head_scan
+from serving.core import head_scan
 from serving.bundle.files import atomic_replace
 from serving.bundle.session import ort_session
-from serving.head_lists import HeadLists
+from serving.core.class_cells import HeadLists
 
 log = logging.getLogger(__name__)
 # faiss is imported where an index needs it (about 13 MiB of the server's memory): a server whose
@@ -73,7 +73,7 @@ def _clip_k(k: int, num_classes: int) -> int:
 
 def exact_topk(weight: np.ndarray, bias: np.ndarray, h: np.ndarray, k: int,
                chunk_rows: int | None = None, gemm: head_scan.Gemm | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k in one chunked pass over the head (serving/head_scan.py), so a memory-mapped head
+    """Exact top-k in one chunked pass over the head (serving/core/head_scan.py), so a memory-mapped head
     is never copied whole.
 
     Returns (float32 logits [N, k], int64 ids [N, k]) sorted best first; logits as computed
@@ -347,7 +347,7 @@ class ClassIndex:
     @property
     def reads_every_row(self) -> bool:
         """Whether a search is a pass over the whole head (exact, or flat on CPU): the engine then
-        answers index top-k with its own pass (serving/head_scan.py), batched with exact top-k."""
+        answers index top-k with its own pass (serving/core/head_scan.py), batched with exact top-k."""
         return self.meta.kind == "exact" or (self.meta.kind == "flat" and self.device == "cpu")
 
     @property
@@ -484,24 +484,30 @@ def _build_ivf(weight: np.ndarray, bias: np.ndarray, meta: _Meta, params: dict, 
     probe[filled, d] = cell_max_b[filled]  # empty cells keep their centroid: never read anyway
     if meta.codes == "none":
         return HeadLists.from_assignment(assign, probe, s)
-    quantizer = faiss.IndexFlatIP(d + 1)
-    quantizer.add(probe)
-    codes = meta.codes
-    if codes == "flat":
-        index = faiss.IndexIVFFlat(quantizer, d + 1, meta.nlist, faiss.METRIC_INNER_PRODUCT)
-    else:
-        qtype = {"sq4": faiss.ScalarQuantizer.QT_4bit, "sq6": faiss.ScalarQuantizer.QT_6bit,
-                 "sq8": faiss.ScalarQuantizer.QT_8bit}[codes]
-        index = faiss.IndexIVFScalarQuantizer(quantizer, d + 1, meta.nlist, qtype, faiss.METRIC_INNER_PRODUCT)
+    index = _coded_ivf(probe, meta)
     index.train(train)  # the quantizer is full (nlist vectors): trains the scalar quantiser's code ranges only
     del train
-    progress = _Progress(f"class index: encoding {num:,} rows ({codes})", num)
+    progress = _Progress(f"class index: encoding {num:,} rows ({meta.codes})", num)
     for start in range(0, num, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, num)
         x = rows(slice(start, stop))
         index.add_core(stop - start, faiss.swig_ptr(x), None, faiss.swig_ptr(assign[start:stop]))
         progress.update(stop)
     return index
+
+
+def _coded_ivf(probe: np.ndarray, meta: _Meta) -> Any:
+    """An empty faiss IVF index with codes (flat or scalar-quantised) over the probe cells [nlist, d + 1]."""
+    import faiss
+
+    dims = probe.shape[1]
+    quantizer = faiss.IndexFlatIP(dims)
+    quantizer.add(probe)
+    if meta.codes == "flat":
+        return faiss.IndexIVFFlat(quantizer, dims, meta.nlist, faiss.METRIC_INNER_PRODUCT)
+    qtype = {"sq4": faiss.ScalarQuantizer.QT_4bit, "sq6": faiss.ScalarQuantizer.QT_6bit,
+             "sq8": faiss.ScalarQuantizer.QT_8bit}[meta.codes]
+    return faiss.IndexIVFScalarQuantizer(quantizer, dims, meta.nlist, qtype, faiss.METRIC_INNER_PRODUCT)
 
 
 class _Progress:

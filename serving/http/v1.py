@@ -1,10 +1,11 @@
 """The /v1 routes (docs/api.md): parse, resolve the class, hand over to the engine, answer.
 
-Every POST with a body (detect, softmax, topk, gallery writes, class search) is read by its
-handler straight from ASGI (`body_route`, serving/body_routes.py) and checked by serving/inputs.py: the size while
-reading, the parse in C, the counts, then one vectorised conversion of the examples; no value is
-coerced and no per-value Python runs on an ordinary request. pydantic models still describe each
-body in the OpenAPI schema; FastAPI's own handler answers the other methods.
+Every POST or PUT with a body (detect, softmax, topk, gallery writes, class search) is answered by
+its handler straight from ASGI (`fast_route`, serving/http/fast_routes.py) and checked by
+serving/codecs/strict_json.py: the size while reading, the parse in C, the counts, then one
+vectorised conversion of the examples; no value is coerced and no per-value Python runs on an
+ordinary request. pydantic models describe each body in the OpenAPI schema; FastAPI's own
+handler answers the other methods (GET, DELETE).
 """
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Body, Depends, Path, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from serving import fast_json, images, inputs as read
+
+
+from serving.codecs import fast_json, image_decoder, images, strict_json as read
+from serving.errors import Forbidden, NotReady, Unauthorized, UnsupportedMediaType
 from serving.gallery import bodies
-from serving.body_routes import RawAnswer, app_state, body_route
-from serving.errors import ApiError, InvalidInput, NotReady, OrjsonResponse, Unauthorized
-from serving.inputs import UnsupportedMediaType
-from serving.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, ErrorEnvelope,
-                             GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
+from serving.http.deps import error_responses, ready_engine, server_state
+from serving.http.errors import OrjsonResponse
+from serving.http.fast_routes import RawAnswer, app_state, fast_route
+from serving.http.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
                              SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
 
 
@@ -45,30 +48,9 @@ def _read_object(scope, body: bytes, optional: bool = False) -> dict:
     return read.parse_object(body)
 
 
-def error_responses(*codes: int) -> dict:
-    text = {400: "malformed JSON", 401: "missing or wrong API key",
-            403: "no API key is set on a host others can reach (writes refused)", 404: "unknown class, item or route",
-            408: "the body did not arrive in time", 413: "body over the limit",
-            415: "the body is not declared as application/json",
-            422: "schema or shape violation, NaN/inf, too many inputs", 429: "queue full (Retry-After)",
-            503: "not ready, or shutting down", 504: "deadline passed (queue and compute)",
-            507: "the gallery could not commit: disk or quota full"}
-    return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
-
-
 _QUERY_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
 _WRITE_ERRORS = error_responses(400, 401, 403, 408, 413, 415, 422, 429, 503, 504, 507)
 _SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
-
-
-# Dependencies are `async def`: a sync one runs in the AnyIO thread pool on every request.
-async def server_state(request: Request):
-    return request.app.state.slc
-
-
-async def ready_engine(request: Request):
-    """The engine, or 503 while loading / after a failed load."""
-    return request.app.state.slc.ready_engine()
 
 
 async def require_api_key(request: Request) -> None:
@@ -87,7 +69,7 @@ OPEN_WRITES_REFUSED = ("gallery writes are refused: this server listens on {host
 def refuse_open_writes(settings) -> None:
     """403 on a write when no key is set on a non-loopback host and open writes are not allowed."""
     if settings.open_writes_refused():
-        raise ApiError(OPEN_WRITES_REFUSED.format(host=settings.host), code="writes_need_api_key", status=403)
+        raise Forbidden(OPEN_WRITES_REFUSED.format(host=settings.host), code="writes_need_api_key")
 
 
 def check_api_key(expected: Optional[str], given: Optional[str], auth: str) -> None:
@@ -97,10 +79,8 @@ def check_api_key(expected: Optional[str], given: Optional[str], auth: str) -> N
         given = auth[7:].strip()
     if not given or not secrets.compare_digest(given.encode(), expected.encode()):
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer KEY` or `X-API-Key: KEY`)",
-                           code="unauthorized", headers={"WWW-Authenticate": "Bearer"})
+                           code="unauthorized")
 
-
-ClassPath = Path(..., alias="class", description="class name from the manifest, else integer id")
 
 router = APIRouter(prefix="/v1")
 
@@ -122,38 +102,8 @@ async def model(engine=Depends(ready_engine), state=Depends(server_state)):
     return OrjsonResponse(state.model_info())
 
 
-@router.post("/classes/{class}/detect", response_model=DetectResponse, responses=_QUERY_ERRORS, tags=["query"])
-async def detect(body: DetectRequest, class_ref: str = ClassPath, engine=Depends(ready_engine)):
-    """One logit per input: W[class]·h(x) + b[class] against the class's threshold."""
-    cls = engine.resolve_class(class_ref)
-    x = engine.to_batch(body.inputs)
-    return OrjsonResponse(await engine.detect(cls, x, body.threshold))
-
-
-@router.post("/classes/{class}/softmax", response_model=SoftmaxResponse, responses=_QUERY_ERRORS, tags=["query"])
-async def softmax(body: SoftmaxRequest, class_ref: str = ClassPath, engine=Depends(ready_engine)):
-    """The full-softmax baseline: all D logits per input, the class's softmax entry."""
-    cls = engine.resolve_class(class_ref)
-    x = engine.to_batch(body.inputs)
-    return OrjsonResponse(await engine.softmax(cls, x))
-
-
-def _check_k(k: int, state) -> None:
-    if k > state.settings.max_topk:
-        raise InvalidInput(f"k={k} is over the limit of {state.settings.max_topk}", code="k_too_large")
-
-
-@router.post("/topk", response_model=TopkResponse, responses=_QUERY_ERRORS, tags=["query"])
-async def topk(body: TopkRequest, engine=Depends(ready_engine), state=Depends(server_state)):
-    """The k best classes per input: exact (all D logits) or through the faiss class index."""
-    _check_k(body.k, state)
-    x = engine.to_batch(body.inputs)
-    return OrjsonResponse(await engine.topk(x, body.k, body.mode))
-
-
-# ----------------------------------------------------------------------------- POST bodies
-# The same engine calls as the routes above, from the raw body: the routes' own signatures only
-# describe the bodies in OpenAPI (FastAPI's handler never reads a POST body here).
+# ----------------------------------------------------------------------------- POST and PUT bodies
+# Answered from the raw body by FastRoutes (serving/http/fast_routes.py): one implementation each.
 async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict]) -> tuple[Any, dict, np.ndarray]:
     """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
     the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
@@ -164,7 +114,7 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
         obj = _query_string(scope)
         read.check_keys(obj, tuple(k for k in allowed if k != "inputs"), where="query string")
         p = params(obj)
-        return engine, p, await engine.image_batch(body, content_type)
+        return engine, p, await _image_example(engine, body, content_type)
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
     read.check_structure(body, max_values=n * math.prod(shape) + 8, max_lists=1 + n * lists_per_example,
@@ -175,7 +125,13 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
     p = params(obj)
     if fast is not None:
         return engine, p, fast["inputs"]
-    return engine, p, engine.to_batch(obj["inputs"], bools_possible=read.has_bool_token(body))
+    return engine, p, read.examples(obj["inputs"], engine.input_shape, n, read.has_bool_token(body))
+
+
+async def _image_example(engine, body: bytes, content_type: bytes) -> np.ndarray:
+    """One example [1, *input_shape] from an image body (decoded by a worker process, under a time budget)."""
+    x = await image_decoder.decode(engine.settings, body, content_type, engine.bundle.image, engine.input_shape)
+    return x[None].astype(np.float32, copy=False)
 
 
 def _query_string(scope) -> dict:
@@ -191,22 +147,28 @@ def _query_string(scope) -> dict:
     return out
 
 
-@body_route(detect)
-async def _detect_body(scope, body: bytes):
+@fast_route(router, "POST", "/classes/{class}/detect", name="detect", body=DetectRequest,
+            response_model=DetectResponse, responses=_QUERY_ERRORS, tags=["query"])
+async def detect(scope, body: bytes):
+    """One logit per input: W[class]·h(x) + b[class] against the class's threshold."""
     engine, p, x = await _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.detect(cls, x, p["threshold"])
 
 
-@body_route(softmax)
-async def _softmax_body(scope, body: bytes):
+@fast_route(router, "POST", "/classes/{class}/softmax", name="softmax", body=SoftmaxRequest,
+            response_model=SoftmaxResponse, responses=_QUERY_ERRORS, tags=["query"])
+async def softmax(scope, body: bytes):
+    """The full-softmax baseline: all D logits per input, the class's softmax entry."""
     engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
     cls = engine.resolve_class(scope["path_params"]["class"])
     return 200, await engine.softmax(cls, x)
 
 
-@body_route(topk)
-async def _topk_body(scope, body: bytes):
+@fast_route(router, "POST", "/topk", name="topk", body=TopkRequest, response_model=TopkResponse,
+            responses=_QUERY_ERRORS, tags=["query"])
+async def topk(scope, body: bytes):
+    """The k best classes per input: exact (all D logits) or through the faiss class index."""
     max_topk = app_state(scope).settings.max_topk
     engine, p, x = await _query(scope, body, ("inputs", "k", "mode"), lambda o: {
         "k": read.integer(o, "k", 5, 1, max_topk, code="k_too_large"),
@@ -222,38 +184,28 @@ def _require_key(scope) -> None:
     check_api_key(settings.api_key_value(), None if given is None else given.decode("latin-1"), auth.decode("latin-1"))
 
 
-@router.post("/gallery/items", status_code=201, response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS,
-             dependencies=[Depends(require_api_key)], tags=["gallery"])
-async def gallery_upsert(body: GalleryUpsertRequest, engine=Depends(ready_engine)):
+@fast_route(router, "POST", "/gallery/items", name="gallery_upsert", body=GalleryUpsertRequest, status_code=201,
+            response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS, tags=["gallery"])
+async def gallery_upsert(scope, body: bytes):
     """Upsert by id; answered only once the items are committed to disk."""
-    raise AssertionError("answered by _gallery_upsert_body")  # pragma: no cover - POST bodies never reach here
-
-
-@body_route(gallery_upsert)
-async def _gallery_upsert_body(scope, body: bytes):
-    """Counts on the raw bytes here; the parse and every per-value check on the gallery's executor
-    (serving/gallery/bodies.py)."""
+    # counts on the raw bytes here; the parse and every per-value check on the gallery's executor
+    # (serving/gallery/bodies.py)
     _require_key(scope)  # 401 before the body is parsed
     engine = app_state(scope).ready_engine()
     s = engine.settings
     bodies.check_upsert_structure(body, s.max_inputs, engine.input_shape, s.max_metadata_values)
     if not _is_json(scope):
         raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
-    items, x = await engine.off_loop(bodies.read_upsert, body, s, engine.to_batch)
+    items, x = await engine.off_loop(bodies.read_upsert, body, s, engine.input_shape)
     ids = await engine.gallery_upsert(items, x)
     return 201, {"upserted": len(ids), "ids": ids}
 
 
-@router.put("/gallery/items/{item_id:path}", status_code=201, response_model=GalleryUpsertResponse,
-            responses=_WRITE_ERRORS, dependencies=[Depends(require_api_key)], tags=["gallery"])
-async def gallery_put(body: GalleryPutRequest, item_id: str, engine=Depends(ready_engine)):
+@fast_route(router, "PUT", "/gallery/items/{item_id:path}", name="gallery_put", body=GalleryPutRequest,
+            status_code=201, response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS, tags=["gallery"])
+async def gallery_put(scope, body: bytes):
     """Upsert one item by its id: JSON {input, metadata?}, or an image body (metadata as a JSON
     object in ?metadata=) for bundles whose input is an image. Answered once committed."""
-    raise AssertionError("answered by _gallery_put_body")  # pragma: no cover - bodies never reach here
-
-
-@body_route(gallery_put)
-async def _gallery_put_body(scope, body: bytes):
     _require_key(scope)
     engine = app_state(scope).ready_engine()
     s = engine.settings
@@ -263,14 +215,14 @@ async def _gallery_put_body(scope, body: bytes):
         bodies.check_upsert_structure(body, 1, engine.input_shape, s.max_metadata_values, what="item")
         if not _is_json(scope):
             raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
-        items, x = await engine.off_loop(bodies.read_put, body, item_id, s, engine.to_batch)
+        items, x = await engine.off_loop(bodies.read_put, body, item_id, s, engine.input_shape)
         ids = await engine.gallery_upsert(items, x)
         return 201, {"upserted": len(ids), "ids": ids}
     obj = _query_string(scope)  # metadata as JSON in ?metadata= (bounded by the header size limit)
     read.check_keys(obj, ("metadata",), where="query string")
     source = unquote_plus(scope.get("query_string", b"").decode("latin-1")).encode()  # metadata's raw text
     meta = bodies.metadata_json(obj.get("metadata"), source, "metadata", s.max_metadata_values, s.max_metadata_bytes)
-    x = await engine.image_batch(body, content_type)
+    x = await _image_example(engine, body, content_type)
     item = {"id": item_id, "input": x[0].tolist(), "metadata": obj.get("metadata"), "metadata_json": meta}
     ids = await engine.gallery_upsert([item], x)
     return 201, {"upserted": len(ids), "ids": ids}
@@ -289,15 +241,10 @@ async def gallery_delete(item_id: str, engine=Depends(ready_engine)):
     return Response(status_code=204)
 
 
-@router.post("/classes/{class}/search", response_model=ClassSearchResponse, responses=_SEARCH_ERRORS, tags=["gallery"])
-async def class_search(body: ClassSearchRequest = Body(None), class_ref: str = ClassPath,
-                       engine=Depends(ready_engine)):
+@fast_route(router, "POST", "/classes/{class}/search", name="class_search", body=ClassSearchRequest,
+            body_default=None, response_model=ClassSearchResponse, responses=_SEARCH_ERRORS, tags=["gallery"])
+async def class_search(scope, body: bytes):
     """Gallery items whose logit for the class is >= the threshold, best first."""
-    raise AssertionError("answered by _class_search_body")  # pragma: no cover - POST bodies never reach here
-
-
-@body_route(class_search)
-async def _class_search_body(scope, body: bytes):
     engine = app_state(scope).ready_engine()
     obj = _read_object(scope, body, optional=True)
     read.check_keys(obj, ("limit", "threshold"))
@@ -310,13 +257,3 @@ async def _class_search_body(scope, body: bytes):
 @router.get("/gallery", response_model=GalleryInfo, responses=error_responses(429, 503), tags=["gallery"])
 async def gallery_info(engine=Depends(ready_engine)):
     return OrjsonResponse(await engine.gallery_info())
-
-
-metrics_router = APIRouter()
-
-
-@metrics_router.get("/metrics", include_in_schema=True, tags=["metrics"],
-                    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
-async def metrics(state=Depends(server_state)):
-    body, content_type = state.metrics.render()
-    return Response(body, media_type=content_type)

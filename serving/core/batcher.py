@@ -125,7 +125,7 @@ class Batcher:
         self._embed_cost: dict[int, float] = {}  # batch size -> seconds of a backbone-only batch (moving average)
         self._inline_cost: dict[int, float] = {}  # the same, measured on the event loop only
         self._probes: dict[int, int] = {}  # batch size -> worker batches since its last inline probe
-        # Requests inside the HTTP layer (serving/metrics.py). When every one of them already
+        # Requests inside the HTTP layer (serving/core/metrics.py). When every one of them already
         # holds a job here, nobody is on the way to join the batch and waiting would only add
         # latency, so the batch goes at once; None: always wait up to max_delay.
         self.in_flight = in_flight

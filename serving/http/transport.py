@@ -11,7 +11,7 @@ headers) and when a request's headers do not arrive in one read; headers that co
 read, as nearly all do, cost one `find` and no timer.
 
 A subclass of uvicorn's httptools protocol, passed as `http=` to uvicorn.Config by
-`guarded_protocol(...)`. The body has its own read timeout (serving/errors.py BodyLimitMiddleware),
+`guarded_protocol(...)`. The body has its own read timeout (serving/http/body_limit.py),
 which runs inside the app where the error envelope is at hand.
 """
 from __future__ import annotations

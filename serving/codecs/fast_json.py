@@ -8,7 +8,7 @@ into a float64 buffer.
 A fast path only: it answers a body whose examples are plainly flat arrays of numbers and whose
 objects have unique keys, and says None for anything else (booleans, strings or null among the
 numbers, nesting, ragged examples, duplicate keys, a byte-order mark, magnitudes from 2^53 up, any
-parse error). Such a body then goes through the strict reader (serving/inputs.py), which names
+parse error). Such a body then goes through the strict reader (serving/codecs/strict_json.py), which names
 the error; a body both can read gives the same float32 values either way
 (tests/serving/test_fast_json.py checks this against the strict reader, on fuzzed bodies too).
 """

@@ -1,5 +1,5 @@
 """GET /demo: a page where a person draws or uploads an image, names a class, and sees the
-single-logit answer beside the top-k (serving/static/demo.html: plain HTML and JavaScript, no
+single-logit answer beside the top-k (serving/http/static/demo.html: plain HTML and JavaScript, no
 build step, nothing fetched from outside). It calls the public API like any client.
 
 Sent with security headers: a Content-Security-Policy allowing only the page's own inline script
@@ -27,7 +27,7 @@ def _sha256(text: str) -> str:
 @lru_cache(maxsize=1)
 def page() -> tuple[str, dict[str, str]]:
     """(the page, its headers): the policy names the hash of each inline <script> and <style> block."""
-    html = files("serving.static").joinpath("demo.html").read_text(encoding="utf-8")
+    html = files("serving.http.static").joinpath("demo.html").read_text(encoding="utf-8")
     scripts = " ".join(_sha256(s) for s in re.findall(r"<script>(.*?)</script>", html, flags=re.S)) or "'none'"
     styles = " ".join(_sha256(s) for s in re.findall(r"<style>(.*?)</style>", html, flags=re.S)) or "'none'"
     policy = (f"default-src 'none'; script-src {scripts}; style-src {styles}; img-src 'self' blob: data:; "

@@ -1,7 +1,7 @@
 """Image bodies decoded under a budget of their own (docs/configuration.md, docs/results/image-decode-budget.md).
 
 Decoders are C code: a thread running one cannot be stopped, and a crafted file can keep one busy
-for minutes. So the server decodes in a few worker processes (serving/image_worker.py), started
+for minutes. So the server decodes in a few worker processes (serving/codecs/image_worker.py), started
 with an image bundle and stopped with the server. Each has a feeder thread here (never the event
 loop, never the default thread pool the gallery uses) that hands it one body at a time and waits
 at most `decode_budget_s` for the answer. Past it, the process is killed (SIGKILL), the request
@@ -38,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from serving import images
+from serving.codecs import images
 from serving.bundle.image import MAX_PIXELS, header_pixels
 from serving.errors import InvalidInput, NotReady, Overloaded
 
@@ -293,13 +293,13 @@ def _read_exact(fd: int, view: memoryview) -> memoryview:
 
 
 def _start_process() -> tuple[Connection, Connection, subprocess.Popen]:
-    """`python -m serving.image_worker R W` on two new pipes: (its answers, its requests, the process)."""
+    """`python -m serving.codecs.image_worker R W` on two new pipes: (its answers, its requests, the process)."""
     child_rd, parent_wr = os.pipe()
     parent_rd, child_wr = os.pipe()
     for fd in (child_rd, parent_rd):
         _widen(fd)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.image_worker", str(child_rd), str(child_wr)],
+        proc = subprocess.Popen([sys.executable, "-m", "serving.codecs.image_worker", str(child_rd), str(child_wr)],
                                 pass_fds=(child_rd, child_wr), stdin=subprocess.DEVNULL, env=_worker_env())
     except OSError:
         os.close(parent_rd)
@@ -398,7 +398,7 @@ class DecodePool:
         finally:
             self.pending -= 1
         if not header.get("ok"):
-            raise images.api_error(int(header["status"]), str(header["code"]), str(header["message"]))
+            raise images.refusal_error(str(header["kind"]), str(header["code"]), str(header["message"]))
         return _example(header, out, size)
 
     def stop(self) -> None:

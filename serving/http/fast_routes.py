@@ -1,27 +1,29 @@
 """POST/PUT bodies answered straight on ASGI (detect, softmax, top-k, v2 infer, gallery writes).
 
-A route registers `fn(scope, body) -> (status, payload)` with `@body_route(endpoint)`. The
-`BodyRoutes` middleware, the innermost of the server's own (inside the metrics and body-limit
+A route registers `fn(scope, body) -> (status, payload)` with `@fast_route(router, method, path)`. The
+`FastRoutes` middleware, the innermost of the server's own (inside the metrics and body-limit
 ones, which app.py wraps around FastAPI's whole stack), matches such a request against the
 routers' routes and answers it there: none of FastAPI's layers (its error, telemetry and
 body-size middleware, router, dependency solving, route wrappers) is on this path (on a detect
 request they cost about as much as detect's own work). Errors still go through the app's
-exception handlers, so the envelope is the same; every other request goes on to FastAPI. The
-endpoints' own signatures only describe the bodies in OpenAPI.
+exception handlers, so the envelope is the same; every other request goes on to FastAPI. Each
+fast route has one implementation, its handler; FastAPI holds only its description (OpenAPI).
 """
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Match
 
-from serving.deadlines import within
+from serving.core.deadlines import within
 from serving.errors import DeadlineExceeded
 
-_BODY_HANDLERS: dict[Callable, Callable] = {}
+_FAST_HANDLERS: dict[Callable, Callable] = {}
 BODY_METHODS = ("POST", "PUT")
 
 
@@ -34,22 +36,49 @@ class RawAnswer:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-def body_route(endpoint: Callable):
-    """Register `fn(scope, body) -> (status, payload)` as the POST/PUT handler of `endpoint`'s route
-    (payload: a JSON-able object, a RawAnswer, or None for no body)."""
-    def register(fn: Callable) -> Callable:
-        _BODY_HANDLERS[endpoint] = fn
-        return fn
+def fast_route(router, method: str, path: str, *, name: str, body: Any = None, body_default: Any = ...,
+               **route_kwargs):
+    """Register `handler(scope, body) -> (status, payload)` as THE implementation of `method path`
+    (payload: a JSON-able object, a RawAnswer, or None for no body). FastAPI gets the route's
+    description for OpenAPI only (its `body` model, path parameters, responses); FastRoutes answers
+    every request of it before FastAPI's router is reached."""
+    def register(handler: Callable) -> Callable:
+        endpoint = _description(handler, path, name, body, body_default)
+        router.add_api_route(path, endpoint, methods=[method], name=name, **route_kwargs)
+        _FAST_HANDLERS[endpoint] = handler
+        return handler
 
     return register
 
 
+def _description(handler: Callable, path: str, name: str, body: Any, body_default: Any) -> Callable:
+    """An endpoint FastAPI can describe (signature: the body model and the path's parameters) and
+    never calls: its route is answered by `handler`."""
+    from fastapi import Body, Path as PathParam
+
+    params = []
+    for part in re.findall(r"{([^}:]+)", path):
+        alias = {"class": "class_ref"}.get(part, part)  # `class` is a Python keyword
+        params.append(inspect.Parameter(alias, inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                                        default=PathParam(..., alias=part) if alias != part else PathParam(...)))
+    if body is not None:
+        params.append(inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation=body,
+                                        default=Body(body_default)))
+
+    async def endpoint(**_):
+        raise RuntimeError(f"{name} is answered by its fast route")  # pragma: no cover - FastRoutes answers first
+
+    endpoint.__signature__ = inspect.Signature(params)
+    endpoint.__name__, endpoint.__doc__ = name, handler.__doc__
+    return endpoint
+
+
 def app_state(scope):
-    """The server's state object (serving/app.py) from an ASGI scope."""
+    """The server's state object (serving/http/app.py) from an ASGI scope."""
     return scope["app"].state.slc
 
 
-class BodyRoutes:
+class FastRoutes:
     """Pure ASGI: answer POST/PUT requests of routes with a body handler (see the module docstring)."""
 
     def __init__(self, app, routers: Sequence):
@@ -72,7 +101,7 @@ class BodyRoutes:
                     continue
                 match, child = route.matches(scope)
                 if match is Match.FULL:
-                    handler = _BODY_HANDLERS.get(route.endpoint)
+                    handler = _FAST_HANDLERS.get(route.endpoint)
                     if handler is not None:
                         scope.update(child)
                         return await self._answer(handler, scope, receive, send)

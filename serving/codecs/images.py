@@ -1,7 +1,7 @@
 """Image request bodies: the HTTP side (content types, 415 / 413 / 422 envelopes) of decoding an
 image body into one example of the bundle's input shape.
 
-The server decodes in worker processes under a time budget (serving/image_decoder.py); `decode`
+The server decodes in worker processes under a time budget (serving/codecs/image_decoder.py); `decode`
 here is the same work in the calling thread. The decoding and preprocessing themselves are
 serving/bundle/image.py, the one implementation the trainer also uses on image files, so a
 training image sent as a body gets exactly its offline logit. The manifest's `image` spec says how (docs/bundle-format.md).
@@ -13,11 +13,10 @@ from typing import Optional
 import numpy as np
 
 from serving.bundle.image import MAX_PIXELS, preprocess
-from serving.errors import ApiError, InvalidInput, PayloadTooLarge
-from serving.image_worker import decode_body, refusal
-from serving.inputs import UnsupportedMediaType
+from serving.codecs.image_worker import decode_body, refusal
+from serving.errors import Kind, SlcError, UnsupportedMediaType
 
-__all__ = ["IMAGE_TYPES", "MAX_PIXELS", "api_error", "content_type_of", "decode", "image_format", "is_image",
+__all__ = ["IMAGE_TYPES", "MAX_PIXELS", "refusal_error", "content_type_of", "decode", "image_format", "is_image",
            "preprocess"]
 
 IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/bmp": "BMP",
@@ -45,18 +44,16 @@ def image_format(content_type: bytes, spec: Optional[dict]) -> str:
     return IMAGE_TYPES[name]
 
 
-def api_error(status: int, code: str, message: str) -> ApiError:
-    """The envelope's exception for a refusal (serving/image_worker.py `refusal`)."""
-    if status == 415:
-        return UnsupportedMediaType(message)
-    return {413: PayloadTooLarge, 422: InvalidInput}.get(status, ApiError)(message, code=code, status=status)
+def refusal_error(kind: str, code: str, message: str) -> SlcError:
+    """The error of a decoding refusal (serving/codecs/image_worker.py `refusal`)."""
+    return SlcError(message, code=code, kind=Kind(kind))
 
 
 def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: tuple[int, ...]) -> np.ndarray:
     """One example float32 [*input_shape] from an image body, decoded in this thread; 415 / 413 / 422
-    as the envelope. The server decodes in worker processes instead (serving/image_decoder.py)."""
+    as the envelope. The server decodes in worker processes instead (serving/codecs/image_decoder.py)."""
     fmt = image_format(content_type, spec)
     try:
         return decode_body(body, fmt, spec)
     except Exception as exc:  # noqa: BLE001 - any decoder or EXIF failure is the image's fault, never a 500
-        raise api_error(*refusal(exc)) from None
+        raise refusal_error(*refusal(exc)) from None

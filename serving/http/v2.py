@@ -1,15 +1,12 @@
 """KServe v2 / Open Inference Protocol (docs/api.md), JSON tensors and the binary tensor extension.
 
-Models:
-  `<name>`       inputs `input` FP32 [N, ...] and `class_id` INT64 [N] -> `logit` FP32 [N], `match` BOOL [N]
-                 (one row of the head per input, the class's calibrated threshold)
-  `<name>-full`  input `input` -> `logits` FP32 [N, D]
+The models and what they compute are serving/core/v2.py's (shared with the gRPC front).
 
 Binary extension (what tritonclient.http sends by default): a request whose header
 `Inference-Header-Content-Length: L` is set carries L bytes of JSON, then the raw tensors in
 input order (each input's `parameters.binary_data_size`); outputs asked with
 `parameters.binary_data: true` come back the same way. Errors keep the project's envelope.
-The body's tensors are read and checked in serving/v2_tensors.py.
+The body's tensors are read and checked in serving/codecs/v2_tensors.py.
 """
 from __future__ import annotations
 
@@ -20,10 +17,12 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.errors import InvalidInput, NotFound, NotReady, OrjsonResponse
-from serving import v2_tensors as v2
-from serving.body_routes import RawAnswer, app_state, body_route
-from serving.http import error_responses, ready_engine, server_state
+from serving.codecs import v2_tensors as v2
+from serving.core.v2 import SERVER_VERSION, VERSION, check_version, model_kind, model_metadata_of, run_model
+from serving.errors import InvalidInput, NotReady
+from serving.http.deps import error_responses, ready_engine, server_state
+from serving.http.errors import OrjsonResponse
+from serving.http.fast_routes import RawAnswer, app_state, fast_route
 
 class InferTensor(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -89,49 +88,9 @@ class Readiness(BaseModel):
 router = APIRouter(prefix="/v2", tags=["kserve v2"])
 
 
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("slc")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
-SERVER_VERSION = _package_version()  # looked up once, not per GET /v2
-VERSION = "1"  # the one model version a bundle serves
-
 
 def _check_version(request: Request) -> None:
-    _check_version_value(request.path_params.get("version"))
-
-
-def _check_version_value(version: Optional[str]) -> None:
-    """`/versions/{v}` routes: only the one version a bundle serves exists."""
-    if version is not None and version != VERSION:
-        raise NotFound(f"model version {version!r} does not exist (this server has version {VERSION!r})",
-                       code="unknown_version")
-
-
-def model_kind(engine, model: str) -> str:
-    name = engine.bundle.name
-    if model == name:
-        return "single"
-    if model == f"{name}-full":
-        return "full"
-    raise NotFound(f"unknown model {model!r}; this server has {name!r} and {name + '-full'!r}", code="unknown_model")
-
-
-def model_metadata_of(engine, kind: str) -> dict:
-    name = engine.bundle.name
-    x = {"name": "input", "datatype": "FP32", "shape": [-1, *engine.input_shape]}
-    if kind == "single":
-        return {"name": name, "versions": [VERSION], "platform": "onnxruntime_onnx",
-                "inputs": [x, {"name": "class_id", "datatype": "INT64", "shape": [-1]}],
-                "outputs": [{"name": "logit", "datatype": "FP32", "shape": [-1]},
-                            {"name": "match", "datatype": "BOOL", "shape": [-1]}]}
-    return {"name": f"{name}-full", "versions": [VERSION], "platform": "onnxruntime_onnx", "inputs": [x],
-            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, engine.num_classes]}]}
+    check_version(request.path_params.get("version"))
 
 
 @router.get("", response_model=ServerMetadata)
@@ -179,22 +138,17 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
     "schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
-# (the lower decorator registers first: the versioned path goes last, so the usual path matches at once)
-@router.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, include_in_schema=False)
-@router.post("/models/{model}/infer", response_model=InferResponse, responses=error_responses(400, 404, 413, 422, 429, 503, 504),
-             openapi_extra=_INFER_BODY)
-async def infer(model: str, request: Request):
-    """Describes the route in OpenAPI; `_infer_body` answers it."""
-    raise AssertionError("answered by _infer_body")  # pragma: no cover - POST bodies never reach here
-
-
-@body_route(infer)
-async def _infer_body(scope, body: bytes):
+# the versioned path goes last, so the usual path matches at once
+@fast_route(router, "POST", "/models/{model}/versions/{version}/infer", name="infer_version",
+            response_model=InferResponse, include_in_schema=False)
+@fast_route(router, "POST", "/models/{model}/infer", name="infer", response_model=InferResponse,
+            responses=error_responses(400, 404, 413, 422, 429, 503, 504), openapi_extra=_INFER_BODY)
+async def infer(scope, body: bytes):
     """The infer route straight on ASGI, as /v1 detect: no FastAPI dependency solving and no pydantic on
     the body (docs/results/v2-path.md); the checks below give the same answers the models gave."""
     engine = app_state(scope).ready_engine()
     params = scope["path_params"]
-    _check_version_value(params.get("version"))
+    check_version(params.get("version"))
     kind = model_kind(engine, params["model"])
     body, binary = v2.split_binary(_header(scope, b"inference-header-content-length"), body)
     req, tensors = v2.read_infer(body, binary, engine.settings.max_inputs, engine.input_shape)
@@ -236,46 +190,3 @@ def _answer(model: str, req: dict, outputs: dict[str, tuple[str, np.ndarray]]):
                      [(b"inference-header-content-length", str(len(head)).encode())])
 
 
-async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]]) -> dict[str, tuple[str, np.ndarray]]:
-    """The model `kind` ("single" or "full") on decoded input tensors -> {output name: (datatype, array)}.
-    Shared by the HTTP route above and the gRPC service (serving/grpc_v2.py)."""
-    x = _input_batch(engine, tensors)
-    if kind != "single":
-        return {"logits": ("FP32", await engine.all_logits(x))}
-    cid = tensors.get("class_id")
-    if cid is None:
-        raise InvalidInput("model needs inputs 'input' and 'class_id'", code="missing_input")
-    cid_arr, cid_type = cid
-    if cid_type not in v2.INTS or cid_arr.size != x.shape[0]:
-        raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
-    flat = cid_arr.reshape(-1)
-    ids = flat.tolist()  # Python ints (N <= max_inputs): no wrap-around of the tensor's own dtype
-    bad = [i for i in ids if not 0 <= i < engine.num_classes]
-    if bad:
-        raise NotFound(f"unknown class id {bad[0]} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
-    logit, match = await engine.single_logits(x, flat.astype(np.int64))
-    return {"logit": ("FP32", logit), "match": ("BOOL", match)}
-
-
-def _input_batch(engine, tensors) -> np.ndarray:
-    if "input" not in tensors:
-        raise InvalidInput("missing input tensor 'input'", code="missing_input")
-    arr, dt = tensors["input"]
-    if dt not in v2.FLOATS:
-        raise InvalidInput(f"'input' must be FP32 (got {dt})", code="unsupported_datatype")
-    if arr.ndim < 1 or arr.shape[0] < 1:
-        raise InvalidInput("'input' needs a batch dimension N >= 1", code="shape_mismatch")
-    n = arr.shape[0]
-    if n > engine.settings.max_inputs:
-        raise InvalidInput(f"{n} inputs in one request; the limit is {engine.settings.max_inputs}",
-                           code="too_many_inputs")
-    if arr[0].size != engine.input_size:
-        raise InvalidInput(f"'input' examples must have shape {list(engine.input_shape)} "
-                           f"({engine.input_size} values); got {list(arr.shape[1:])}", code="shape_mismatch")
-    if arr.dtype == np.float32:  # found finite when decoded
-        return arr.reshape((n,) + engine.input_shape)
-    with np.errstate(over="ignore"):
-        x = arr.astype(np.float32).reshape((n,) + engine.input_shape)
-    if not np.isfinite(x).all():
-        raise InvalidInput("'input' overflows float32", code="non_finite_value")
-    return x

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import orjson
 
-from serving.errors import ApiError, BadRequest, InvalidInput
+from serving.errors import BadRequest, InvalidInput
 
 _NONFINITE_LITERAL = re.compile(rb"(?<![\w\"])-?(NaN|Infinity)(?![\w\"])")
 _BOOL_TOKEN = re.compile(rb"(?<![\w\"])(true|false)(?![\w\"])")
@@ -25,10 +25,6 @@ _LONG_INT = re.compile(rb"(?<![\w.\"+-])-?\d{16,}(?![\w.])")
 MAX_EXACT_INT = 2**53
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 SHOWN = 3  # bad positions named in one message
-
-
-class UnsupportedMediaType(ApiError):
-    status, code = 415, "unsupported_media_type"
 
 
 def parse_object(body: bytes) -> dict:
@@ -152,7 +148,7 @@ def string(value: Any, where: str, max_len: int) -> str:
 
 
 # ----------------------------------------------------------------------------- examples
-def examples(inputs: Any, shape: tuple[int, ...], max_inputs: int, bools_possible: bool, what: str = "inputs") -> np.ndarray:
+def examples(inputs: Any, shape: tuple[int, ...], max_inputs: int, bools_possible: bool = True, what: str = "inputs") -> np.ndarray:
     """A list of examples (each nested like `shape`, or flat) -> float32 [N, *shape], strictly."""
     if type(inputs) is not list:
         raise InvalidInput(f"{what} must be a list of examples, got {_json_type(inputs)}", code="validation_error")
@@ -250,7 +246,7 @@ def _leaves(value: list, path: str) -> Iterator[tuple[str, int, Any]]:
 def tensor_values(data: Any, name: str, kind: str, bools_possible: bool) -> np.ndarray:
     """KServe JSON tensor data (flat or nested) of kind "float", "int" or "bool", strictly: 7.9 is
     not an INT64, "1.5" is not an FP32, true is only a BOOL."""
-    if type(data) is np.ndarray:  # float data serving/fast_json.py read: flat, numbers, |x| < 2^53
+    if type(data) is np.ndarray:  # float data serving/codecs/fast_json.py read: flat, numbers, |x| < 2^53
         return data
     if type(data) is not list:
         raise InvalidInput(f"input {name!r}: data must be a list, got {_json_type(data)}", code="validation_error")

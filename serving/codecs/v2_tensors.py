@@ -1,11 +1,11 @@
-"""A KServe v2 infer body -> (request fields, checked input tensors), shared by HTTP (serving/kserve.py)
-and, for the datatype tables, gRPC (serving/grpc_v2.py).
+"""A KServe v2 infer body -> (request fields, checked input tensors), shared by HTTP (serving/http/v2.py)
+and, for the datatype tables, gRPC (serving/grpc/server.py).
 
 Three readers give the same answer for every body they all read (tests/serving/test_v2_tensors.py):
 - `read_common`: the usual body (the tensors `input` FP32 and `class_id` given flat as JSON, nothing
   else unusual) in one pass over simdjson's document; None for anything else, never an error.
 - `fast_json.infer` + `parse_infer_request` + `decode_inputs`: any body whose float data is plain.
-- orjson (serving/inputs.py) + the same checks: everything else, with the errors named.
+- orjson (serving/codecs/strict_json.py) + the same checks: everything else, with the errors named.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from typing import Any, Optional
 import numpy as np
 import simdjson
 
-from serving import fast_json, inputs as read
-from serving.errors import ApiError, BadRequest, InvalidInput
+from serving.codecs import fast_json
+
+from serving.codecs import strict_json as read
+from serving.errors import SlcError, BadRequest, InvalidInput
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -78,7 +80,7 @@ def read_common(body: bytes, binary: bytes = b"") -> Optional[tuple[dict, Tensor
         return None
     try:
         return _common(simdjson.Parser().parse(body), body, binary)
-    except (*fast_json.ERRORS, AttributeError, ApiError):  # (AttributeError: a safety net, never expected)
+    except (*fast_json.ERRORS, AttributeError, SlcError):  # (AttributeError: a safety net, never expected)
         return None
 
 

@@ -1,5 +1,5 @@
-"""A decode worker process (`python -m serving.image_worker READ_FD WRITE_FD`), started and killed by
-serving/image_decoder.py: one image body at a time -> its example, or a refusal.
+"""A decode worker process (`python -m serving.codecs.image_worker READ_FD WRITE_FD`), started and killed by
+serving/codecs/image_decoder.py: one image body at a time -> its example, or a refusal.
 
 It imports Pillow, numpy and serving/bundle/image.py only (no web stack, never torch). Frames on
 the two pipes (multiprocessing.connection's length-prefixed bytes), nothing pickled either way:
@@ -7,7 +7,7 @@ the server never unpickles what a process that just ran a decoder on hostile byt
 
     request:  JSON {"format", "spec", "max_pixels"} , the body's bytes
     answer:   JSON {"ok": true, "shape"}              , the example's float32 bytes
-              JSON {"status", "code", "message"}      , b""
+              JSON {"kind", "code", "message"}        , b""
 """
 from __future__ import annotations
 
@@ -19,18 +19,19 @@ import numpy as np
 
 from serving.bundle.image import MAX_PIXELS, ImageTooComplex, ImageTooLarge, UnsupportedImage, decode_image
 
-def refusal(exc: BaseException) -> tuple[int, str, str]:
-    """(status, code, message) of the envelope for a decoding failure: always the image's fault."""
+def refusal(exc: BaseException) -> tuple[str, str, str]:
+    """(kind, code, message) of the error for a decoding failure (serving/errors.py Kind values):
+    always the image's fault."""
     from PIL import Image
 
     if isinstance(exc, (ImageTooLarge, Image.DecompressionBombError)):
-        return 413, "image_too_large", (str(exc) if isinstance(exc, ImageTooLarge)
+        return "too_large", "image_too_large", (str(exc) if isinstance(exc, ImageTooLarge)
                                         else f"the image is too large to decode ({exc})")
     if isinstance(exc, ImageTooComplex):
-        return 413, "image_too_complex", f"{exc}: refused before decoding"
+        return "too_large", "image_too_complex", f"{exc}: refused before decoding"
     if isinstance(exc, UnsupportedImage):
-        return 415, "unsupported_media_type", str(exc)
-    return 422, "invalid_image", f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})"
+        return "unsupported_media", "unsupported_media_type", str(exc)
+    return "invalid", "invalid_image", f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})"
 
 
 def decode_body(body: bytes, fmt: str, spec: dict, max_pixels: int = MAX_PIXELS) -> np.ndarray:
@@ -62,8 +63,8 @@ def serve(rd, wr) -> None:
             x = decode_body(body, request["format"], request["spec"], request["max_pixels"])
             answer, data = {"ok": True, "shape": list(x.shape)}, np.ascontiguousarray(x, np.float32)
         except Exception as exc:  # noqa: BLE001 - MemoryError and decoder errors alike are the image's
-            (status, code, message), data = refusal(exc), b""
-            answer = {"status": status, "code": code, "message": message}
+            (kind, code, message), data = refusal(exc), b""
+            answer = {"kind": kind, "code": code, "message": message}
         del body
         wr.send_bytes(json.dumps(answer).encode())
         wr.send_bytes(data)  # the array's own buffer: no copy

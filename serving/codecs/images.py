@@ -14,7 +14,7 @@ import numpy as np
 
 from serving.bundle.image import MAX_PIXELS, preprocess
 from serving.codecs.image_worker import decode_body, refusal
-from serving.errors import Kind, SlcError, UnsupportedMediaType
+from serving.errors import InvalidInput, Kind, PayloadTooLarge, SlcError, UnsupportedMediaType
 
 __all__ = ["IMAGE_TYPES", "MAX_PIXELS", "refusal_error", "content_type_of", "decode", "image_format", "is_image",
            "preprocess"]
@@ -46,7 +46,9 @@ def image_format(content_type: bytes, spec: Optional[dict]) -> str:
 
 def refusal_error(kind: str, code: str, message: str) -> SlcError:
     """The error of a decoding refusal (serving/codecs/image_worker.py `refusal`)."""
-    return SlcError(message, code=code, kind=Kind(kind))
+    cls = {Kind.TOO_LARGE: PayloadTooLarge, Kind.UNSUPPORTED_MEDIA: UnsupportedMediaType,
+           Kind.INVALID: InvalidInput}.get(Kind(kind), SlcError)
+    return cls(message, code=code, kind=Kind(kind))
 
 
 def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: tuple[int, ...]) -> np.ndarray:

@@ -212,6 +212,7 @@ def test_engine_searches_the_index_once_per_batch(tmp_path):
 
     engine = Engine.__new__(Engine)  # no runtime or batcher: the backbone is the identity here
     engine.index = CountingIndex()
+    engine.head_pass = types.SimpleNamespace(needs_embedding=True)  # no pass in this batch
     engine.runtime = types.SimpleNamespace(embed=lambda x, one_thread=False: np.asarray(x, np.float32))
     rng = np.random.default_rng(8)
     hs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (3, 1, 4)]

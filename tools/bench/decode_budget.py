@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from serving.bundle.image import FILE_MAX_PIXELS
+from tools.report import md_table, write_text
 
 
 def _encode(a: np.ndarray, fmt: str, mode: Optional[str] = None, **options) -> bytes:
@@ -138,15 +139,14 @@ def markdown(r: dict, command: str, load: str) -> str:
              f"interpreter), {r['replaced_s']:.2f} s later", "",
              "## Per image: the process hop against decoding in a thread", "",
              "Medians over interleaved requests (a thread of the default pool, as before, against a worker process).",
-             "", "| body | bytes | in a thread ms | in a worker process ms | overhead ms |", "|---|---:|---:|---:|---:|"]
-    for name, h in r["hop"].items():
-        lines.append(f"| {name} | {h['body_bytes']:,} | {h['thread_ms']:.2f} | {h['process_ms']:.2f} | "
-                     f"{h['process_ms'] - h['thread_ms']:.2f} |")
+             "", md_table(["body", "bytes", "in a thread ms", "in a worker process ms", "overhead ms"],
+                          [[name, f"{h['body_bytes']:,}", f"{h['thread_ms']:.2f}", f"{h['process_ms']:.2f}",
+                            f"{h['process_ms'] - h['thread_ms']:.2f}"] for name, h in r["hop"].items()], "lrrrr")]
     lines += ["", "## The largest legitimate bodies (16 megapixels, preprocessed to [3, 224, 224])", "",
               "The budget (SLC_DECODE_BUDGET_S, default 2 s) must leave room for these.", "",
-              "| body | bytes | best s | worst s (of 3) |", "|---|---:|---:|---:|"]
-    for name, h in r["large"].items():
-        lines.append(f"| {name} | {h['bytes']:,} | {h['best_s']:.3f} | {h['worst_s']:.3f} |")
+              md_table(["body", "bytes", "best s", "worst s (of 3)"],
+                       [[name, f"{h['bytes']:,}", f"{h['best_s']:.3f}", f"{h['worst_s']:.3f}"] for name, h in r["large"].items()],
+                       "lrrr")]
     return "\n".join(lines) + "\n"
 
 
@@ -162,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     text = markdown(measure(args.rounds), "python -m tools.bench.decode_budget"
                     + (f" --out {args.out}" if args.out else ""), load)
     if args.out:
-        args.out.write_text(text)
+        write_text(args.out, text)
     print(text)
 
 

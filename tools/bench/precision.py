@@ -13,6 +13,7 @@ import numpy as np
 
 from tools import loadtest as lt
 from tools.bench.server import process_tree_memory, slc_server
+from tools.report import md_table
 from serving.bundle.quantize import FILES, add_heads
 
 log = logging.getLogger(__name__)
@@ -154,12 +155,12 @@ def exactness_markdown(rows: list[dict]) -> str:
          "kept under ~/.cache/slc/bench). glyphs3755-ce: `slc export RUN --out glyphs3755-ce --head-precision int8,bf16` "
          "of glyphs3755.md's ce run (seed 0), on its test face (AR PL UKai, 8 renderings per class) saved as a float32 "
          ".npy. Speed and memory: scale.md, \"Head precision\"; replica-D10000000.md.", "",
-         "| bundle | inputs | D | precision | logit std | max \\|Δlogit\\| | mean \\|Δlogit\\| | p(j) rel. error max | mean | "
-         "top-1 agreement | top-5 overlap (quantized) | top-5 exact after re-scoring | command |",
-         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        L.append(f"| {r['bundle']} | {r['inputs_from']} ({r['inputs']:,}) | {r['classes']:,} | {r['precision']} | "
-                 f"{r['logit_std']:.3g} | {r['max_abs_logit_error']:.3g} | {r['mean_abs_logit_error']:.3g} | "
-                 f"{r['p_j_rel_error_max']:.2e} | {r['p_j_rel_error_mean']:.2e} | {r['top1_agreement']:.4f} | "
-                 f"{r['top5_overlap']:.4f} | {r['top5_exact_after_rescoring']:.4f} | `{r['command']}` |")
+         md_table(["bundle", "inputs", "D", "precision", "logit std", "max \\|Δlogit\\|", "mean \\|Δlogit\\|",
+                   "p(j) rel. error max", "mean", "top-1 agreement", "top-5 overlap (quantized)",
+                   "top-5 exact after re-scoring", "command"],
+                  [[r["bundle"], f"{r['inputs_from']} ({r['inputs']:,})", f"{r['classes']:,}", r["precision"],
+                    f"{r['logit_std']:.3g}", f"{r['max_abs_logit_error']:.3g}", f"{r['mean_abs_logit_error']:.3g}",
+                    f"{r['p_j_rel_error_max']:.2e}", f"{r['p_j_rel_error_mean']:.2e}", f"{r['top1_agreement']:.4f}",
+                    f"{r['top5_overlap']:.4f}", f"{r['top5_exact_after_rescoring']:.4f}", f"`{r['command']}`"] for r in rows],
+                  "llrlrrrrrrrrl")]
     return "\n".join(L) + "\n"

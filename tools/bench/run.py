@@ -39,6 +39,7 @@ from tools.bench.report import evaluate_targets, scale_markdown, scale_plot
 from tools.bench.server import grpc_available, peer_server, process_tree_memory, slc_server
 from serving.bundle import replace_dir, slc_home
 from tools.loadtest.stats import latency_summary
+from tools.report import write_json, write_result
 
 log = logging.getLogger(__name__)
 
@@ -319,8 +320,8 @@ def run_scale_bench(classes: Sequence[int], dim: int = 256, duration: float = 8.
 
 
 def _write(res: dict, out: Path, partial: bool = False) -> None:
-    (out / "scale.json").write_text(json.dumps(res, indent=2, default=float) + "\n")
     if partial:
+        write_json(out / "scale.json", res, default=float)
         return
-    (out / "scale.md").write_text(scale_markdown(res))
+    write_result(out, "scale", lambda: scale_markdown(res), res, default=float)
     scale_plot(res, out / "scale.png")

@@ -230,7 +230,7 @@ def test_every_server_reads_its_api_key_from_the_users_secret(rendered, kserve):
 
 def test_the_kserve_predictor_listens_where_kserve_expects(kserve):
     (isvc,) = kserve
-    assert isvc["apiVersion"] == "serving.http.v2.io/v1beta1" and isvc["kind"] == "InferenceService"
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1" and isvc["kind"] == "InferenceService"
     (c,) = isvc["spec"]["predictor"]["containers"]
     assert c["name"] == "kserve-container" and c["args"][0] == "/mnt/models"
     port = c["args"][c["args"].index("--port") + 1]

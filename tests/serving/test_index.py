@@ -271,7 +271,7 @@ def test_ivf_without_codes_holds_ids_not_rows(tmp_path):
     assert lists.info()["index_mb"] < sq4.info()["index_mb"]
 
 
-def test_head_lists_score_the_probed_cells_exactly(tmp_path):
+def test_class_cells_score_the_probed_cells_exactly(tmp_path):
     """Against brute force over the classes of the probed cells (float64): the r best of them."""
     from serving.core.class_cells import HeadLists
 
@@ -294,7 +294,7 @@ def test_head_lists_score_the_probed_cells_exactly(tmp_path):
     assert all(set(a) == set(b) for a, b in zip(lists.cells(h), best_cells))
 
 
-def test_head_lists_pad_when_the_probed_cells_are_small(tmp_path):
+def test_class_cells_pad_when_the_probed_cells_are_small(tmp_path):
     from serving.core.class_cells import HeadLists
 
     bundle = make_bundle(tmp_path, 50, 4, clustered=False)

@@ -43,7 +43,9 @@ def serve(bundle: Optional[Path], **flags) -> None:
         settings = Settings(**overrides)  # every SLC_* variable checked before anything starts
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else "settings"
+        if not first["loc"]:  # a rule between settings: its message names them
+            raise click.UsageError(str(first["msg"]).removeprefix("Value error, ")) from None
+        field = str(first["loc"][0])
         flag = f" / --{field.replace('_', '-')}" if field in flags else ""
         raise click.UsageError(f"SLC_{field.upper()}{flag}: {first['msg']} (got {first.get('input')!r})") from None
     if settings.open_writes_refused():

@@ -149,7 +149,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _something_to_serve(self) -> "Settings":
         if not self.http and self.grpc_port is None:
-            raise ValueError("http is off and no grpc_port is set: nothing would be served")
+            raise ValueError("http is off (--no-http, SLC_HTTP) and no grpc_port is set (--grpc-port, SLC_GRPC_PORT): "
+                             "nothing would be served")
         return self
 
     @model_validator(mode="after")

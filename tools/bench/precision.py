@@ -55,7 +55,7 @@ def ensure_heads(bundle: Path) -> None:
 def bench_precisions(bundle: Path, classes: int, dim: int, duration: float, saturate: int, log_dir: Path,
                      bandwidth: float) -> dict:
     """{precision: one-connection and saturated softmax, RSS, and the bandwidth floor}."""
-    from tools.bench.run import _summary
+    from tools.loadtest.stats import endpoint_summary
 
     ensure_heads(bundle)
     out = {}
@@ -69,9 +69,9 @@ def bench_precisions(bundle: Path, classes: int, dim: int, duration: float, satu
             full = lt.run_loadtest(srv.url, ["softmax"], concurrency=saturate, duration=duration, warmup=2.0)
             rss = process_tree_memory(srv.proc.pid)["rss"]
         floor_ms = head_bytes(classes, dim, precision) / bandwidth * 1e3
-        single = _summary(one.report)["softmax"]
+        single = endpoint_summary(one.report)["softmax"]
         out[precision] = {"softmax_impl": model.get("softmax_impl"), "ready_s": ready, "single": single,
-                          "saturated": _summary(full.report)["softmax"], "rss": rss, "floor_ms": floor_ms,
+                          "saturated": endpoint_summary(full.report)["softmax"], "rss": rss, "floor_ms": floor_ms,
                           "p50_over_floor": single["p50_ms"] / floor_ms if single["p50_ms"] else None}
         log.info(f"D={classes:,} {precision}: one connection p50 {single['p50_ms']:.2f} ms (floor {floor_ms:.2f} ms), "
                  f"RSS {rss / 2**20:.0f} MiB")

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def _serve_and_measure(bundle: Path, env: dict, endpoints: list[str], duration: float, tag: str, log_dir: Path) -> dict:
-    from tools.bench.run import _summary
+    from tools.loadtest.stats import endpoint_summary
 
     with slc_server(bundle, log_dir, tag, bundle.with_name(bundle.name + f"-data-{tag}"), env=env) as srv:
         ready = srv.wait_ready(3600)
@@ -33,7 +33,7 @@ def _serve_and_measure(bundle: Path, env: dict, endpoints: list[str], duration: 
                               interleave="block",
                               block_s=duration)
         return {"ready_s": ready, "softmax_impl": model.get("softmax_impl"), "index": (model.get("index") or {}).get("kind"),
-                "memory": process_tree_memory(srv.proc.pid), "single": _summary(one.report)}
+                "memory": process_tree_memory(srv.proc.pid), "single": endpoint_summary(one.report)}
 
 
 def bench_replica(classes: int, dim: int, precision: str, class_index: str, duration: float, log_dir: Path) -> dict:

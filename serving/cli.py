@@ -17,6 +17,7 @@ from serving.bundle.cliopts import bundle_dir
 @click.option("--port", type=click.IntRange(0, 65535), help="[default: 8000, or SLC_PORT]")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="gallery and index cache [default: $SLC_HOME/data]")
 @click.option("--grpc-port", type=click.IntRange(0, 65535), help="also serve KServe v2 over gRPC on this port [default: off]")
+@click.option("--http/--no-http", default=None, help="serve HTTP; --no-http: gRPC alone [default: --http]")
 @click.option("--gallery-url", help="postgresql://… : a gallery shared by every replica [default: SQLite in --data-dir]")
 @click.option("--max-batch", type=click.IntRange(min=1), help="inputs per backbone call [default: 64]")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0.0), help="batching wait in ms [default: 2.0]")
@@ -29,7 +30,7 @@ from serving.bundle.cliopts import bundle_dir
               help="accept gallery writes without SLC_API_KEY on a non-loopback --host (anyone who reaches the port "
                    "may write) [default: refused with 403, or SLC_ALLOW_OPEN_WRITES]")
 def serve(bundle: Optional[Path], **flags) -> None:
-    """Serve BUNDLE over HTTP (docs/api.md); without one, the embedded default model.
+    """Serve BUNDLE over HTTP and/or gRPC (docs/api.md); without one, the embedded default model.
 
     Flags override SLC_* environment variables (docs/configuration.md)."""
     from pydantic import ValidationError
@@ -42,11 +43,13 @@ def serve(bundle: Optional[Path], **flags) -> None:
         settings = Settings(**overrides)  # every SLC_* variable checked before anything starts
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else "settings"
+        if not first["loc"]:  # a rule between settings: its message names them
+            raise click.UsageError(str(first["msg"]).removeprefix("Value error, ")) from None
+        field = str(first["loc"][0])
         flag = f" / --{field.replace('_', '-')}" if field in flags else ""
         raise click.UsageError(f"SLC_{field.upper()}{flag}: {first['msg']} (got {first.get('input')!r})") from None
     if settings.open_writes_refused():
-        from serving.http import OPEN_WRITES_REFUSED
+        from serving.http.v1 import OPEN_WRITES_REFUSED
 
         click.echo("warning: " + OPEN_WRITES_REFUSED.format(host=settings.host), err=True)
     run_server(overrides)

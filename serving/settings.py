@@ -34,7 +34,7 @@ class Settings(BaseSettings):
         "accept gallery writes without an API key on a non-loopback host (anyone who reaches the port may write); "
         "without it, a server on such a host with no SLC_API_KEY answers every write 403"))
 
-    # --- batching (serving/batcher.py)
+    # --- batching (serving/core/batcher.py)
     max_batch: int = Field(64, ge=1, description="inputs per backbone call")
     max_delay_ms: float = Field(2.0, ge=0, description="how long the first queued input waits for others to join its batch")
     adaptive_delay: bool = Field(True, description="skip the max_delay wait when no other request is on its way "
@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(10.0, gt=0, description="per-request deadline from the moment its body is read, "
                                      "queue and compute included; past it the request gets 504, not a late answer")
 
-    # --- transport limits (serving/protocol.py, serving/errors.py)
+    # --- transport limits (serving/http/transport.py, serving/http/body_limit.py)
     header_timeout_s: float = Field(10.0, gt=0, description="a request whose headers have not arrived by then gets 408 and "
                                     "the connection is closed (also a connection that never sends a request)")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body that has not fully arrived by then gets 408")
@@ -51,11 +51,12 @@ class Settings(BaseSettings):
     drain_delay_s: float = Field(0.0, ge=0, description="on SIGTERM: readiness turns 503 at once, requests are still "
                                  "accepted for this long (load balancers see it), then the server stops accepting")
 
-    # --- request limits (serving/errors.py)
+    # --- request limits (serving/http/body_limit.py)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="413 beyond this, counted while the body is read")
     max_inputs: int = Field(256, ge=1, description="examples per request (inputs, gallery items); 422 beyond")
     max_topk: int = Field(1000, ge=1)
 
+    http: bool = Field(True, description="serve HTTP (/v1, /v2, /metrics); off: gRPC alone (needs grpc_port)")
     grpc_port: Optional[int] = Field(None, ge=0, le=65535, description=(
         "also serve KServe v2 over gRPC on this port (needs slc[grpc]); unset: HTTP only"))
     grpc_max_concurrent_rpcs: int = Field(32, ge=1, description=(
@@ -116,7 +117,7 @@ class Settings(BaseSettings):
         "loop instead of the worker thread, whose hop costs more; 0: always the worker"))
     warmup: bool = True
 
-    # --- image bodies (serving/image_decoder.py)
+    # --- image bodies (serving/codecs/image_decoder.py)
     decode_workers: int = Field(2, ge=1, le=64, description=(
         "processes decoding image bodies, started with a bundle that takes images: a decode runs in one of them "
         "so that it can be stopped (its process killed) when it runs past decode_budget_s"))
@@ -143,6 +144,13 @@ class Settings(BaseSettings):
         if self.softmax_impl in ("ort_pair", "packed_pair") and self.intra_op_threads < 2:
             raise ValueError(f"softmax_impl {self.softmax_impl} needs intra_op_threads >= 2 "
                              "(its two GEMMs run one thread each)")
+        return self
+
+    @model_validator(mode="after")
+    def _something_to_serve(self) -> "Settings":
+        if not self.http and self.grpc_port is None:
+            raise ValueError("http is off (--no-http, SLC_HTTP) and no grpc_port is set (--grpc-port, SLC_GRPC_PORT): "
+                             "nothing would be served")
         return self
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.app import create_app
+from serving.http.app import create_app
 from serving.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,3 +52,49 @@ def test_the_server_never_imports_the_trainer_or_models():
 
 def test_the_trainer_reads_only_the_bundle_format_of_serving():
     assert _offenders("trainer", lambda n: not _under(n, "serving") or _under(n, "serving.bundle")) == []
+
+
+# ---------------------------------------------------------------------------- serving's floors
+# serving.errors (the protocol-free vocabulary) <- codecs <- core <- fronts (http, grpc) <- main
+FRAMEWORKS = ("fastapi", "starlette", "uvicorn", "grpc", "tritonclient", "httptools")
+FRONTS = ("serving.http", "serving.grpc", "serving.main", "serving.cli")
+
+
+def _any_under(name: str, prefixes) -> bool:
+    return any(_under(name, p) for p in prefixes)
+
+
+@pytest.mark.parametrize("floor", ["serving/core", "serving/codecs", "serving/gallery", "serving/bundle"])
+def test_the_core_and_what_it_reads_import_no_web_or_rpc_framework(floor):
+    assert _offenders(floor, lambda n: not _any_under(n, FRAMEWORKS)) == []
+
+
+@pytest.mark.parametrize("floor", ["serving/core", "serving/codecs", "serving/gallery", "serving/bundle"])
+def test_nothing_below_the_fronts_imports_a_front(floor):
+    assert _offenders(floor, lambda n: not _any_under(n, FRONTS)) == []
+
+
+def test_the_codecs_never_import_the_core():
+    assert _offenders("serving/codecs", lambda n: not _under(n, "serving.core")) == []
+
+
+@pytest.mark.parametrize("front, other", [("serving/http", "serving.grpc"), ("serving/grpc", "serving.http")])
+def test_the_fronts_never_import_each_other(front, other):
+    assert _offenders(front, lambda n: not _under(n, other)) == []
+
+
+def test_the_core_runs_with_no_web_or_rpc_framework_importable():
+    """A fresh interpreter where fastapi, starlette, uvicorn and grpc cannot be imported loads
+    every core and codec module, and the neutral errors."""
+    import subprocess
+    import sys
+
+    modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                     for floor in ("serving/core", "serving/codecs") for p in _modules(floor))
+    modules = [m.removesuffix(".__init__") for m in modules] + ["serving.errors"]
+    code = ("import sys\n"
+            f"for name in {FRAMEWORKS!r}: sys.modules[name] = None  # import fails\n"
+            f"import importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
+            f"assert not [n for n in sys.modules if n.split('.')[0] in {FRAMEWORKS!r} and sys.modules[n] is not None]\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

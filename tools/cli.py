@@ -4,14 +4,13 @@ of them runs); above trainer/ (it imports the trainer's option checks), never im
 """
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Optional
 
 import click
 
 from serving.bundle.cliopts import OUT, POSITIVE
+from tools.report import write_result
 from trainer.augment import AUGMENTS
 from trainer.cli import DATASET
 from trainer.losses import list_losses
@@ -159,9 +158,7 @@ def bench_head(classes: str, dim: int, batch: int, rate: float, loss_name: str, 
                    f"sharded {r['sharded_images_s']:.0f} images/s", err=True)
     command = (f"slc bench head --classes {classes} --dim {dim} --batch {batch} --rate {rate:g} --loss {loss_name} "
                f"--train-classes {train_classes}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "head-bench.json").write_text(json.dumps({"head": rows, "train": train_rows}, indent=2) + "\n")
-    (out / "head-bench.md").write_text(head_bench_markdown(rows, train_rows, command))
+    write_result(out, "head-bench", lambda: head_bench_markdown(rows, train_rows, command), {"head": rows, "train": train_rows})
     click.echo(f"head bench: {len(rows)} head sizes, {len(train_rows)} training sizes -> {out / 'head-bench.md'}")
 
 

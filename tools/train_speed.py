@@ -12,7 +12,6 @@ configuration on two cores; the steady rate over a couple of minutes is the same
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -104,6 +103,8 @@ def write(rows: list[dict], args) -> None:
 
     import torch
 
+    from tools.report import md_table, write_result
+
     base = rows[0]["images_per_s"]
     command = "python tools/train_speed.py " + " ".join(sys.argv[1:])
     lines = ["# Training speed: one glyphs3755 epoch's recipe, by precision and layout", "",
@@ -112,16 +113,13 @@ def write(rows: list[dict], args) -> None:
              f"Recipe: `slc train {' '.join(RECIPE)}` (821 steps of 256 images an epoch).  ",
              f"Each row: its own process, stopped after {args.seconds:.0f} s; images/s over the steps after the first "
              f"{args.warmup:.0f} s (start-up, data and compilation left out); peak RSS = VmHWM just before the stop.",
-             "", "| configuration | images/s | × first row | epoch (min, at this rate) | peak RSS (MB) |",
-             "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['images_per_s']:.0f} | {r['images_per_s'] / base:.2f} | "
-                     f"{821 * 256 / r['images_per_s'] / 60:.1f} | {r['peak_rss_mb']:.0f} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "trainer-speed.md").write_text("\n".join(lines) + "\n")
-    (args.out / "trainer-speed.json").write_text(json.dumps(rows, indent=2) + "\n")
+             "", md_table(["configuration", "images/s", "× first row", "epoch (min, at this rate)", "peak RSS (MB)"],
+                          [[r["config"], f"{r['images_per_s']:.0f}", f"{r['images_per_s'] / base:.2f}",
+                            f"{821 * 256 / r['images_per_s'] / 60:.1f}", f"{r['peak_rss_mb']:.0f}"] for r in rows], "lrrrr")]
+    write_result(args.out, "trainer-speed", "\n".join(lines) + "\n", rows)
     print(f"-> {args.out / 'trainer-speed.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # `python tools/train_speed.py` puts tools/ on the path, not the checkout
     main()

@@ -76,9 +76,9 @@ def _image_size(ctx: click.Context, param: click.Parameter, value: Optional[str]
     return size
 
 
-def _train_options(f):
-    """The training recipe's options, in the order `slc train --help` lists them."""
-    options = [
+def _model_options() -> list:
+    """What is trained: data, backbone and loss (with their keyword parameters)."""
+    return [
         click.option("--dataset", **DATASET),
         click.option("--backbone", default="auto", show_default=True, callback=_backbone,
                      help=f"auto (resnet_glyph for images, else mlp), one of {', '.join(list_backbones())}, "
@@ -91,6 +91,12 @@ def _train_options(f):
                      help="k=v keyword of the loss, repeatable"),
         click.option("--backbone-param", "backbone_params", multiple=True, callback=key_values,
                      help="k=v keyword of the backbone, repeatable"),
+    ]
+
+
+def _optimisation_options() -> list:
+    """How it is fitted: epochs, optimizer, schedule, budget and the head's sampling or sharding."""
+    return [
         click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True),
         click.option("--lr", type=POSITIVE, default=0.01, show_default=True),
         click.option("--batch-size", type=click.IntRange(min=2), default=128, show_default=True),
@@ -110,6 +116,12 @@ def _train_options(f):
         click.option("--head-shard", is_flag=True,
                      help="under torchrun: each rank holds D/world class rows; features are all-gathered and the "
                           "loss's reductions over classes are all-reduces (Partial FC)"),
+    ]
+
+
+def _runtime_options() -> list:
+    """Where and how fast it runs: device, precision, compile, data loading and image decoding."""
+    return [
         click.option("--device", default="auto", show_default=True, help=f"{DEVICES}: auto takes CUDA when present"),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
                      help="bf16 / fp16 autocast (fp16: CUDA, with a gradient scaler)"),
@@ -123,6 +135,12 @@ def _train_options(f):
                      "[default: the pretrained backbone's size, else by the images (docs/datasets.md)]"),
         click.option("--channels", type=click.Choice(["1", "3"]), help="imagefolder/csv: grey (1) or RGB (3)"),
         click.option("--skip-bad-images", is_flag=True, help="count and skip unreadable image files instead of refusing"),
+    ]
+
+
+def _validation_options() -> list:
+    """Validation, early stopping, checkpoints and logs of the run."""
+    return [
         click.option("--val-every", type=click.IntRange(min=0), default=1, show_default=True,
                      help="validate on the calibration split every N epochs (0: never)"),
         click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
@@ -134,6 +152,11 @@ def _train_options(f):
         click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True),
         click.option("--tensorboard", is_flag=True, help="also write TensorBoard events to RUN/tensorboard"),
     ]
+
+
+def _train_options(f):
+    """The training recipe's options, in the order `slc train --help` lists them."""
+    options = _model_options() + _optimisation_options() + _runtime_options() + _validation_options()
     for option in reversed(options):
         f = option(f)
     return f

@@ -58,7 +58,7 @@ class Bundle:
     platt_b: np.ndarray  # [D] float32
     global_threshold: float
     digest: str  # sha256 hex of manifest.json bytes
-    image: dict | None = None  # how an image becomes one input (manifest "image"; serving/images.py)
+    image: dict | None = None  # how an image becomes one input (manifest "image"; serving/codecs/images.py)
     heads: dict = field(default_factory=dict)  # quantized heads {precision: {"weight", "scale"}} (bundle/quantize.py)
     _class_index: dict[str, int] | None = field(default=None, repr=False, compare=False)
 

@@ -2,7 +2,7 @@
 
 `Gallery` keeps them in SQLite for one process (the default); `PostgresGallery` keeps them in a
 PostgreSQL shared by every replica (`slc serve --gallery-url postgresql://…`). Both search the
-same in-memory index (serving/gallery/index.py); `open_gallery` picks one from the settings.
+same in-memory index (serving/gallery/range_search.py); `open_gallery` picks one from the settings.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import orjson
 
-from serving.gallery.index import VectorIndex
+from serving.gallery.range_search import VectorIndex
 
 log = logging.getLogger(__name__)
 

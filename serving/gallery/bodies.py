@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import orjson
 
-from serving import inputs as read
+from serving.codecs import strict_json as read
 from serving.errors import InvalidInput
 
 MAX_ID_CHARS = 256
@@ -85,23 +85,24 @@ def metadata_json(metadata: Any, source: bytes, where: str, max_values: int, max
     return text
 
 
-def read_upsert(body: bytes, settings, to_batch) -> tuple[list[dict], Any]:
+def read_upsert(body: bytes, settings, input_shape: tuple[int, ...]) -> tuple[list[dict], Any]:
     """(items with their `metadata_json`, their inputs converted [N, *shape]) of a POST
     /v1/gallery/items body whose structure was bounded already. Runs on a gallery thread."""
     items = upsert_items(read.parse_object(body), settings.max_inputs)
     for k, it in enumerate(items):
         it["metadata_json"] = metadata_json(it["metadata"], body, f"items[{k}].metadata", settings.max_metadata_values,
                                             settings.max_metadata_bytes)
-    x = to_batch([it["input"] for it in items], what="item inputs", bools_possible=read.has_bool_token(body))
+    x = read.examples([it["input"] for it in items], input_shape, settings.max_inputs, read.has_bool_token(body),
+                      what="item inputs")
     return items, x
 
 
-def read_put(body: bytes, item: str, settings, to_batch) -> tuple[list[dict], Any]:
+def read_put(body: bytes, item: str, settings, input_shape: tuple[int, ...]) -> tuple[list[dict], Any]:
     """`read_upsert` of a PUT /v1/gallery/items/{id} JSON body {input, metadata?}."""
     obj = read.parse_object(body)
     read.check_keys(obj, ("input", "metadata"), required=("input",))
     it = {"id": item, "input": obj["input"], "metadata": obj.get("metadata")}
     it["metadata_json"] = metadata_json(it["metadata"], body, "metadata", settings.max_metadata_values,
                                         settings.max_metadata_bytes)
-    x = to_batch([it["input"]], what="item inputs", bools_possible=read.has_bool_token(body))
+    x = read.examples([it["input"]], input_shape, settings.max_inputs, read.has_bool_token(body), what="item inputs")
     return [it], x

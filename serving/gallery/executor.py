@@ -15,16 +15,16 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from serving.errors import ApiError
+from serving.errors import Kind, SlcError
 
 
-class GalleryBusy(ApiError):
+class GalleryBusy(SlcError):
     """Every place in the gallery's queue is taken (a slow or frozen database): retry later."""
 
-    status, code = 429, "gallery_busy"
+    kind, code = Kind.OVERLOADED, "gallery_busy"
 
     def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after)))})
+        super().__init__(message, retry_after=retry_after)
 
 
 class GalleryExecutor:

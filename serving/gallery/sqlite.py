@@ -1,7 +1,7 @@
 """The embedded gallery: items (id, embedding h, metadata, input) in SQLite, for one process.
 
 Durability: SQLite in WAL mode with ``synchronous=FULL``; ``upsert``/``delete`` return only
-after COMMIT (the WAL is fsynced), and update the in-memory index (serving/gallery/index.py)
+after COMMIT (the WAL is fsynced), and update the in-memory index (serving/gallery/range_search.py)
 after the commit. The index is rebuilt from SQLite at start, so a kill -9 at any point loses
 no acknowledged write. Several replicas share a gallery through PostgreSQL instead
 (serving/gallery/postgres.py).

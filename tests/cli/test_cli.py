@@ -169,3 +169,10 @@ def test_two_settings_that_do_not_go_together_are_one_line_before_the_server_sta
     monkeypatch.setenv("SLC_INTRA_OP_THREADS", "1")
     code, _, err = run(capsys, "serve", tmp_path / "b", "--port", 1)
     assert code == 2 and len(err.strip().splitlines()) == 1 and f"{impl} needs intra_op_threads >= 2" in err
+
+
+def test_serving_nothing_is_one_line_before_the_server_starts(tmp_path, capsys):
+    assert run(capsys, "bundle", "synthetic", "--classes", 5, "--dim", 4, "--input-dim", 3, "--out", tmp_path / "b")[0] == 0
+    code, _, err = run(capsys, "serve", tmp_path / "b", "--port", 1, "--no-http")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "nothing would be served" in err and "--grpc-port" in err
+    assert "Value error" not in err

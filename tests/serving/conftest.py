@@ -41,9 +41,10 @@ def inputs():
 @pytest.fixture
 def app_factory(bundle_path, tmp_path):
     def factory(**overrides):
-        from serving.app import create_app
+        """The HTTP app over the core with its fronts (the gRPC one when grpc_port is given), as `slc serve` builds it."""
+        from serving.main import build
 
-        return create_app(make_settings(bundle_path, tmp_path, **overrides))
+        return build(make_settings(bundle_path, tmp_path, **overrides))[0]
 
     return factory
 

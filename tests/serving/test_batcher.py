@@ -7,8 +7,8 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.batcher import Batcher
-from serving.errors import DeadlineExceeded, Overloaded
+from serving.core.batcher import Batcher
+from serving.errors import DeadlineExceeded, Kind, Overloaded
 from tests.serving.helpers import assert_envelope
 
 
@@ -81,7 +81,7 @@ def test_full_queue_raises_overloaded_then_recovers():
     overloaded = [d for d in done if isinstance(d, Overloaded)]
     ok = [d for d in done if isinstance(d, np.ndarray)]
     assert len(ok) == 4 and len(overloaded) == 6
-    assert all(e.status == 429 and int(e.headers["Retry-After"]) >= 1 for e in overloaded)
+    assert all(e.kind is Kind.OVERLOADED and e.retry_after >= 1 for e in overloaded)
     np.testing.assert_array_equal(after, [[2.0]])
 
 
@@ -108,7 +108,7 @@ def test_expired_requests_are_never_computed():
         return rec, results
 
     rec, (late, patient) = run(main())
-    assert isinstance(late, DeadlineExceeded) and late.status == 504
+    assert isinstance(late, DeadlineExceeded) and late.kind is Kind.DEADLINE
     assert patient.shape == (3, 1)
     assert rec.batches == [[3]]  # the expired request's 2 inputs were dropped, not computed
 
@@ -640,7 +640,7 @@ def test_an_inline_batch_that_fails_fails_its_requests_and_keeps_serving():
 
 
 def test_the_worker_passes_results_and_errors_back_in_order():
-    from serving.batcher import Worker
+    from serving.core.batcher import Worker
 
     async def main():
         w = Worker("test-worker")
@@ -662,7 +662,7 @@ def test_the_worker_passes_results_and_errors_back_in_order():
 def test_a_size_measured_dear_on_the_worker_is_measured_again_on_the_loop():
     """A cost read high on the worker (the loop busy on the other core) must not keep a cheap batch
     off the loop for good: a batch of that size is probed on the loop and its loop cost rules."""
-    import serving.batcher as batcher_mod
+    import serving.core.batcher as batcher_mod
 
     calls = []
 
@@ -686,7 +686,7 @@ def test_a_size_measured_dear_on_the_worker_is_measured_again_on_the_loop():
 
 def test_a_size_far_above_the_bound_is_never_probed_on_the_loop():
     rec = ThreadRecorder(sleep=0.02)
-    import serving.batcher as batcher_mod
+    import serving.core.batcher as batcher_mod
 
     _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=0.001), "embed", batcher_mod.INLINE_PROBE_EVERY + 3)
     assert set(rec.threads) == {"slc-batch"}

@@ -1,4 +1,4 @@
-"""Body routes answered before FastAPI's router (serving/body_routes.py): the same answers and
+"""Body routes answered before FastAPI's router (serving/http/fast_routes.py): the same answers and
 envelopes as FastAPI would give, behind a root path too, labelled by route template in /metrics."""
 from __future__ import annotations
 
@@ -62,3 +62,25 @@ def test_v2_infer_and_the_versioned_route_answer_alike(app_factory, bundle, inpu
     plain, versioned = asyncio.run(_with_app(app_factory(), call))
     assert plain.status_code == 200 and versioned.status_code == 200, (plain.text, versioned.text)
     assert plain.json()["outputs"] == versioned.json()["outputs"]
+
+
+def test_every_post_and_put_route_has_exactly_one_implementation_its_fast_route():
+    """FastAPI holds each POST/PUT route's description only: its endpoint is one _description
+    registered to a handler, so no second (drifting) implementation can exist."""
+    from serving.http import v1, v2
+    from serving.http.fast_routes import _FAST_HANDLERS
+
+    routes = [r for router in (v1.router, v2.router) for r in router.routes if {"POST", "PUT"} & set(r.methods)]
+    assert len(routes) == 8  # detect, softmax, topk, gallery POST + PUT, class search, infer (+ versioned)
+    assert all(r.endpoint in _FAST_HANDLERS for r in routes)
+    assert all(r.endpoint.__qualname__.startswith("_description.") for r in routes)
+
+
+def test_the_openapi_schema_still_describes_each_fast_routes_body(app_factory):
+    schema = app_factory().openapi()
+    detect = schema["paths"]["/v1/classes/{class}/detect"]["post"]
+    assert detect["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/DetectRequest")
+    assert [p["name"] for p in detect["parameters"]] == ["class"]
+    put = schema["paths"]["/v1/gallery/items/{item_id}"]["put"]
+    assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/GalleryPutRequest")
+    assert "requestBody" in schema["paths"]["/v2/models/{model}/infer"]["post"]

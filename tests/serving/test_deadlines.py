@@ -1,4 +1,4 @@
-"""serving/deadlines.py: the guarded block gets TimeoutError once its deadline has passed (as with
+"""serving/core/deadlines.py: the guarded block gets TimeoutError once its deadline has passed (as with
 asyncio.timeout), a block that finishes in time is untouched, and a cancel from elsewhere stays
 a cancel."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from serving import deadlines
-from serving.deadlines import within
+from serving.core import deadlines
+from serving.core.deadlines import within
 
 
 def test_a_block_past_its_deadline_gets_timeout_error():

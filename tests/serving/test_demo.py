@@ -34,7 +34,7 @@ def _missing() -> str | None:
 def demo_url(tmp_path_factory):
     if (why := _missing()) is not None:
         pytest.skip(why)
-    from serving.app import create_app
+    from serving.http.app import create_app
     from serving.bundle.synthetic import build_synthetic_bundle
     from tests.serving.helpers import make_settings, uvicorn_in_thread
 

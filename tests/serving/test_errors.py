@@ -150,7 +150,7 @@ def test_hash_mismatch_is_never_ready(client_factory, bundle_path, tmp_path):
 
 
 def test_device_cuda_without_a_usable_gpu_is_never_ready(client_factory):
-    from serving.runtime import cuda_device_count
+    from serving.core.sessions import cuda_device_count
 
     if cuda_device_count() > 0:
         pytest.skip("a GPU is present")
@@ -340,3 +340,36 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(live_server):
     text = httpx.get(url + "/metrics", timeout=10).text
     assert 'status="500"' not in text and 'reason="internal_error"' not in text
     assert 'slc_rejections_total{reason="client_disconnected"}' in text
+
+
+# ---------------------------------------------------------------------------- kinds -> each front's status
+def test_every_error_kind_has_an_http_status_and_a_grpc_code():
+    """The core's errors name no protocol: each front maps every kind, so a new kind without a
+    status in either front fails here."""
+    pytest.importorskip("grpc", reason="pip install 'slc[grpc]'")
+    from serving.errors import Kind
+    from serving.grpc.server import GRPC_CODES
+    from serving.http.errors import HTTP_STATUS
+
+    assert set(HTTP_STATUS) == set(Kind) and set(GRPC_CODES) == set(Kind)
+
+
+@pytest.mark.parametrize("kind, status, code", [("OVERLOADED", 429, "RESOURCE_EXHAUSTED"), ("UNAVAILABLE", 503, "UNAVAILABLE"),
+                                                ("DEADLINE", 504, "DEADLINE_EXCEEDED"), ("INVALID", 422, "INVALID_ARGUMENT"),
+                                                ("NOT_FOUND", 404, "NOT_FOUND"), ("FORBIDDEN", 403, "PERMISSION_DENIED")])
+def test_a_kind_maps_to_the_status_its_protocol_documents(kind, status, code):
+    pytest.importorskip("grpc", reason="pip install 'slc[grpc]'")
+    from serving.errors import Kind
+    from serving.grpc.server import GRPC_CODES
+    from serving.http.errors import HTTP_STATUS
+
+    assert (HTTP_STATUS[Kind[kind]], GRPC_CODES[Kind[kind]]) == (status, code)
+
+
+def test_a_retriable_error_carries_retry_after_only_in_the_http_header():
+    from serving.errors import Overloaded
+    from serving.http.errors import error_response
+
+    r = error_response(Overloaded("queue full", retry_after=3))
+    assert (r.status_code, r.headers["retry-after"], json.loads(r.body)) == (
+        429, "3", {"error": {"code": "overloaded", "message": "queue full"}})

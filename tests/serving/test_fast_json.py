@@ -1,4 +1,4 @@
-"""serving/fast_json.py against the strict reader (orjson + serving/inputs.py, serving/kserve.py):
+"""serving/codecs/fast_json.py against the strict reader (orjson + serving/codecs/strict_json.py, serving/http/v2.py):
 a body the fast path reads must give exactly what the strict reader gives (values, fields, or
 the same error), and every unusual body must be left to the strict reader. Fuzzed bodies too."""
 from __future__ import annotations
@@ -7,8 +7,12 @@ import numpy as np
 import orjson
 import pytest
 
-from serving import fast_json, inputs as read, v2_tensors
-from serving.errors import ApiError
+from serving.codecs import fast_json
+
+from serving.codecs import strict_json as read
+
+from serving.codecs import v2_tensors
+from serving.errors import SlcError
 from tools.loadtest.client import v2_json_body
 from tests.serving.helpers import json_mutations
 
@@ -24,7 +28,7 @@ def _strict_query(body: bytes):
         threshold = read.number(obj, "threshold")
         x = read.examples(obj["inputs"], SHAPE, MAX_INPUTS, read.has_bool_token(body))
         return threshold, x
-    except ApiError as exc:
+    except SlcError as exc:
         return type(exc), exc.code, str(exc)
 
 
@@ -35,7 +39,7 @@ def _fast_query(body: bytes):
     try:
         read.check_keys(obj, ALLOWED, required=("inputs",))
         return read.number(obj, "threshold"), obj["inputs"]
-    except ApiError as exc:
+    except SlcError as exc:
         return type(exc), exc.code, str(exc)
 
 
@@ -123,7 +127,7 @@ def _decoded(obj: dict, bools: bool):
         tensors = v2_tensors.decode_inputs(req["inputs"], b"", bools)
         x = tensors["input"][0]
         return req["id"], req["outputs"], x.astype(np.float32), {n: (a.tolist(), t) for n, (a, t) in tensors.items() if n != "input"}
-    except ApiError as exc:
+    except SlcError as exc:
         return type(exc), exc.code, str(exc)
 
 
@@ -229,7 +233,7 @@ def test_a_plain_detect_body_is_read_fast_and_answered_like_the_strict_reader(cl
 
 def test_a_v2_body_with_an_extra_field_is_read_fast_and_answered_like_the_strict_reader(client, bundle, inputs,
                                                                                         monkeypatch):
-    seen = _spy(monkeypatch, "infer")  # (the usual body takes serving/v2_tensors.py's one pass: not this one)
+    seen = _spy(monkeypatch, "infer")  # (the usual body takes serving/codecs/v2_tensors.py's one pass: not this one)
     body = orjson.dumps({**v2_json_body(inputs.astype(np.float64), 5), "inputs_note": 1})
     fast = client.post(f"/v2/models/{bundle.name}/infer", content=body, headers={"Content-Type": "application/json"})
     strict = client.post(f"/v2/models/{bundle.name}/infer", content=body[:-1] + b', "id": null, "id": null}',

@@ -38,7 +38,7 @@ def _answers(url: str) -> None:
 # ------------------------------------------------------------------ metadata bounded
 def test_metadata_of_millions_of_values_is_refused_before_it_is_parsed(client, monkeypatch):
     """An 8 MiB array of 4.19 M zeros: refused on the raw bytes' count, the parser never called."""
-    from serving.inputs import orjson as parser
+    from serving.codecs.strict_json import orjson as parser
 
     body = orjson.dumps({"items": [_item("z", {"z": [0] * 4_190_000})]})
     assert len(body) < 8 * 1024 * 1024
@@ -203,7 +203,7 @@ def test_a_frozen_gallery_slows_only_gallery_routes(image_bundle, tmp_path):
     """Eight gallery calls stuck in the database (more than the default thread pool's six threads,
     which image decoding used to share with them): detect, image detect and health answer; gallery
     calls past the queue get 429 with Retry-After; once the database answers, so do they."""
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, uvicorn_in_thread
 
     app = create_app(make_settings(image_bundle, tmp_path, gallery_threads=2, gallery_queue_size=4))

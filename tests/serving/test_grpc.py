@@ -1,4 +1,4 @@
-"""KServe v2 over gRPC (serving/grpc_v2.py) driven by tritonclient.grpc, unmodified, against the
+"""KServe v2 over gRPC (serving/grpc/server.py) driven by tritonclient.grpc, unmodified, against the
 offline math: health and metadata, the single-logit and full models, and errors as gRPC status
 codes; the same requests counted in /metrics."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.serving.helpers import free_port
+from tests.serving.helpers import free_port, serve_process
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
 
@@ -89,7 +89,7 @@ def test_errors_are_grpc_status_codes_naming_the_envelope_code(served, bundle, i
         client.infer(model, _inputs(x, ids))
     assert err.value.status() == f"StatusCode.{code}" and err.value.message().startswith(f"{envelope}: ")
     metrics = httpx.get(f"{url}/metrics").text
-    assert 'endpoint="grpc:ModelInfer"' in metrics
+    assert f'endpoint="grpc:ModelInfer",method="POST",status="{code}"' in metrics
 
 
 def test_a_request_past_its_deadline_is_deadline_exceeded(live_server, bundle, inputs):
@@ -107,3 +107,39 @@ def test_a_request_past_its_deadline_is_deadline_exceeded(live_server, bundle, i
     assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     # answered at the deadline, not when the batch queue dropped the request 400 ms later
     assert err.value.message().startswith("deadline_exceeded: request not answered within its deadline of 0.05 s")
+
+
+@pytest.mark.integration
+def test_grpc_alone_serves_the_offline_math_with_no_http_app(bundle_path, bundle, offline, inputs, tmp_path):
+    """`slc serve --grpc-port P --no-http`: the gRPC front on the core, no HTTP port opened, and a
+    SIGTERM ends it with exit code 0."""
+    import signal
+    import socket
+    import time
+
+    port, gport = free_port(), free_port()
+    proc = serve_process(bundle_path, tmp_path, port, "--grpc-port", str(gport), "--no-http")
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{gport}")
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(client) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert client.is_server_ready(), proc.stdout.read() if proc.poll() is not None else "not ready in 60 s"
+        ids = np.array([0, 7, 7, 49, 3], dtype=np.int64)
+        logit = client.infer(bundle.name, _inputs(inputs, ids)).as_numpy("logit")
+        np.testing.assert_allclose(logit, offline.logits(inputs)[np.arange(5), ids], rtol=1e-5, atol=1e-4)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens for HTTP
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _ready(client) -> bool:
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return client.is_server_ready()
+    except InferenceServerException:
+        return False

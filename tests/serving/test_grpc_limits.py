@@ -1,4 +1,4 @@
-"""gRPC limits (serving/grpc_v2.py, issue 30) against a real `slc serve --grpc-port` process, with
+"""gRPC limits (serving/grpc/server.py, issue 30) against a real `slc serve --grpc-port` process, with
 misbehaving clients written as raw HTTP/2 frames (tools/bench/h2_attack.py): streams that
 announce megabytes and stall are bounded and their memory given back when the client leaves;
 calls that only send headers are refused past the limits and ended after body_timeout_s; while
@@ -116,7 +116,7 @@ def test_a_message_larger_than_any_valid_request_is_refused_at_its_prefix(grpc_s
 
 
 def test_the_message_limit_comes_from_the_manifest(bundle_path, tmp_path):
-    from serving.grpc_v2 import message_limit
+    from serving.grpc.server import message_limit
     from tests.serving.helpers import make_settings
 
     s = make_settings(bundle_path, tmp_path)
@@ -195,7 +195,7 @@ def test_typed_contents_give_the_raw_contents_answers(stub, bundle, offline, inp
 def test_typed_contents_are_counted_before_they_are_converted(monkeypatch, bundle):
     """2 M typed FP32 values for a [1, 12] shape: refused on their count, with no conversion tried
     (converting them held the event loop for 0.3 s)."""
-    from serving import grpc_v2
+    from serving.codecs import grpc_tensors as tensors
     from serving.errors import InvalidInput
 
     req = _request(bundle, [1, INPUT_DIM], np.zeros(2_000_000, np.float32), typed="fp32")
@@ -203,40 +203,40 @@ def test_typed_contents_are_counted_before_they_are_converted(monkeypatch, bundl
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted before counting")
 
-    monkeypatch.setattr(grpc_v2, "_packed_field", no_conversion)
-    monkeypatch.setattr(grpc_v2.np, "fromiter", no_conversion)
+    monkeypatch.setattr(tensors, "_packed_field", no_conversion)
+    monkeypatch.setattr(tensors.np, "fromiter", no_conversion)
     with pytest.raises(InvalidInput, match="2000000 values for shape"):
-        grpc_v2.decode_tensors(req, 256 * (INPUT_DIM + 1), 256)
+        tensors.decode_tensors(req, 256 * (INPUT_DIM + 1), 256)
 
 
 def test_packed_float_contents_are_read_from_their_wire_bytes(bundle):
     """The wire-bytes reading equals protobuf's own, for fp32 and fp64, beside other fields."""
-    from serving import grpc_v2
+    from serving.codecs import grpc_tensors as tensors
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, INPUT_DIM))
     for typed, dtype in (("fp32", np.float32), ("fp64", np.float64)):
         req = _request(bundle, [3, INPUT_DIM], x, typed=typed, ids=[1, 2, 3])
         req.inputs[0].contents.int_contents.extend([5, -7])  # another field of the same message
-        got = grpc_v2._typed_contents(req.inputs[0], typed.upper(), 3 * INPUT_DIM, [3, INPUT_DIM], 256)
+        got = tensors._typed_contents(req.inputs[0], typed.upper(), 3 * INPUT_DIM, [3, INPUT_DIM], 256)
         want = np.asarray(getattr(req.inputs[0].contents, typed + "_contents"), dtype)
         np.testing.assert_array_equal(got, want)
         assert got.dtype == dtype
 
 
 def test_integer_contents_are_range_checked_and_bounded(bundle):
-    from serving import grpc_v2
+    from serving.codecs import grpc_tensors as tensors
     from serving.errors import InvalidInput
 
     req = pb.ModelInferRequest()
     t = req.inputs.add(name="class_id", datatype="INT8", shape=[2])
     t.contents.int_contents.extend([1, 300])
     with pytest.raises(InvalidInput, match="outside the range of INT8"):
-        grpc_v2.decode_tensors(req, 10_000, 256)
+        tensors.decode_tensors(req, 10_000, 256)
     t = req.inputs[0]
     del t.contents.int_contents[:]
     t.shape[:] = [1000]
     t.contents.int_contents.extend(range(1000))
     with pytest.raises(InvalidInput, match="at most 256") as err:
-        grpc_v2.decode_tensors(req, 10_000, 256)
+        tensors.decode_tensors(req, 10_000, 256)
     assert err.value.code == "too_many_inputs"

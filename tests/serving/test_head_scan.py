@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving import head_scan
+from serving.core import head_scan
 
 
 def _head(D=1000, d=16, n=5, seed=0):
@@ -156,7 +156,7 @@ def _pair_gemms(kind: str, W: np.ndarray, b: np.ndarray, rows: int):
     (ort_pair), or one pre-packed session per chunk shared by both threads (packed_pair)."""
     if kind == "ort_pair":
         return tuple(head_scan.over_rows(head_scan.OrtGemm(W.shape[1], threads=1), W, b) for _ in range(2))
-    from serving.packed_head import PackedHead
+    from serving.core.packed_head import PackedHead
 
     packed = PackedHead(W, b, rows)
     return packed, packed
@@ -192,7 +192,7 @@ def test_two_gemms_taking_chunks_in_turn_give_every_job_the_dense_answer(sizes, 
 
 
 def test_a_packed_head_refuses_a_class_range_that_is_not_one_of_its_chunks():
-    from serving.packed_head import PackedHead
+    from serving.core.packed_head import PackedHead
 
     W, b, h, _ = _head(D=300, n=2)
     packed = PackedHead(W, b, rows=100)

@@ -23,7 +23,7 @@ EXPECTED = {"strings": (422, "validation_error"), "objects": (422, "validation_e
 
 @pytest.fixture(scope="module")
 def server(bundle_path, tmp_path_factory):
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, uvicorn_in_thread
 
     with uvicorn_in_thread(create_app(make_settings(bundle_path, tmp_path_factory.mktemp("hostile")))) as url:

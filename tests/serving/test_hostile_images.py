@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serving import image_decoder
+from serving.codecs import image_decoder
 from tools.bench.hostile_images import chunk_flood_png, png_chunk, progressive_jpeg, sixteen_bit_png
 from serving.bundle.image import (FILE_MAX_PIXELS, MAX_JPEG_SCANS, MAX_PNG_CHUNKS, SCANS_AT_MAX_PIXELS,
                                   ImageTooComplex, check_structure, decode_image)
-from serving.errors import ApiError
-from serving.image_decoder import DecodePool
-from serving.images import decode
+from serving.errors import SlcError
+from serving.http.errors import http_headers, http_status
+from serving.codecs.image_decoder import DecodePool
+from serving.codecs.images import decode
 from tests.serving.helpers import assert_envelope
 
 pytestmark = pytest.mark.integration  # worker processes
@@ -46,9 +47,9 @@ def _digit() -> np.ndarray:
 
 
 def _refusal(body: bytes, content_type: bytes) -> tuple[int, str]:
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(SlcError) as err:
         decode(body, content_type, SPEC, (64,))
-    return err.value.status, err.value.code
+    return http_status(err.value), err.value.code
 
 
 def _alive(pid: int) -> bool:
@@ -186,9 +187,9 @@ def test_a_decode_past_its_budget_is_killed_its_worker_replaced_and_the_next_ima
         pool = await _ready(DecodePool(1, 4, BUDGET_S, max_pixels=PILLOW_LIMIT).start())
         try:
             (before,) = pool.pids()
-            with pytest.raises(ApiError) as err:
+            with pytest.raises(SlcError) as err:
                 await pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,))
-            assert (err.value.status, err.value.code) == (422, "image_decode_timeout")
+            assert (http_status(err.value), err.value.code) == (422, "image_decode_timeout")
             assert not _alive(before) and pool.kills == 1  # killed (and reaped), not left running
             got = await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))
             np.testing.assert_array_equal(got, decode(_png(_digit()), b"image/png", SPEC, (64,)))
@@ -236,9 +237,9 @@ def test_bodies_beyond_the_decode_queue_get_429():
         try:
             busy = asyncio.create_task(pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,)))
             await asyncio.sleep(0.05)
-            with pytest.raises(ApiError) as err:
+            with pytest.raises(SlcError) as err:
                 await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))
-            assert (err.value.status, err.value.code, err.value.headers) == (429, "overloaded", {"Retry-After": "1"})
+            assert (http_status(err.value), err.value.code, http_headers(err.value)) == (429, "overloaded", {"Retry-After": "1"})
             busy.cancel()
         finally:
             pool.stop()
@@ -269,9 +270,9 @@ def test_a_large_image_that_would_start_after_the_deadline_is_429_at_once():
         try:
             pool.lanes.rate = 9.5e-6  # large images recently took 9.5 µs per pixel
             big = _png(np.zeros((1100, 1000), np.uint8))  # 1.1 Mpx, 10.45 s at that pace: 2.45 s past 0.8 x 10 s
-            with pytest.raises(ApiError) as err:
+            with pytest.raises(SlcError) as err:
                 await pool.decode(big, b"image/png", SPEC, (64,))
-            assert (err.value.status, err.value.code, err.value.headers) == (429, "overloaded", {"Retry-After": "3"})
+            assert (http_status(err.value), err.value.code, http_headers(err.value)) == (429, "overloaded", {"Retry-After": "3"})
             assert (await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))).shape == (64,)  # small: admitted
         finally:
             pool.stop()
@@ -323,7 +324,7 @@ def serve(image_bundle, tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
 
     with ExitStack() as stack:
@@ -389,7 +390,7 @@ def test_an_image_past_the_budget_is_422_its_worker_replaced_while_others_answer
 def test_decode_workers_start_with_the_server_and_stop_with_it(image_bundle, tmp_path):
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
 
     settings = make_settings(image_bundle, tmp_path, decode_workers=3)

@@ -192,22 +192,17 @@ def test_metrics_count_requests_by_route_template(client, inputs):
     assert "slc_http_request_duration_seconds_bucket" in text
 
 
-def test_to_batch_accepts_nested_and_flat_examples(bundle):
+def test_examples_accepts_nested_and_flat_examples():
     """A [3, 4] input shape: nested [3][4] and flat 12-value examples give the same array."""
-    from types import SimpleNamespace
-
-    from serving.engine import Engine
+    from serving.codecs.strict_json import examples
     from serving.errors import InvalidInput
 
-    eng = Engine.__new__(Engine)
-    eng.settings = SimpleNamespace(max_inputs=4)
-    eng.input_shape, eng.input_size = (3, 4), 12
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    np.testing.assert_array_equal(eng.to_batch(x.tolist()), x)
-    np.testing.assert_array_equal(eng.to_batch(x.reshape(2, 12).tolist()), x)
+    np.testing.assert_array_equal(examples(x.tolist(), (3, 4), 4), x)
+    np.testing.assert_array_equal(examples(x.reshape(2, 12).tolist(), (3, 4), 4), x)
     for bad in (x.reshape(2, 4, 3).tolist(), [[1.0] * 11], [[[1.0] * 4] * 3, [1.0] * 12], [[1.0] * 12] * 5):
         with pytest.raises(InvalidInput):
-            eng.to_batch(bad)
+            examples(bad, (3, 4), 4)
 
 
 def test_gallery_persists_across_restarts_and_is_reembedded_for_a_new_bundle(client_factory, bundle_path, tmp_path):

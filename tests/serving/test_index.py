@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.index import ClassIndex
+from serving.core.class_index import ClassIndex
 
 
 def make_bundle(tmp_path: Path, num_classes: int, dim: int, *, clustered: bool, seed: int = 0, digest: str | None = None):
@@ -151,7 +151,7 @@ def test_serving_index_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, serving.index, serving.gallery; sys.exit(int('torch' in sys.modules))"
+    code = "import sys, serving.core.class_index, serving.gallery; sys.exit(int('torch' in sys.modules))"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
@@ -198,8 +198,8 @@ def test_recall_is_tuned_on_backbone_embeddings_of_random_inputs(tmp_path):
 
 def test_engine_searches_the_index_once_per_batch(tmp_path):
     """All topk-index jobs of a batch share one search (largest k); each gets its own rows, best first."""
-    from serving.batcher import Job
-    from serving.engine import Engine
+    from serving.core.batcher import Job
+    from serving.core.engine import Engine
 
     bundle = make_bundle(tmp_path, 3000, 16, clustered=False)
     index = ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="exact")
@@ -211,7 +211,8 @@ def test_engine_searches_the_index_once_per_batch(tmp_path):
             return index.search(h, k)
 
     engine = Engine.__new__(Engine)  # no runtime or batcher: the backbone is the identity here
-    engine.index, engine.softmax_impl = CountingIndex(), "numpy"
+    engine.index = CountingIndex()
+    engine.head_pass = types.SimpleNamespace(needs_embedding=True)  # no pass in this batch
     engine.runtime = types.SimpleNamespace(embed=lambda x, one_thread=False: np.asarray(x, np.float32))
     rng = np.random.default_rng(8)
     hs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (3, 1, 4)]
@@ -238,7 +239,7 @@ def test_an_automatic_choice_tries_hnsw_when_ivf_is_not_worth_it(monkeypatch):
     """Above EXACT_MAX_CLASSES: ivf first; if its tuning falls back to exact, hnsw; ivf kept when it holds."""
     import types
 
-    from serving import index as index_mod
+    from serving.core import class_index as index_mod
 
     asked = []
 
@@ -270,9 +271,9 @@ def test_ivf_without_codes_holds_ids_not_rows(tmp_path):
     assert lists.info()["index_mb"] < sq4.info()["index_mb"]
 
 
-def test_head_lists_score_the_probed_cells_exactly(tmp_path):
+def test_class_cells_score_the_probed_cells_exactly(tmp_path):
     """Against brute force over the classes of the probed cells (float64): the r best of them."""
-    from serving.head_lists import HeadLists
+    from serving.core.class_cells import HeadLists
 
     bundle = make_bundle(tmp_path, 3000, 12, clustered=True)
     rng = np.random.default_rng(7)
@@ -293,8 +294,8 @@ def test_head_lists_score_the_probed_cells_exactly(tmp_path):
     assert all(set(a) == set(b) for a, b in zip(lists.cells(h), best_cells))
 
 
-def test_head_lists_pad_when_the_probed_cells_are_small(tmp_path):
-    from serving.head_lists import HeadLists
+def test_class_cells_pad_when_the_probed_cells_are_small(tmp_path):
+    from serving.core.class_cells import HeadLists
 
     bundle = make_bundle(tmp_path, 50, 4, clustered=False)
     lists = HeadLists.from_assignment(np.arange(50) % 10, np.eye(10, 5, dtype=np.float32), bias_scale=1.0)
@@ -326,8 +327,8 @@ def test_a_cached_lists_index_and_an_empty_gallery_never_import_faiss(tmp_path):
     ClassIndex.open(bundle, tmp_path / "cache", device="cpu", kind="ivf", min_speedup=0)
     code = f"""
 import sys, types, numpy as np
-from serving.index import ClassIndex
-from serving.gallery.index import VectorIndex
+from serving.core.class_index import ClassIndex
+from serving.gallery.range_search import VectorIndex
 p = {str(bundle.path)!r}
 b = types.SimpleNamespace(path=None, weight=np.load(p + "/head_weight.npy", mmap_mode="r"),
                           bias=np.load(p + "/head_bias.npy", mmap_mode="r"), digest={bundle.digest!r})

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration  # real processes
 SCRIPT = r"""
 import importlib, json, pkgutil, sys, time
 import serving
-from serving.app import create_app
+from serving.http.app import create_app
 from serving.settings import Settings
 from fastapi.testclient import TestClient
 

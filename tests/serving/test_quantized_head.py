@@ -1,4 +1,4 @@
-"""Quantized heads (serving/bundle/quantize.py, serving/quantized_head.py) against float64 truth:
+"""Quantized heads (serving/bundle/quantize.py, serving/core/quantized_head.py) against float64 truth:
 the int8 and bf16 encodings by their definitions, the bundle round trip through `slc verify`
 (tampering caught), and the server's answers on the int8 / bf16 head against the float64 logits
 within the bounds the encodings give."""
@@ -126,7 +126,7 @@ def _bound(h: np.ndarray, weight: np.ndarray, heads, precision: str) -> np.ndarr
 def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path, precision, threads, n):
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from serving.bundle import load_bundle
 
     b = load_bundle(qbundle)
@@ -157,7 +157,7 @@ def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path,
 def test_int8_head_chunks_match_float64_within_bounds_with_one_or_two_kernels(qbundle, monkeypatch, two_kernels):
     """Int8Head directly, 6 inputs (a batch): DynamicQuantizeMatMul with both kernels; MatMulNBits
     alone when the head is above TWO_KERNELS_MAX_VALUES (lowered here to force it)."""
-    from serving import quantized_head
+    from serving.core import quantized_head
     from serving.bundle import load_bundle
 
     if not two_kernels:

@@ -1,6 +1,6 @@
 """Every POST body of the query routes against the answer written down for it: status and error
 code per body and route, the bad position named, and valid bodies answered like the offline math.
-(The bodies are read by serving/inputs.py, not by FastAPI; this table is the contract.)"""
+(The bodies are read by serving/codecs/strict_json.py, not by FastAPI; this table is the contract.)"""
 from __future__ import annotations
 
 import json
@@ -96,7 +96,7 @@ def expected(route: str, case: str) -> tuple[int, str | None]:
 def client(bundle_path, tmp_path_factory):
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
 
     app = create_app(make_settings(bundle_path, tmp_path_factory.mktemp("bodies"), max_inputs=4, max_topk=20))
@@ -165,7 +165,7 @@ def test_limits_and_readiness_keep_the_envelope(bundle_path, tmp_path):
     """413 while the body is read (declared or chunked) and 503 before ready."""
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
 
     app = create_app(make_settings(bundle_path, tmp_path, max_body_bytes=1024))
@@ -199,6 +199,6 @@ def test_limits_and_readiness_keep_the_envelope(bundle_path, tmp_path):
     (b'{"inputs": [[0.1, 0.2]], "class": "roller"}', False),  # r and l present, no boolean
 ])
 def test_the_boolean_scan_finds_json_booleans_and_only_them(body, found):
-    from serving.inputs import has_bool_token
+    from serving.codecs.strict_json import has_bool_token
 
     assert has_bool_token(body) is found

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.runtime import Runtime
+from serving.core.sessions import Runtime
 from tests.serving.helpers import INPUT_DIM
 
 

@@ -8,7 +8,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from serving.app import create_app  # noqa: E402
+from serving.http.app import create_app  # noqa: E402
 from serving.settings import Settings  # noqa: E402
 from tests.serving.helpers import make_settings, uvicorn_in_thread  # noqa: E402
 

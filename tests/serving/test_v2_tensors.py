@@ -1,4 +1,4 @@
-"""serving/v2_tensors.py's one-pass reader of the usual infer body against the general readers
+"""serving/codecs/v2_tensors.py's one-pass reader of the usual infer body against the general readers
 (fast_json + the checks, and orjson + the checks): whatever it reads it reads exactly as they do,
 and it leaves every other body, valid or not, to them. Fuzzed bodies too."""
 from __future__ import annotations
@@ -9,8 +9,10 @@ import numpy as np
 import orjson
 import pytest
 
-from serving import inputs as read, v2_tensors
-from serving.errors import ApiError
+from serving.codecs import strict_json as read
+
+from serving.codecs import v2_tensors
+from serving.errors import SlcError
 from tools.loadtest.client import v2_binary_body, v2_json_body
 from tests.serving.helpers import json_mutations
 
@@ -26,7 +28,7 @@ def _general(body: bytes, strict: bool, binary: bytes = b""):
         obj, bools = fast if fast is not None else (read.parse_object(body), read.has_bool_token(body))
         req = v2_tensors.parse_infer_request(obj)
         return _plain(req, v2_tensors.decode_inputs(req["inputs"], binary, bools))
-    except ApiError as exc:
+    except SlcError as exc:
         return type(exc), exc.code, str(exc)
 
 
@@ -98,7 +100,7 @@ def test_usual_bodies_are_read_in_one_pass_exactly_as_the_general_readers_read_t
 def test_usual_binary_bodies_are_read_in_one_pass_exactly_as_the_general_readers_read_them(header, raw):
     got = _common(header, raw)
     want = _general(header, strict=True, binary=raw)
-    if isinstance(want[0], type) and issubclass(want[0], ApiError):  # an error: left to the general readers, which name it
+    if isinstance(want[0], type) and issubclass(want[0], SlcError):  # an error: left to the general readers, which name it
         assert got is None
     else:
         assert got is not None and got == want

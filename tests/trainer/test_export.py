@@ -261,7 +261,7 @@ def test_default_model_example_is_an_image_of_its_class(exported, tmp_path):
     rows = np.flatnonzero((x_cal == x).all(axis=1))
     assert rows.size and splits.classes[int(y_cal[rows[0]])] == "7"
     assert not write_example(bundle, tmp_path / "none.json", class_name="no such class")
-    from serving.images import decode  # the same 7 as a PNG, read back by the server's preprocessing
+    from serving.codecs.images import decode  # the same 7 as a PNG, read back by the server's preprocessing
 
     back = decode((tmp_path / "ex.png").read_bytes(), b"image/png", load_bundle(bundle).image, (64,))
     np.testing.assert_allclose(back, x, atol=0.5 * 16 / 255 + 1e-6)
@@ -274,7 +274,7 @@ def test_an_image_dataset_bundle_records_how_images_become_inputs(exported):
 
     from PIL import Image
 
-    from serving.images import decode
+    from serving.codecs.images import decode
     from trainer.data import image_spec
 
     _, _, bundle, splits = exported

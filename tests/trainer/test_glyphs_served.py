@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]  # about a minute of tr
 def served(tmp_path_factory):
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
     from trainer.data import load_dataset
     from trainer.export import export_bundle

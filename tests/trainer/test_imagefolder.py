@@ -240,7 +240,7 @@ def _glyph_array(n: int = 60) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_npz_image_arrays_get_an_image_spec_and_a_file_fingerprint(tmp_path):
-    from serving.images import decode
+    from serving.codecs.images import decode
 
     x, y = _glyph_array()
     cases = {"hw": (x, {"layout": "HW", "channels": 1, "background": "dark"}),
@@ -300,7 +300,7 @@ def test_a_trained_exported_served_folder_answers_each_test_png_with_its_offline
 
     from fastapi.testclient import TestClient
 
-    from serving.app import create_app
+    from serving.http.app import create_app
     from serving.bundle import load_bundle
     from tests.serving.helpers import Offline, make_settings, wait_ready
     from trainer.export import export_bundle

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench.server import slc_server
+from tools.report import md_table
 from serving.bundle import load_bundle
 
 
@@ -70,9 +71,10 @@ def markdown(r: dict, command: str) -> str:
     return "\n".join([
         f"# HTTP against offline: `{r['bundle']}`", "", f"Command: `{command}`", "",
         f"The test split ({r['examples']:,} inputs) sent to a running `slc serve` (tools/bench/agreement.py).", "",
-        "| check | over HTTP | offline (export) |", "|---|---:|---:|",
-        f"| top-1 accuracy from `/v1/topk` | {r['http_accuracy']:.4f} | {acc} |",
-        f"| classes whose detect precision and recall equal calibration.json's test figures | "
-        f"{r['classes_equal']} of {r['classes_clear']} | — |",
-        f"| classes with a logit within 1e-4 of the threshold (not compared) | {r['borderline']} of {r['classes_checked']} | — |",
+        md_table(["check", "over HTTP", "offline (export)"], [
+            ["top-1 accuracy from `/v1/topk`", f"{r['http_accuracy']:.4f}", acc],
+            ["classes whose detect precision and recall equal calibration.json's test figures",
+             f"{r['classes_equal']} of {r['classes_clear']}", "—"],
+            ["classes with a logit within 1e-4 of the threshold (not compared)", f"{r['borderline']} of {r['classes_checked']}",
+             "—"]], "lrr"),
         ""])

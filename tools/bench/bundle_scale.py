@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tools.bench.run import ROTATION, SINGLE, machine_info, measure_server
 from tools.bench.server import process_tree_memory, slc_server
+from tools.report import md_table
 from serving.bundle import load_bundle
 
 
@@ -40,8 +41,8 @@ def bundle_markdown(r: dict, command: str) -> str:
     rows = []
     for name in ROTATION:
         c, o = r["closed"].get(name, {}), r["single_connection"].get(name, {})
-        one = f"{o['p50_ms']:.2f} | {o['p99_ms']:.2f}" if o else "— | —"
-        rows.append(f"| {name} | {c.get('rps', 0):,.0f} | {c.get('p50_ms') or 0:.2f} | {c.get('p99_ms') or 0:.2f} | {one} |")
+        one = [f"{o['p50_ms']:.2f}", f"{o['p99_ms']:.2f}"] if o else ["—", "—"]
+        rows.append([name, f"{c.get('rps', 0):,.0f}", f"{c.get('p50_ms') or 0:.2f}", f"{c.get('p99_ms') or 0:.2f}", *one])
     q = r["ratios"]
     return "\n".join([
         f"# Serving a real bundle: `{r['bundle']}`", "", f"Command: `{command}`", "",
@@ -49,8 +50,7 @@ def bundle_markdown(r: dict, command: str) -> str:
         f"server RSS {r['rss'] / 2**20:.0f} MiB; ready in {r['ready_s']:.1f} s; softmax via {r['softmax_impl']}; "
         f"{r['concurrency']} closed-loop connections, {r['duration_s']:g} s per endpoint, then one connection; "
         f"machine {r['machine'].get('cpus', '?')} CPUs, shared with other work. Random inputs of the right shape.", "",
-        "| endpoint | closed-loop req/s | p50 ms | p99 ms | one connection p50 ms | p99 ms |",
-        "|---|---:|---:|---:|---:|---:|", *rows, "",
+        md_table(["endpoint", "closed-loop req/s", "p50 ms", "p99 ms", "one connection p50 ms", "p99 ms"], rows, "lrrrrr"), "",
         f"Ratios measured in this one run: detect / softmax throughput **{q['detect_over_softmax_rps']:.2f}×**; "
         f"softmax / detect one-connection p50 **{q['softmax_over_detect_p50']:.2f}×**; detect / trivial endpoint "
         f"{q['detect_over_live_rps']:.2f}.", ""])

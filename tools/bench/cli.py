@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 import click
 
 from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, key_values, require
+from tools.report import write_json, write_result
 
 
 @contextmanager
@@ -52,9 +53,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
 
         r = bench_bundle(bundle_dir, duration, concurrency)
         command = f"slc bench scale --bundle {bundle_dir} --duration {duration:g} --concurrency {concurrency}"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"scale-{r['bundle']}.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
-        (out / f"scale-{r['bundle']}.md").write_text(bundle_markdown(r, command))
+        write_result(out, f"scale-{r['bundle']}", lambda: bundle_markdown(r, command), r, default=str)
         click.echo(f"{r['bundle']}: detect/softmax throughput {r['ratios']['detect_over_softmax_rps']:.2f}x "
                    f"-> {out / ('scale-' + r['bundle'] + '.md')}")
         return
@@ -122,9 +121,7 @@ def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path)
     with tempfile.TemporaryDirectory(prefix="slc-soak-") as tmp:
         res = run_soak(bundle, INPUT_DIM, Path(tmp), duration, kills, concurrency, [sys.executable, "-m", "slc"])
     command = f"slc bench soak --duration {duration:g} --kills {kills} --classes {classes} --concurrency {concurrency}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "soak.md").write_text(soak_markdown(res, command))
+    write_result(out, "soak", lambda: soak_markdown(res, command), res)
     w = res["writes"]
     click.echo(f"soak: {w['acknowledged']} acknowledged writes, {w['lost_at_end']} lost; memory "
                f"{res['memory']['growth_bytes'] / 2**20:+.1f} MiB after warm-up; fds {res['fds']['after_warmup']} -> "
@@ -149,9 +146,7 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
     with _served(cached_bundle(classes, 16), "fuzz") as (srv, tmp):
         res = run_fuzz(srv.url, max_examples, seed, tmp)
     command = f"slc bench fuzz --max-examples {max_examples} --seed {seed} --classes {classes}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "fuzz.md").write_text(fuzz_markdown(res, command))
+    write_result(out, "fuzz", lambda: fuzz_markdown(res, command), res)
     v = res["verdict"]
     click.echo(f"fuzz: {res['test_cases']['generated']} requests over {res['operations']['tested']} operations; "
                + ", ".join(f"{n} {name}" for name, n in v.items()) + f" -> {out / 'fuzz.md'}")
@@ -181,14 +176,11 @@ def hostile(size_mb: float, out: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="slc-hostile-images-") as tmp:
         images = image_rows(Path(tmp))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hostile.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "hostile-images.json").write_text(json.dumps(images, indent=2) + "\n")
-    (out / "hostile-service.json").write_text(json.dumps(service, indent=2) + "\n")
-    text = hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}") + "\n" + image_markdown(
-        images, "slc bench hostile") + service_markdown(service)
-    (out / "hostile.md").write_text(text)
-    click.echo(text)
+    write_json(out / "hostile-images.json", images)
+    write_json(out / "hostile-service.json", service)
+    md, _ = write_result(out, "hostile", lambda: hostile_markdown(rows, f"slc bench hostile --size-mb {size_mb:g}") + "\n"
+                         + image_markdown(images, "slc bench hostile") + service_markdown(service), rows)
+    click.echo(md.read_text())
     worst = max(rows, key=lambda r: r["seconds"])
     click.echo(f"{len(rows)} hostile bodies: slowest answer {worst['seconds']:.3f} s ({worst['kind']}), worst probe "
                f"{max(r['worst_probe_ms'] for r in rows):.1f} ms -> {out / 'hostile.md'}")
@@ -205,9 +197,7 @@ def gallery(gallery_url: str, items: int, out: Path) -> None:
     require("psycopg", "postgres")
     result = measure(gallery_url, items)
     command = f"slc bench gallery --gallery-url postgresql://… --items {items}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "shared-gallery.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "shared-gallery.md").write_text(markdown(result, command))
+    write_result(out, "shared-gallery", lambda: markdown(result, command), result)
     up = result["upsert"]
     click.echo(f"gallery: upsert seen by the other replica after p50 {up['p50_ms']:.1f} ms, p99 {up['p99_ms']:.1f} ms; "
                f"{result['writes_per_s']:.0f} writes/s -> {out / 'shared-gallery.md'}")
@@ -222,10 +212,8 @@ def _trained_index(bundle_dir: Path, inputs: Optional[Path], grow: str, sigma: f
     result = run(bundle_dir, inputs, sizes, sigma, kinds, work)
     command = (f"slc bench index --bundle {bundle_dir}" + (f" --inputs {inputs}" if inputs else "")
                + (f" --grow {grow}" if grow else "") + f" --sigma {sigma:g}" + (f" --kind {kind}" if kind else ""))
-    out.mkdir(parents=True, exist_ok=True)
     name = f"index-trained-{result['bundle']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result, command))
+    write_result(out, name, lambda: markdown(result, command), result)
     worst = min(result["rows"], key=lambda r: r["recall_at_10"])
     click.echo(f"index on {result['bundle']}: {len(result['rows'])} head x kind rows, lowest recall@10 "
                f"{worst['recall_at_10']:.3f} ({worst['kind']}, {worst['classes']:,} classes) -> {out / name}.md")
@@ -251,9 +239,7 @@ def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: P
         raise click.BadParameter(f"{len(x)} inputs but {len(y)} labels", param_hint="--labels")
     r = measure(bundle_dir, x, y, classes)
     command = f"slc bench agreement BUNDLE --inputs {inputs.name} --labels {labels.name} --classes {classes}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"agreement-{r['bundle']}.json").write_text(json.dumps(r, indent=2) + "\n")
-    (out / f"agreement-{r['bundle']}.md").write_text(markdown(r, command))
+    write_result(out, f"agreement-{r['bundle']}", lambda: markdown(r, command), r)
     click.echo(f"{r['bundle']}: HTTP top-1 {r['http_accuracy']:.4f} (offline {r['offline_accuracy']}); detect equal on "
                f"{r['classes_equal']}/{r['classes_clear']} classes -> {out / ('agreement-' + r['bundle'] + '.md')}")
 
@@ -289,9 +275,7 @@ def routes(bundle_dir: Optional[Path], default_model: bool, rounds: int, request
         task = bar.add_task("routes", total=rounds * len(ROUTES))
         r = measure_routes(bundle, ROUTES, rounds, requests, progress=lambda: bar.advance(task))
     command = f"slc bench routes{flag} --rounds {rounds} --requests {requests}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({**r, "command": command}, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(routes_markdown(r, command))
+    write_result(out, stem, lambda: routes_markdown(r, command), {**r, "command": command})
     best = r["best_us"]
     click.echo(routes_markdown(r, command))
     click.echo(f"detect {best['detect']:.0f} µs, v2 JSON {best['v2']:.0f} µs ({best['v2'] / best['detect']:.2f}×), "
@@ -321,9 +305,7 @@ def mixed(classes: int, dim: int, softmax_concurrency: int, duration: float, rou
                       progress=lambda what: bar.update(task, description=what))
     command = (f"slc bench mixed --classes {classes} --dim {dim} --softmax-concurrency {softmax_concurrency} "
                f"--duration {duration:g} --rounds {rounds}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mixed.json").write_text(json.dumps({**r, "classes": classes, "command": command}, indent=2) + "\n")
-    (out / "mixed.md").write_text(mixed_markdown(r, command, classes))
+    write_result(out, "mixed", lambda: mixed_markdown(r, command, classes), {**r, "classes": classes, "command": command})
     one, two = (r["servers"][name]["detect_beside_softmax"] for name in ("one batch at a time", "two lanes"))
     click.echo(mixed_markdown(r, command, classes))
     click.echo(f"detect p50 beside softmax load: {one['p50']:.2f} ms one batch at a time, {two['p50']:.2f} ms with two "
@@ -363,9 +345,7 @@ def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions
         rows = [o for o in rows if (o["bundle"], o["precision"]) != (r["bundle"], p)] + [r]
         click.echo(f"{bundle_dir.name} {p}: max |dlogit| {r['max_abs_logit_error']:.3g} (logit std {r['logit_std']:.3g}), "
                    f"top-1 agreement {r['top1_agreement']:.4f}, exact top-5 after re-scoring {r['top5_exact_after_rescoring']:.4f}")
-    out.mkdir(parents=True, exist_ok=True)
-    store.write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "head-precision.md").write_text(exactness_markdown(rows))
+    write_result(out, "head-precision", lambda: exactness_markdown(rows), rows, indent=1)
     click.echo(f"-> {out / 'head-precision.md'}")
 
 
@@ -385,8 +365,6 @@ def replica(classes: int, dim: int, precision: str, class_index: str, duration: 
                f"--duration {duration:g}")
     with tempfile.TemporaryDirectory(prefix="slc-replica-") as tmp:
         r = bench_replica(classes, dim, precision, class_index, duration, Path(tmp))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"replica-D{classes}.json").write_text(json.dumps(r, indent=1, default=float) + "\n")
-    (out / f"replica-D{classes}.md").write_text(replica_markdown(r, command))
+    write_result(out, f"replica-D{classes}", lambda: replica_markdown(r, command), r, indent=1, default=float)
     click.echo(f"D={classes:,} {precision}: ready {r['large']['ready_s']:.0f} s, RSS {r['large']['memory']['rss'] / 2**30:.1f} GiB "
                f"-> {out / f'replica-D{classes}.md'}")

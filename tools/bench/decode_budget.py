@@ -1,4 +1,4 @@
-"""What decoding image bodies in worker processes costs (serving/image_decoder.py), and the figures
+"""What decoding image bodies in worker processes costs (serving/codecs/image_decoder.py), and the figures
 behind SLC_DECODE_BUDGET_S: `python -m tools.bench.decode_budget [--out FILE]`.
 
 1. the start of the workers, and the replacement of one killed past its budget;
@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from serving.bundle.image import FILE_MAX_PIXELS
+from tools.report import md_table, write_text
 
 
 def _encode(a: np.ndarray, fmt: str, mode: Optional[str] = None, **options) -> bytes:
@@ -60,8 +61,8 @@ def large_cases() -> dict:
 
 async def _pool_figures(rounds: int) -> dict:
     from tools.bench.hostile_images import progressive_jpeg
-    from serving.image_decoder import DecodePool
-    from serving.images import decode
+    from serving.codecs.image_decoder import DecodePool
+    from serving.codecs.images import decode
 
     t0 = time.perf_counter()
     pool = DecodePool(2, 64, 5.0).start()
@@ -105,7 +106,7 @@ async def _pool_figures(rounds: int) -> dict:
 
 
 def measure(rounds: int = 300) -> dict:
-    from serving.image_worker import decode_body
+    from serving.codecs.image_worker import decode_body
 
     result = asyncio.run(_pool_figures(rounds))
     result["large"] = {}
@@ -123,7 +124,7 @@ def markdown(r: dict, command: str, load: str) -> str:
     lines = ["# Image decoding under a budget: what the worker processes cost", "", f"Command: `{command}`", "",
              f"Machine: 2 shared cores; load average at the start: {load} (other work was running: the "
              "figures are under contention).", "",
-             "What was chosen (serving/image_decoder.py): every image body is decoded in a worker process, "
+             "What was chosen (serving/codecs/image_decoder.py): every image body is decoded in a worker process, "
              "small ones too. A thread cannot be stopped once a decoder runs, and the cheap structure checks "
              "(JPEG scans and segments, PNG chunks) only refuse what is known; a process past its wall-clock "
              "budget is killed (SIGKILL) and replaced, so any decode can be stopped. The processes are fresh "
@@ -138,15 +139,14 @@ def markdown(r: dict, command: str, load: str) -> str:
              f"interpreter), {r['replaced_s']:.2f} s later", "",
              "## Per image: the process hop against decoding in a thread", "",
              "Medians over interleaved requests (a thread of the default pool, as before, against a worker process).",
-             "", "| body | bytes | in a thread ms | in a worker process ms | overhead ms |", "|---|---:|---:|---:|---:|"]
-    for name, h in r["hop"].items():
-        lines.append(f"| {name} | {h['body_bytes']:,} | {h['thread_ms']:.2f} | {h['process_ms']:.2f} | "
-                     f"{h['process_ms'] - h['thread_ms']:.2f} |")
+             "", md_table(["body", "bytes", "in a thread ms", "in a worker process ms", "overhead ms"],
+                          [[name, f"{h['body_bytes']:,}", f"{h['thread_ms']:.2f}", f"{h['process_ms']:.2f}",
+                            f"{h['process_ms'] - h['thread_ms']:.2f}"] for name, h in r["hop"].items()], "lrrrr")]
     lines += ["", "## The largest legitimate bodies (16 megapixels, preprocessed to [3, 224, 224])", "",
               "The budget (SLC_DECODE_BUDGET_S, default 2 s) must leave room for these.", "",
-              "| body | bytes | best s | worst s (of 3) |", "|---|---:|---:|---:|"]
-    for name, h in r["large"].items():
-        lines.append(f"| {name} | {h['bytes']:,} | {h['best_s']:.3f} | {h['worst_s']:.3f} |")
+              md_table(["body", "bytes", "best s", "worst s (of 3)"],
+                       [[name, f"{h['bytes']:,}", f"{h['best_s']:.3f}", f"{h['worst_s']:.3f}"] for name, h in r["large"].items()],
+                       "lrrr")]
     return "\n".join(lines) + "\n"
 
 
@@ -162,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     text = markdown(measure(args.rounds), "python -m tools.bench.decode_budget"
                     + (f" --out {args.out}" if args.out else ""), load)
     if args.out:
-        args.out.write_text(text)
+        write_text(args.out, text)
     print(text)
 
 

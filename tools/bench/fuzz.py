@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.report import md_table
+
 EXPLAINED = {
     "ST202": "schemathesis expects every schema-valid request to succeed. Two kinds are refused by design: "
              "finite float32 inputs so large that the network's embedding or logits overflow (422 "
@@ -51,15 +53,13 @@ def fuzz_markdown(res: dict, command: str) -> str:
     lines = [f"# Fuzz: schemathesis {res['schemathesis']} against the server's OpenAPI", "",
              f"Command: `{command}` (seed {res['seed']}, {res['running_time_s']} s)", "",
              f"{ops['tested']} operations, {tc['generated']} generated requests, every check of schemathesis.", "",
-             "| verdict | count |", "|---|---:|"]
-    lines += [f"| {name} | **{n}** |" for name, n in res["verdict"].items()]
+             md_table(["verdict", "count"], [[name, f"**{n}**"] for name, n in res["verdict"].items()], "lr")]
     lines += ["", f"Verdict: **{'passed' if res['passed'] else 'FAILED'}** (0 of each is the goal).", ""]
     others = {c: f for c, f in res["failures"].items() if c not in VERDICT_CODES}
     if others:
         lines += ["Other findings (not server faults; each explained below the table):", "",
-                  "| check | title | count | operations |", "|---|---|---:|---|"]
-        lines += [f"| {c} | {f['title']} | {f['count']} | {', '.join(f['operations'])} |" for c, f in others.items()]
-        lines.append("")
+                  md_table(["check", "title", "count", "operations"],
+                           [[c, f["title"], f["count"], ", ".join(f["operations"])] for c, f in others.items()], "llrl"), ""]
         lines += [f"- {c}: {EXPLAINED.get(c, 'not explained yet: read the run output in fuzz.json')}" for c in others]
         lines.append("")
     if res["warnings"]:

@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from tools.report import md_table
+
 DIM = 64
 
 
@@ -54,7 +56,7 @@ def measure(url: str, items: int = 200, poll_s: float = 0.5) -> dict:
 
 
 def markdown(result: dict, command: str) -> str:
-    rows = [f"| {kind} | {r['n']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | {r['lost']} |"
+    rows = [[kind, r["n"], f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}", r["lost"]]
             for kind, r in (("upsert", result["upsert"]), ("delete", result["delete"]))]
     return "\n".join([
         "# Shared gallery: how soon another replica sees a write", "", f"Command: `{command}`", "",
@@ -62,6 +64,6 @@ def markdown(result: dict, command: str) -> str:
         "listener), one local PostgreSQL, 2 shared CPU cores. Each item is written through replica A; "
         "replica B is polled every millisecond until its index holds it (then the same for deletes). "
         f"Followers also poll the table every {result['poll_s']} s, in case a notification is missed.", "",
-        "| change | n | p50 ms | p99 ms | max ms | never seen (10 s) |", "|---|---:|---:|---:|---:|---:|", *rows, "",
+        md_table(["change", "n", "p50 ms", "p99 ms", "max ms", "never seen (10 s)"], rows, "lrrrrr"), "",
         f"One replica's acknowledged single-item upserts: {result['writes_per_s']:.0f} per second "
         "(each a committed transaction, serialised by the writers' advisory lock).", ""])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from serving import head_scan
-from serving.engine import ONNX_HEAD_MAX_VALUES
-from serving.packed_head import PackedHead
+from serving.core import head_scan
+from serving.core.compute import ONNX_HEAD_MAX_VALUES
+from serving.core.packed_head import PackedHead
 
 
 def _time_call(fn, min_time: float = 0.3, repeats: int = 5) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tools.report import md_table
 from trainer.losses import build_loss
 from trainer.sampled_head import ClassSampler
 
@@ -195,22 +196,19 @@ def head_bench_markdown(rows: list[dict], train_rows: list[dict], command: str) 
              "## Head time per step on fixed features", "",
              "One step = logits, loss, backward of the head; features h [B, d] are fixed (the backbone's cost does "
              "not depend on D).", "",
-             f"| D | d | B | loss | R | sampled columns | full ms | sampled ms | {SHARDS} shards ms | full / sampled | "
-             f"full / {SHARDS} shards | head rows per rank |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['classes']:,} | {r['dim']} | {r['batch']} | {r['loss']} | {r['rate']:g} | "
-                     f"{r['sampled_columns']:,} | {r['full_ms']:.1f} | {r['sampled_ms']:.1f} | {r['sharded_ms']:.1f} | "
-                     f"{r['full_over_sampled']:.1f} | {r['full_over_sharded']:.2f} | {r['rows_per_rank']:,} |")
+             md_table(["D", "d", "B", "loss", "R", "sampled columns", "full ms", "sampled ms", f"{SHARDS} shards ms",
+                       "full / sampled", f"full / {SHARDS} shards", "head rows per rank"],
+                      [[f"{r['classes']:,}", r["dim"], r["batch"], r["loss"], f"{r['rate']:g}", f"{r['sampled_columns']:,}",
+                        f"{r['full_ms']:.1f}", f"{r['sampled_ms']:.1f}", f"{r['sharded_ms']:.1f}", f"{r['full_over_sampled']:.1f}",
+                        f"{r['full_over_sharded']:.2f}", f"{r['rows_per_rank']:,}"] for r in rows], "rrrlrrrrrrrr")]
     if train_rows:
         lines += ["", "## Whole training steps of the glyph network (images/s)", "",
                   "`resnet_glyph` (pooled 4×4 grid, 256-d embedding), random 32×32 images, Adam; forward, loss, "
                   "backward and optimizer step.", "",
-                  f"| D | B | width | loss | full head | sampled R | sampled head | {SHARDS} shards |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|"]
-        for r in train_rows:
-            lines.append(f"| {r['classes']:,} | {r['batch']} | {r['width']} | {r['loss']} | {r['full_images_s']:.0f} | "
-                         f"{r['rate']:g} | {r['sampled_images_s']:.0f} | {r['sharded_images_s']:.0f} |")
+                  md_table(["D", "B", "width", "loss", "full head", "sampled R", "sampled head", f"{SHARDS} shards"],
+                           [[f"{r['classes']:,}", r["batch"], r["width"], r["loss"], f"{r['full_images_s']:.0f}", f"{r['rate']:g}",
+                             f"{r['sampled_images_s']:.0f}", f"{r['sharded_images_s']:.0f}"] for r in train_rows],
+                           "rrrlrrrr")]
     lines += ["", "Reading: the sampled head computes R·D logits, but its gradient is still a dense [D, d] tensor (zeros "
               "outside the sampled rows), and Adam then updates all D rows: both cost O(D·d) per step, which caps the "
               "gain below 1/R. Sharding splits the head's rows, logits and optimizer state over ranks (each holds "

@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 
 from tools.bench.server import ServerProcess
+from tools.report import md_table
 
 MB = 1 << 20
 
@@ -86,10 +87,9 @@ def hostile_markdown(rows: list[dict], command: str) -> str:
              "Each body is sent once to a fresh-enough server while a health probe runs in a loop; peak-RSS "
              "growth is the server's VmHWM after minus before (a body that raises the peak costs that much).",
              "Goal: answered within 0.5 s, < 100 MB extra, health probe < 100 ms.", "",
-             "| body | size | answer | seconds | peak RSS growth MB | worst probe ms | goal met |",
-             "|---|---:|---|---:|---:|---:|---|"]
-    for r in rows:
-        met = r["seconds"] <= 0.5 and r["peak_rss_growth_mb"] < 100 and r["worst_probe_ms"] < 100
-        lines.append(f"| {r['kind']} | {r['bytes'] / MB:.1f} MB | {r['status']} {r['code']} | {r['seconds']:.3f} | "
-                     f"{r['peak_rss_growth_mb']:.1f} | {r['worst_probe_ms']:.1f} | {'yes' if met else '**no**'} |")
+             md_table(["body", "size", "answer", "seconds", "peak RSS growth MB", "worst probe ms", "goal met"],
+                      [[r["kind"], f"{r['bytes'] / MB:.1f} MB", f"{r['status']} {r['code']}", f"{r['seconds']:.3f}",
+                        f"{r['peak_rss_growth_mb']:.1f}", f"{r['worst_probe_ms']:.1f}",
+                        "yes" if r["seconds"] <= 0.5 and r["peak_rss_growth_mb"] < 100 and r["worst_probe_ms"] < 100
+                        else "**no**"] for r in rows], "lrlrrrl")]
     return "\n".join(lines) + "\n"

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import orjson
 
 from tools.bench.server import ServerProcess, free_port, process_tree_memory
+from tools.report import md_table
 
 MB = 1 << 20
 IMAGE_SPEC = {"height": 8, "width": 8, "channels": 1, "layout": "flat", "scale": 1.0 / 255.0, "background": "dark",
@@ -206,17 +207,17 @@ def image_markdown(rows: list[dict], command: str) -> str:
              f"the attack and the value 1 s after it, minus before. Load average when written: {load}.",
              "Goal: refusals within 0.5 s (a large image that is decoded may take longer: legitimate work, queued), "
              "probe < 100 ms, a valid image during the attack within 1 s, RSS after within 300 MB.", "",
-             "| body | size | copies | answers | slowest refusal s | slowest 200 s | worst probe ms | "
-             "valid image during (worst ms) | peak RSS growth MB | RSS after growth MB | goal met |",
-             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|"]
-    for r in rows:
-        answers = ", ".join(f"{n}× {k}" for k, n in r["answers"].items())
-        lines.append(f"| {r['kind']} | {r['bytes'] / MB:.2f} MB | {r['copies']} | {answers} | "
-                     f"{_s(r['slowest_refusal_s'])} | {_s(r['slowest_200_s'])} | "
-                     f"{r['worst_probe_ms']:.1f} | {r['valid_during']} ({r['worst_valid_ms']:.0f}) | "
-                     f"{r['peak_rss_growth_mb']:.0f} | {r['rss_after_growth_mb']:.0f} | "
-                     f"{'yes' if goal_met(r) else '**no**'} |")
+             md_table(["body", "size", "copies", "answers", "slowest refusal s", "slowest 200 s", "worst probe ms",
+                       "valid image during (worst ms)", "peak RSS growth MB", "RSS after growth MB", "goal met"],
+                      [_image_row(r) for r in rows], "lrrlrrrlrrl")]
     return "\n".join(lines) + "\n"
+
+
+def _image_row(r: dict) -> list[str]:
+    answers = ", ".join(f"{n}× {k}" for k, n in r["answers"].items())
+    return [r["kind"], f"{r['bytes'] / MB:.2f} MB", f"{r['copies']}", answers, _s(r["slowest_refusal_s"]),
+            _s(r["slowest_200_s"]), f"{r['worst_probe_ms']:.1f}", f"{r['valid_during']} ({r['worst_valid_ms']:.0f})",
+            f"{r['peak_rss_growth_mb']:.0f}", f"{r['rss_after_growth_mb']:.0f}", "yes" if goal_met(r) else "**no**"]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import orjson
 
 from tools.bench import h2_attack
+from tools.report import md_table, write_json
 
 MB = 1 << 20
 
@@ -220,9 +221,8 @@ def service_markdown(result: dict) -> str:
              "the server's resident memory against before the attack: its peak during it, and 3 s after the "
              f"attacker left. Load average when run: {load}.",
              "Goal: answers within 0.5 s (gRPC) / 2 s (gallery), health < 100 ms, detect and the gallery list "
-             "< 1 s (gallery routes may slow while the database is frozen), RSS after < 300 MB.", "",
-             "| attack | answers | slowest answer s | worst health ms | worst detect ms | worst gallery list ms | "
-             "RSS during +MB | RSS after +MB | goal met |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "< 1 s (gallery routes may slow while the database is frozen), RSS after < 300 MB.", ""]
+    cells = []
     for r in rows:
         frozen = "frozen" in r["case"]
         stalled = "streams" in r["case"] or "headers" in r["case"]
@@ -235,9 +235,11 @@ def service_markdown(result: dict) -> str:
         if r["probe_failures"]:
             answers += "; probes failed: " + ", ".join(f"{n}× {k}" for k, n in r["probe_failures"].items())
         seconds = "—" if stalled else f"{r['seconds']:.3f}"  # stalled calls are held, not answered
-        lines.append(f"| {r['case']} | {answers} | {seconds} | {r['worst_health_ms']:.1f} | "
-                     f"{r['worst_detect_ms']:.1f} | {r['worst_gallery_ms']:.1f} | {r['rss_during_mb']:.0f} | "
-                     f"{r['rss_after_mb']:.0f} | {'yes' if met else '**no**'} |")
+        cells.append([r["case"], answers, seconds, f"{r['worst_health_ms']:.1f}", f"{r['worst_detect_ms']:.1f}",
+                      f"{r['worst_gallery_ms']:.1f}", f"{r['rss_during_mb']:.0f}", f"{r['rss_after_mb']:.0f}",
+                      "yes" if met else "**no**"])
+    lines.append(md_table(["attack", "answers", "slowest answer s", "worst health ms", "worst detect ms",
+                           "worst gallery list ms", "RSS during +MB", "RSS after +MB", "goal met"], cells, "llrrrrrrl"))
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +247,6 @@ def main() -> None:
     """`python -m tools.bench.hostile_service [--pythonpath DIR]`: the gallery and gRPC cases alone,
     against `slc serve` of this checkout or of the one at DIR (e.g. the code before a fix)."""
     import argparse
-    import json
     import sys
     import tempfile
 
@@ -267,7 +268,7 @@ def main() -> None:
             srv.wait_ready(300)
             result = service_rows(srv, Path(tmp) / "data", INPUT_DIM)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(Path(args.json), result)
     command = "python -m tools.bench.hostile_service" + (f" --pythonpath {args.pythonpath}" if args.pythonpath else "")
     print(f"Command: `{command}`\n" + service_markdown(result))
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from serving.index import RECALL_K, ClassIndex, exact_topk
+from serving.core.class_index import RECALL_K, ClassIndex, exact_topk
 
 ROW_CHUNK = 65_536
 

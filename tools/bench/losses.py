@@ -6,7 +6,6 @@ OUT/losses-bench.md and OUT/losses-bench.json with the command that produced the
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -17,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tools.report import md_table, write_result
 from trainer.losses.smooth_topk import smooth_topk_autograd, smooth_topk_loss
 
 COMMAND = "slc bench losses --out docs/results"
@@ -93,10 +93,7 @@ def run_loss_bench(out: Path, classes: int = 1000, k: int = 5, batch: int = 256,
         "methods": rows,
         "agreement_float64": {"abs_value_gap": value_gap, "max_abs_grad_gap": grad_gap},
     }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "losses-bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "losses-bench.md").write_text(_markdown(result))
+    write_result(out, "losses-bench", lambda: _markdown(result), result)
     return result
 
 
@@ -111,12 +108,11 @@ def _markdown(result: dict) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
-        "| method | median ms | min ms | median CPU ms | × ce (median wall) | × ce (min wall) | × ce (median CPU) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        md_table(["method", "median ms", "min ms", "median CPU ms", "× ce (median wall)", "× ce (min wall)", "× ce (median CPU)"],
+                 [[name, f"{r['median_ms']:.3f}", f"{r['min_ms']:.3f}", f"{r['median_cpu_ms']:.3f}", f"{r['ratio_to_ce']:.1f}",
+                   f"{r['min_ratio_to_ce']:.1f}", f"{r['cpu_ratio_to_ce']:.1f}"] for name, r in result["methods"].items()],
+                 "lrrrrrr"),
     ]
-    for name, r in result["methods"].items():
-        lines.append(f"| {name} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['median_cpu_ms']:.3f} | "
-                     f"{r['ratio_to_ce']:.1f} | {r['min_ratio_to_ce']:.1f} | {r['cpu_ratio_to_ce']:.1f} |")
     m, a = result["machine"], result["agreement_float64"]
     lines += [
         "",

@@ -17,6 +17,7 @@ import numpy as np
 from tools import loadtest as lt
 from tools.bench.server import ServerProcess, free_port
 from tools.loadtest.stats import latency_summary
+from tools.report import md_table
 
 SETTINGS = {"one batch at a time": "1", "two lanes": "2"}  # SLC_CONCURRENT_BATCHES of each server
 
@@ -92,10 +93,10 @@ def mixed_markdown(r: dict, command: str, classes: int) -> str:
          f"One connection asks detect while {r['softmax_concurrency']} connections ask the full softmax; "
          f"{r['rounds']} rounds of {r['duration_s']:g} s per server, the two servers alternating. "
          "Latency in ms from the request's send time.", "",
-         "| server | detect alone p50 / p99 | detect beside softmax p50 / p99 | detect req/s beside softmax | softmax req/s |",
-         "|---|---:|---:|---:|---:|"]
-    for name, s in r["servers"].items():
-        a, b = s["detect_alone"], s["detect_beside_softmax"]
-        L.append(f"| {name} (`SLC_CONCURRENT_BATCHES={s['concurrent_batches']}`) | {a['p50']:.2f} / {a['p99']:.2f} | "
-                 f"{b['p50']:.2f} / {b['p99']:.2f} | {b['rps']:.0f} | {s['softmax_rps']:.0f} |")
+         md_table(["server", "detect alone p50 / p99", "detect beside softmax p50 / p99", "detect req/s beside softmax",
+                   "softmax req/s"],
+                  [[f"{name} (`SLC_CONCURRENT_BATCHES={s['concurrent_batches']}`)", f"{a['p50']:.2f} / {a['p99']:.2f}",
+                    f"{b['p50']:.2f} / {b['p99']:.2f}", f"{b['rps']:.0f}", f"{s['softmax_rps']:.0f}"]
+                   for name, s in r["servers"].items() for a, b in [(s["detect_alone"], s["detect_beside_softmax"])]],
+                  "lrrrr")]
     return "\n".join(L) + "\n"

@@ -13,6 +13,7 @@ import numpy as np
 
 from tools import loadtest as lt
 from tools.bench.server import process_tree_memory, slc_server
+from tools.report import md_table
 from serving.bundle.quantize import FILES, add_heads
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def ensure_heads(bundle: Path) -> None:
 def bench_precisions(bundle: Path, classes: int, dim: int, duration: float, saturate: int, log_dir: Path,
                      bandwidth: float) -> dict:
     """{precision: one-connection and saturated softmax, RSS, and the bandwidth floor}."""
-    from tools.bench.run import _summary
+    from tools.loadtest.stats import endpoint_summary
 
     ensure_heads(bundle)
     out = {}
@@ -68,9 +69,9 @@ def bench_precisions(bundle: Path, classes: int, dim: int, duration: float, satu
             full = lt.run_loadtest(srv.url, ["softmax"], concurrency=saturate, duration=duration, warmup=2.0)
             rss = process_tree_memory(srv.proc.pid)["rss"]
         floor_ms = head_bytes(classes, dim, precision) / bandwidth * 1e3
-        single = _summary(one.report)["softmax"]
+        single = endpoint_summary(one.report)["softmax"]
         out[precision] = {"softmax_impl": model.get("softmax_impl"), "ready_s": ready, "single": single,
-                          "saturated": _summary(full.report)["softmax"], "rss": rss, "floor_ms": floor_ms,
+                          "saturated": endpoint_summary(full.report)["softmax"], "rss": rss, "floor_ms": floor_ms,
                           "p50_over_floor": single["p50_ms"] / floor_ms if single["p50_ms"] else None}
         log.info(f"D={classes:,} {precision}: one connection p50 {single['p50_ms']:.2f} ms (floor {floor_ms:.2f} ms), "
                  f"RSS {rss / 2**20:.0f} MiB")
@@ -91,7 +92,8 @@ def _embeddings(bundle, inputs: np.ndarray, batch: int = 1024) -> np.ndarray:
 
 
 def _quantized_gemm(bundle, precision: str, batch: int):
-    from serving import head_scan, quantized_head
+    from serving.core import head_scan
+    from serving.core import quantized_head
 
     head = bundle.heads[precision]
     if precision == "bf16":
@@ -104,7 +106,8 @@ def exactness(bundle_dir: Path, inputs: np.ndarray, precision: str, labels: np.n
     """The quantized head's logits against float64 ones on `inputs`: max and mean |Δlogit|, the
     relative error of p(j) as served (exact logit of j over the quantized normaliser; j = the label,
     else the exact argmax), top-1 agreement, top-5 overlap before and exact top-5 after re-scoring."""
-    from serving import head_scan, quantized_head
+    from serving.core import head_scan
+    from serving.core import quantized_head
     from serving.bundle import load_bundle
 
     ensure_heads(Path(bundle_dir))
@@ -145,19 +148,19 @@ def exactness(bundle_dir: Path, inputs: np.ndarray, precision: str, labels: np.n
 def exactness_markdown(rows: list[dict]) -> str:
     L = ["# Quantized heads: how exact the served answers are", "",
          "Each row: the bundle's int8 or bf16 head (serving/bundle/quantize.py) through the server's own pass "
-         "(serving/quantized_head.py) against float64 logits from the float32 head, on the inputs named. p(j) "
+         "(serving/core/quantized_head.py) against float64 logits from the float32 head, on the inputs named. p(j) "
          "as served is the exact logit of j over the quantized normaliser, so its relative error is "
          "|exp(lse − lse_q) − 1|; the top-5 as served is re-scored exactly from the 5 + 16 best quantized "
          "candidates. The synthetic bundles are `slc bench scale`'s (`slc bundle synthetic --classes D --dim 256`, "
          "kept under ~/.cache/slc/bench). glyphs3755-ce: `slc export RUN --out glyphs3755-ce --head-precision int8,bf16` "
          "of glyphs3755.md's ce run (seed 0), on its test face (AR PL UKai, 8 renderings per class) saved as a float32 "
          ".npy. Speed and memory: scale.md, \"Head precision\"; replica-D10000000.md.", "",
-         "| bundle | inputs | D | precision | logit std | max \\|Δlogit\\| | mean \\|Δlogit\\| | p(j) rel. error max | mean | "
-         "top-1 agreement | top-5 overlap (quantized) | top-5 exact after re-scoring | command |",
-         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        L.append(f"| {r['bundle']} | {r['inputs_from']} ({r['inputs']:,}) | {r['classes']:,} | {r['precision']} | "
-                 f"{r['logit_std']:.3g} | {r['max_abs_logit_error']:.3g} | {r['mean_abs_logit_error']:.3g} | "
-                 f"{r['p_j_rel_error_max']:.2e} | {r['p_j_rel_error_mean']:.2e} | {r['top1_agreement']:.4f} | "
-                 f"{r['top5_overlap']:.4f} | {r['top5_exact_after_rescoring']:.4f} | `{r['command']}` |")
+         md_table(["bundle", "inputs", "D", "precision", "logit std", "max \\|Δlogit\\|", "mean \\|Δlogit\\|",
+                   "p(j) rel. error max", "mean", "top-1 agreement", "top-5 overlap (quantized)",
+                   "top-5 exact after re-scoring", "command"],
+                  [[r["bundle"], f"{r['inputs_from']} ({r['inputs']:,})", f"{r['classes']:,}", r["precision"],
+                    f"{r['logit_std']:.3g}", f"{r['max_abs_logit_error']:.3g}", f"{r['mean_abs_logit_error']:.3g}",
+                    f"{r['p_j_rel_error_max']:.2e}", f"{r['p_j_rel_error_mean']:.2e}", f"{r['top1_agreement']:.4f}",
+                    f"{r['top5_overlap']:.4f}", f"{r['top5_exact_after_rescoring']:.4f}", f"`{r['command']}`"] for r in rows],
+                  "llrlrrrrrrrrl")]
     return "\n".join(L) + "\n"

@@ -18,12 +18,13 @@ from pathlib import Path
 from tools import loadtest as lt
 from tools.bench.precision import ensure_heads, head_bytes, read_bandwidth
 from tools.bench.server import process_tree_memory, slc_server
+from tools.report import md_table
 
 log = logging.getLogger(__name__)
 
 
 def _serve_and_measure(bundle: Path, env: dict, endpoints: list[str], duration: float, tag: str, log_dir: Path) -> dict:
-    from tools.bench.run import _summary
+    from tools.loadtest.stats import endpoint_summary
 
     with slc_server(bundle, log_dir, tag, bundle.with_name(bundle.name + f"-data-{tag}"), env=env) as srv:
         ready = srv.wait_ready(3600)
@@ -32,7 +33,7 @@ def _serve_and_measure(bundle: Path, env: dict, endpoints: list[str], duration: 
                               interleave="block",
                               block_s=duration)
         return {"ready_s": ready, "softmax_impl": model.get("softmax_impl"), "index": (model.get("index") or {}).get("kind"),
-                "memory": process_tree_memory(srv.proc.pid), "single": _summary(one.report)}
+                "memory": process_tree_memory(srv.proc.pid), "single": endpoint_summary(one.report)}
 
 
 def bench_replica(classes: int, dim: int, precision: str, class_index: str, duration: float, log_dir: Path) -> dict:
@@ -58,7 +59,7 @@ def replica_markdown(r: dict, command: str) -> str:
     s = big["single"]
     det = s["detect"]["p50_ms"] / small["single"]["detect"]["p50_ms"]
     gib = 2 ** 30
-    rows = [f"| {name} | {s[name]['p50_ms']:.2f} | {s[name]['p99_ms']:.2f} | {s[name]['requests']:,} |"
+    rows = [[name, f"{s[name]['p50_ms']:.2f}", f"{s[name]['p99_ms']:.2f}", f"{s[name]['requests']:,}"]
             for name in ("detect", "softmax", "topk_exact")]
     return "\n".join([
         f"# One replica at D = {r['classes']:,} (d = {r['dim']}), {r['precision']} head", "",
@@ -75,4 +76,4 @@ def replica_markdown(r: dict, command: str) -> str:
         f"- Detect p50 {s['detect']['p50_ms']:.2f} ms against {small['single']['detect']['p50_ms']:.2f} ms at D = 10 "
         f"({det:.2f}×). Softmax p50 against the floor of reading the {r['precision']} head once "
         f"({r['floor_ms']:.0f} ms at {r['read_bandwidth'] / 1e9:.0f} GB/s): {s['softmax']['p50_ms'] / r['floor_ms']:.2f}×.", "",
-        "| one connection | p50 ms | p99 ms | requests |", "|---|---:|---:|---:|", *rows, ""])
+        md_table(["one connection", "p50 ms", "p99 ms", "requests"], rows, "lrrr"), ""])

@@ -2,11 +2,11 @@
 scale.png."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
 from tools.bench import cpu
+from tools.report import fmt, md_table
 
 
 def _ratio(a, b):
@@ -40,7 +40,7 @@ def evaluate_targets(rows: list[dict], default_model: Optional[dict], paired: Op
     add(f"topk exact / index single-connection p50 latency at D={hi:,} (per request)",
         _ratio(s(hi, "topk_exact")["p50_ms"], s(hi, "topk_index")["p50_ms"]), 5.0)
     add(f"server RSS / head size at D={hi:,}", by_d[hi]["memory"]["rss_over_head"], 1.2, better="lower",
-        note=f"(RSS - RSS at D={lo:,}) / head = {_fmt(by_d[hi]['memory'].get('over_baseline_over_head'), 2)}")
+        note=f"(RSS - RSS at D={lo:,}) / head = {fmt(by_d[hi]['memory'].get('over_baseline_over_head'), 2)}")
     add(f"(server RSS - RSS at D={lo:,}) / head size at D={hi:,}", by_d[hi]["memory"].get("over_baseline_over_head"),
         1.2, better="lower", note="what the head and its index cost")
     index = (by_d[hi].get("server_model") or {}).get("index") or {}
@@ -71,7 +71,7 @@ def precision_targets(add, by_d: dict) -> None:
         p = by_d[100_000]["precisions"]
         add("float32 / int8 one-connection softmax p50 at D=100,000 (one server each)",
             _ratio(p["float32"]["single"]["p50_ms"], p["int8"]["single"]["p50_ms"]), 2.0,
-            note=f"int8 p50 / its bandwidth floor {_fmt(p['int8'].get('p50_over_floor'), 2)}")
+            note=f"int8 p50 / its bandwidth floor {fmt(p['int8'].get('p50_over_floor'), 2)}")
 
 
 def _md_precisions(res: dict) -> list[str]:
@@ -83,15 +83,12 @@ def _md_precisions(res: dict) -> list[str]:
          "Each precision in a server of its own (`SLC_HEAD_PRECISION`), softmax alone. Floor: the bytes one pass "
          "reads in that precision over this machine's read bandwidth (numpy sum of 256 MiB, best of 7), i.e. the "
          "time any server needs to read the head once per request. The top-k and the asked class's logit are "
-         "re-scored on float32 (exactness: docs/results/head-precision.md).", "",
-         "| D | precision | one connection p50 ms | p99 ms | floor ms | p50 / floor | saturated req/s | p99 ms | RSS MiB |",
-         "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        for name, p in r["precisions"].items():
-            L.append(f"| {r['classes']:,} | {name} | {_fmt(p['single']['p50_ms'], 2)} | {_fmt(p['single']['p99_ms'], 2)} | "
-                     f"{_fmt(p['floor_ms'], 2)} | {_fmt(p['p50_over_floor'], 2)} | {_fmt(p['saturated']['rps'])} | "
-                     f"{_fmt(p['saturated']['p99_ms'], 1)} | {_fmt(p['rss'] / 2**20)} |")
-    return L
+         "re-scored on float32 (exactness: docs/results/head-precision.md).", ""]
+    cells = [[f"{r['classes']:,}", name, fmt(p["single"]["p50_ms"], 2), fmt(p["single"]["p99_ms"], 2), fmt(p["floor_ms"], 2),
+              fmt(p["p50_over_floor"], 2), fmt(p["saturated"]["rps"]), fmt(p["saturated"]["p99_ms"], 1), fmt(p["rss"] / 2**20)]
+             for r in rows for name, p in r["precisions"].items()]
+    return L + [md_table(["D", "precision", "one connection p50 ms", "p99 ms", "floor ms", "p50 / floor", "saturated req/s",
+                          "p99 ms", "RSS MiB"], cells, "rlrrrrrrr")]
 
 
 def _protocols_single(row: dict) -> dict:
@@ -115,7 +112,7 @@ def protocol_targets(add, by_d: dict, lo: int, hi: int) -> None:
             sat = by_d[D].get(key)
             if D >= 100_000 and sat and bound:
                 add(f"softmax ({sat['concurrency']} connections) / GEMM bound at batch 64, D={D:,}",
-                    _ratio(sat["rps"], bound), goal, note=f"{_fmt(sat['rps'])} vs {_fmt(bound)} inputs/s")
+                    _ratio(sat["rps"], bound), goal, note=f"{fmt(sat['rps'])} vs {fmt(bound)} inputs/s")
         sat = by_d[D].get("softmax_saturated") or {}
         ceiling = cpu.ceiling_over_bound(sat.get("cpu"), bound)
         if D >= 100_000 and ceiling is not None:
@@ -125,23 +122,13 @@ def protocol_targets(add, by_d: dict, lo: int, hi: int) -> None:
                 note=f"loop {per['loop']:.3f} + client {per['client']:.3f} core-ms per request")
 
 
-def _fmt(x, digits=1):
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            return "–"
-        return f"{x:,.{digits}f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
-    return f"{x:,}" if isinstance(x, int) else str(x)
-
-
 def _index_kind(row: dict) -> str:
     info = (row.get("server_model") or {}).get("index") or {}
     kind = info.get("kind", "?")
     if info.get("fallback_reason"):
         return f"{kind} (asked {info['requested']}, fell back)"
     if kind == "ivf":
-        return f"ivf nlist {info.get('nlist')} nprobe {info.get('nprobe')} rerank {info.get('rerank')}, build {_fmt(info.get('build_seconds'))} s"
+        return f"ivf nlist {info.get('nlist')} nprobe {info.get('nprobe')} rerank {info.get('rerank')}, build {fmt(info.get('build_seconds'))} s"
     return kind
 
 
@@ -155,148 +142,149 @@ def _md_header(res: dict) -> list[str]:
          f"Load: closed loop, concurrency {res['concurrency']}, endpoints rotated in {res.get('block_s', 2.0):g} s blocks (each block drains before the next), "
          f"{res['duration_s']:g} s per endpoint after 2 s warm-up; single connection: endpoints interleaved per "
          f"request, {res['duration_s']:g} s. 1 input per request. Client: serving/loadtest (raw asyncio HTTP/1.1, uvloop).",
-         "", "## Targets", "", "| figure | measured | goal | met |", "|---|---:|---:|---|"]
+         "", "## Targets", ""]
+    rows = []
     for t in res["targets"]:
-        goal = "–" if t["goal"] is None else ("≥ " if t["better"] == "higher" else "≤ ") + _fmt(float(t["goal"]), 2)
+        goal = "–" if t["goal"] is None else ("≥ " if t["better"] == "higher" else "≤ ") + fmt(float(t["goal"]), 2)
         met = {True: "yes", False: "**no**", None: "not measured" if t["goal"] is not None else "(reported)"}[t["met"]]
         note = f" ({t['note']})" if t.get("note") else ""
-        L.append(f"| {t['target']}{note} | {_fmt(t['value'], 2)} | {goal} | {met} |")
-    return L
+        rows.append([f"{t['target']}{note}", fmt(t["value"], 2), goal, met])
+    return L + [md_table(["figure", "measured", "goal", "met"], rows, "lrrl")]
 
 
 def _md_throughput(res: dict) -> list[str]:
     """Closed-loop throughput per endpoint and D."""
     rows = res["rows"]
-    L = ["", "## Throughput, closed loop (req/s)", "",
-          "| D | live | detect | softmax | topk exact | topk index | torch peer softmax | detect/softmax | index/exact | slc/peer softmax |",
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cells = []
     for r in rows:
         c = r["slc"]["closed"]
         peer = r.get("peer", {}).get("closed", {}).get("softmax", {}).get("rps")
-        L.append(f"| {r['classes']:,} | {_fmt(c['live']['rps'])} | {_fmt(c['detect']['rps'])} | {_fmt(c['softmax']['rps'])} | "
-                 f"{_fmt(c['topk_exact']['rps'])} | {_fmt(c['topk_index']['rps'])} | {_fmt(peer)} | "
-                 f"{_fmt(_ratio(c['detect']['rps'], c['softmax']['rps']), 2)} | "
-                 f"{_fmt(_ratio(c['topk_index']['rps'], c['topk_exact']['rps']), 2)} | {_fmt(_ratio(c['softmax']['rps'], peer), 2)} |")
-    return L
+        cells.append([f"{r['classes']:,}", *(fmt(c[e]["rps"]) for e in ("live", "detect", "softmax", "topk_exact", "topk_index")),
+                      fmt(peer), fmt(_ratio(c["detect"]["rps"], c["softmax"]["rps"]), 2),
+                      fmt(_ratio(c["topk_index"]["rps"], c["topk_exact"]["rps"]), 2), fmt(_ratio(c["softmax"]["rps"], peer), 2)])
+    return ["", "## Throughput, closed loop (req/s)", "",
+            md_table(["D", "live", "detect", "softmax", "topk exact", "topk index", "torch peer softmax", "detect/softmax",
+                      "index/exact", "slc/peer softmax"], cells, "r" * 10)]
 
 
 def _md_protocols(res: dict) -> list[str]:
     """The same single-logit question over /v1 detect and KServe v2 (JSON, binary tensors, gRPC)."""
-    L = ["", "## Protocols: one logit per input (closed-loop req/s; one-connection p50 ms)", "",
-         "Closed loop: in the rotation above. One connection: detect and the v2 forms alone, interleaved per request "
-         "(in the all-endpoint rotation each follows a different endpoint, v2 the index search, and pays for what "
-         "that one evicted from the caches).", "",
-         "| D | detect | v2 JSON | v2 binary | gRPC | v2 JSON / detect | v2 binary / detect | gRPC / detect |",
-         "|---:|---|---|---|---|---:|---:|---:|"]
+    rows = []
     for r in res["rows"]:
         c, s = r["slc"]["closed"], _protocols_single(r)
-        cell = lambda e: f"{_fmt(c[e]['rps'])}; {_fmt(s[e]['p50_ms'], 2)}" if e in c else "–"  # noqa: E731
-        rel = lambda e: _fmt(_ratio(c[e]["rps"], c["detect"]["rps"]), 2) if e in c else "–"  # noqa: E731
-        L.append(f"| {r['classes']:,} | {cell('detect')} | {cell('v2')} | {cell('v2_binary')} | {cell('grpc')} | "
-                 f"{rel('v2')} | {rel('v2_binary')} | {rel('grpc')} |")
-    conns = lambda key: next((r[key]["concurrency"] for r in res["rows"] if r.get(key)), "–")  # noqa: E731
-    L += ["", "## Full softmax against the hardware (softmax alone: "
-          f"{conns('softmax_saturated')} connections keep the next full batch queued while one computes; "
-          f"{conns('softmax_one_batch')} fill exactly one batch, so the event loop's work and the pass take turns)", "",
-          "| D | saturated req/s | p50 ms | one batch req/s | GEMM bound at batch 64 (inputs/s) | saturated / bound | "
-          "one batch / bound | saturated: cores of loop / workers / client; idle share | ceiling / bound |",
-          "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+        cell = lambda e: f"{fmt(c[e]['rps'])}; {fmt(s[e]['p50_ms'], 2)}" if e in c else "–"  # noqa: E731
+        rel = lambda e: fmt(_ratio(c[e]["rps"], c["detect"]["rps"]), 2) if e in c else "–"  # noqa: E731
+        rows.append([f"{r['classes']:,}", *map(cell, ("detect", "v2", "v2_binary", "grpc")), *map(rel, ("v2", "v2_binary", "grpc"))])
+    return ["", "## Protocols: one logit per input (closed-loop req/s; one-connection p50 ms)", "",
+            "Closed loop: in the rotation above. One connection: detect and the v2 forms alone, interleaved per request "
+            "(in the all-endpoint rotation each follows a different endpoint, v2 the index search, and pays for what "
+            "that one evicted from the caches).", "",
+            md_table(["D", "detect", "v2 JSON", "v2 binary", "gRPC", "v2 JSON / detect", "v2 binary / detect", "gRPC / detect"],
+                     rows, "rllllrrr")]
+
+
+def _md_softmax_bound(res: dict) -> list[str]:
+    """The full softmax alone against its GEMM bound, and the ceiling the loop and client leave."""
+    rows = []
     for r in res["rows"]:
         sat, one = r.get("softmax_saturated") or {}, r.get("softmax_one_batch") or {}
         bound = r["head_alone"].get("gemm_bound_inputs_per_s")
         use = sat.get("cpu")
         where = (f"{use['cores']['loop']:.2f} / {use['cores']['workers']:.2f} / {use['cores']['client']:.2f}; "
                  f"{use['idle_share']:.2f}" if use else "–")
-        L.append(f"| {r['classes']:,} | {_fmt(sat.get('rps'))} | {_fmt(sat.get('p50_ms'), 2)} | {_fmt(one.get('rps'))} | "
-                 f"{_fmt(bound)} | {_fmt(_ratio(sat.get('rps'), bound), 2)} | {_fmt(_ratio(one.get('rps'), bound), 2)} | "
-                 f"{where} | {_fmt(cpu.ceiling_over_bound(use, bound), 2)} |")
-    L += ["", "Ceiling: the share of the bound a server would reach whose pass cost exactly the bound's GEMM (every "
-          "core), while its event loop and the load client cost, on the same cores, the CPU per request measured in "
-          "the saturated run. The bound is the fastest of the GEMM forms the server may use (numpy, onnxruntime over "
-          "the mapped rows, two one-thread GEMMs, pre-packed chunks), logits only."]
-    L += ["", "## All D logits over KServe v2: JSON against raw float32 (one connection, median of alternating requests, "
-          "the client's decoding included)", "",
-          "| D | inputs per request | JSON ms | JSON MB | binary ms | binary MB | JSON / binary time |",
-          "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in res["rows"]:
-        f = r.get("full_logits")
-        if f:
-            L.append(f"| {r['classes']:,} | {f['batch']} | {_fmt(f['json']['median_ms'], 2)} | {_fmt(f['json']['bytes'] / 1e6, 2)} | "
-                     f"{_fmt(f['binary']['median_ms'], 2)} | {_fmt(f['binary']['bytes'] / 1e6, 2)} | {_fmt(f['json_over_binary'], 1)} |")
-    return L
+        rows.append([f"{r['classes']:,}", fmt(sat.get("rps")), fmt(sat.get("p50_ms"), 2), fmt(one.get("rps")), fmt(bound),
+                     fmt(_ratio(sat.get("rps"), bound), 2), fmt(_ratio(one.get("rps"), bound), 2), where,
+                     fmt(cpu.ceiling_over_bound(use, bound), 2)])
+    conns = lambda key: next((r[key]["concurrency"] for r in res["rows"] if r.get(key)), "–")  # noqa: E731
+    return ["", "## Full softmax against the hardware (softmax alone: "
+            f"{conns('softmax_saturated')} connections keep the next full batch queued while one computes; "
+            f"{conns('softmax_one_batch')} fill exactly one batch, so the event loop's work and the pass take turns)", "",
+            md_table(["D", "saturated req/s", "p50 ms", "one batch req/s", "GEMM bound at batch 64 (inputs/s)",
+                      "saturated / bound", "one batch / bound", "saturated: cores of loop / workers / client; idle share",
+                      "ceiling / bound"], rows, "rrrrrrrlr"),
+            "", "Ceiling: the share of the bound a server would reach whose pass cost exactly the bound's GEMM (every "
+            "core), while its event loop and the load client cost, on the same cores, the CPU per request measured in "
+            "the saturated run. The bound is the fastest of the GEMM forms the server may use (numpy, onnxruntime over "
+            "the mapped rows, two one-thread GEMMs, pre-packed chunks), logits only."]
+
+
+def _md_full_logits(res: dict) -> list[str]:
+    """All D logits over KServe v2, JSON against binary tensors."""
+    rows = [[f"{r['classes']:,}", f["batch"], fmt(f["json"]["median_ms"], 2), fmt(f["json"]["bytes"] / 1e6, 2),
+             fmt(f["binary"]["median_ms"], 2), fmt(f["binary"]["bytes"] / 1e6, 2), fmt(f["json_over_binary"], 1)]
+            for r in res["rows"] if (f := r.get("full_logits"))]
+    return ["", "## All D logits over KServe v2: JSON against raw float32 (one connection, median of alternating requests, "
+            "the client's decoding included)", "",
+            md_table(["D", "inputs per request", "JSON ms", "JSON MB", "binary ms", "binary MB", "JSON / binary time"],
+                     rows, "r" * 7)]
+
+
+def _p50_p99(e: Optional[dict]) -> str:
+    return f"{fmt(e['p50_ms'], 2)} / {fmt(e['p99_ms'], 2)}" if e else "–"
 
 
 def _md_latency_closed(res: dict) -> list[str]:
     """Closed-loop p50 / p99."""
-    rows = res["rows"]
-    L = ["", "## Latency, closed loop (ms, p50 / p99)", "",
-          "| D | detect | softmax | topk exact | topk index | torch peer softmax |", "|---:|---|---|---|---|---|"]
-    for r in rows:
+    rows = []
+    for r in res["rows"]:
         c = r["slc"]["closed"]
         pc = r.get("peer", {}).get("closed", {}).get("softmax")
-        cell = lambda e: f"{_fmt(e['p50_ms'], 2)} / {_fmt(e['p99_ms'], 2)}" if e else "–"  # noqa: E731
-        L.append(f"| {r['classes']:,} | {cell(c['detect'])} | {cell(c['softmax'])} | {cell(c['topk_exact'])} | "
-                 f"{cell(c['topk_index'])} | {cell(pc)} |")
-    return L
+        rows.append([f"{r['classes']:,}", *(_p50_p99(c[e]) for e in ("detect", "softmax", "topk_exact", "topk_index")),
+                     _p50_p99(pc)])
+    return ["", "## Latency, closed loop (ms, p50 / p99)", "",
+            md_table(["D", "detect", "softmax", "topk exact", "topk index", "torch peer softmax"], rows, "rlllll")]
 
 
 def _md_latency_single(res: dict) -> list[str]:
     """One-connection p50 / p99."""
-    rows = res["rows"]
-    L = ["", "## Latency, one connection (ms, p50 / p99)", "",
-          "| D | detect | softmax | topk exact | topk index | torch peer softmax | softmax/detect p50 |",
-          "|---:|---|---|---|---|---|---:|"]
-    for r in rows:
+    rows = []
+    for r in res["rows"]:
         s = r["slc"]["single_connection"]
         ps = r.get("peer", {}).get("single_connection", {}).get("softmax")
-        cell = lambda e: f"{_fmt(e['p50_ms'], 2)} / {_fmt(e['p99_ms'], 2)}" if e else "–"  # noqa: E731
-        L.append(f"| {r['classes']:,} | {cell(s['detect'])} | {cell(s['softmax'])} | {cell(s['topk_exact'])} | "
-                 f"{cell(s['topk_index'])} | {cell(ps)} | {_fmt(_ratio(s['softmax']['p50_ms'], s['detect']['p50_ms']), 1)} |")
-    return L
+        rows.append([f"{r['classes']:,}", *(_p50_p99(s[e]) for e in ("detect", "softmax", "topk_exact", "topk_index")),
+                     _p50_p99(ps), fmt(_ratio(s["softmax"]["p50_ms"], s["detect"]["p50_ms"]), 1)])
+    return ["", "## Latency, one connection (ms, p50 / p99)", "",
+            md_table(["D", "detect", "softmax", "topk exact", "topk index", "torch peer softmax", "softmax/detect p50"],
+                     rows, "rlllllr")]
 
 
 def _md_memory(res: dict) -> list[str]:
     """Memory, recall, start-up per D."""
-    rows = res["rows"]
-    L = ["", "## Memory, recall, start-up", "",
-          "| D | head MiB | server RSS MiB | RSS / head | (RSS − smallest-D RSS) / head | peer RSS MiB | topk index recall@10 | index kind | ready s |",
-          "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
+    rows = []
+    for r in res["rows"]:
         mem = r["memory"]
-        L.append(f"| {r['classes']:,} | {_fmt(r['head_bytes'] / 2**20)} | {_fmt(mem['loaded_rss'] / 2**20)} | "
-                 f"{_fmt(mem['rss_over_head'], 2)} | {_fmt(mem.get('over_baseline_over_head'), 2)} | "
-                 f"{_fmt((r.get('peer', {}).get('memory_rss') or 0) / 2**20)} | "
-                 f"{_fmt(r['recall']['recall_at_k'], 3)} | {_index_kind(r)} | {_fmt(r['ready_s'])} |")
-    return L
+        rows.append([f"{r['classes']:,}", fmt(r["head_bytes"] / 2**20), fmt(mem["loaded_rss"] / 2**20),
+                     fmt(mem["rss_over_head"], 2), fmt(mem.get("over_baseline_over_head"), 2),
+                     fmt((r.get("peer", {}).get("memory_rss") or 0) / 2**20), fmt(r["recall"]["recall_at_k"], 3),
+                     _index_kind(r), fmt(r["ready_s"])])
+    return ["", "## Memory, recall, start-up", "",
+            md_table(["D", "head MiB", "server RSS MiB", "RSS / head", "(RSS − smallest-D RSS) / head", "peer RSS MiB",
+                      "topk index recall@10", "index kind", "ready s"], rows, "rrrrrrrlr")]
 
 
 def _md_head_alone(res: dict) -> list[str]:
     """The head alone in numpy."""
-    rows = res["rows"]
-    L = ["", "## The head alone (numpy, no HTTP; µs per input)", "",
-          "| D | one logit, 1 input | all logits, 1 input | ratio | one logit, batch 64 | all logits, batch 64 | ratio | softmax, batch 64 |",
-          "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    rows = []
+    for r in res["rows"]:
         h = r["head_alone"]
-        L.append(f"| {r['classes']:,} | {_fmt(h['one_logit_per_input_single_us'], 2)} | {_fmt(h['all_logits_per_input_single_us'], 2)} | "
-                 f"{_fmt(h['all_over_one_single'])} | {_fmt(h['one_logit_per_input_batch64_us'], 3)} | "
-                 f"{_fmt(h['all_logits_per_input_batch64_us'], 2)} | {_fmt(h['all_over_one_batch64'])} | "
-                 f"{_fmt(h['softmax_per_input_batch64_us'], 2)} |")
-    return L
+        rows.append([f"{r['classes']:,}", fmt(h["one_logit_per_input_single_us"], 2), fmt(h["all_logits_per_input_single_us"], 2),
+                     fmt(h["all_over_one_single"]), fmt(h["one_logit_per_input_batch64_us"], 3),
+                     fmt(h["all_logits_per_input_batch64_us"], 2), fmt(h["all_over_one_batch64"]),
+                     fmt(h["softmax_per_input_batch64_us"], 2)])
+    return ["", "## The head alone (numpy, no HTTP; µs per input)", "",
+            md_table(["D", "one logit, 1 input", "all logits, 1 input", "ratio", "one logit, batch 64", "all logits, batch 64",
+                      "ratio", "softmax, batch 64"], rows, "r" * 8)]
 
 
 def _md_ceiling(res: dict) -> list[str]:
     """The generator ceiling (trivial endpoint, wrk)."""
-    rows = res["rows"]
-    L = ["", "## Generator ceiling", "",
-          "The trivial endpoint (`GET /v1/health/live`) in the same rotation is the ceiling of client + server "
-          "framework on these cores; wrk on the same endpoint for comparison:", "",
-          "| D | live via slc loadtest (req/s) | wrk (req/s) |", "|---:|---:|---:|"]
-    for r in rows:
-        w = r.get("wrk_live") or {}
-        L.append(f"| {r['classes']:,} | {_fmt(r['slc']['closed']['live']['rps'])} | "
-                 f"{_fmt(w.get('rps')) if w.get('available') else w.get('note', '–')} |")
-    return L
+    rows = [[f"{r['classes']:,}", fmt(r["slc"]["closed"]["live"]["rps"]),
+             fmt(w.get("rps")) if w.get("available") else w.get("note", "–")]
+            for r in res["rows"] for w in [r.get("wrk_live") or {}]]
+    return ["", "## Generator ceiling", "",
+            "The trivial endpoint (`GET /v1/health/live`) in the same rotation is the ceiling of client + server "
+            "framework on these cores; wrk on the same endpoint for comparison:", "",
+            md_table(["D", "live via slc loadtest (req/s)", "wrk (req/s)"], rows, "rrr")]
 
 
 def _md_paired(res: dict) -> list[str]:
@@ -308,13 +296,12 @@ def _md_paired(res: dict) -> list[str]:
         if "error" in pd:
             L.append(f"Not measured: {pd['error'][:300]}")
         else:
+            rows = [[f"{int(key):,}", fmt(v["rps"]), fmt(v["p50_ms"], 2), fmt(v["p99_ms"], 2)]
+                    for key, v in pd.items() if isinstance(v, dict)]
             L += [f"Alternating {pd['rounds']} × {pd['block_s']:g} s closed-loop blocks per server (concurrency "
                   f"{res['concurrency']}), so both see the same machine.", "",
-                  "| D | detect req/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|"]
-            for key, v in pd.items():
-                if isinstance(v, dict):
-                    L.append(f"| {int(key):,} | {_fmt(v['rps'])} | {_fmt(v['p50_ms'], 2)} | {_fmt(v['p99_ms'], 2)} |")
-            L.append(f"\nRatio large / small: {_fmt(pd['large_over_small'], 2)}.")
+                  md_table(["D", "detect req/s", "p50 ms", "p99 ms"], rows, "rrrr"),
+                  f"\nRatio large / small: {fmt(pd['large_over_small'], 2)}."]
     return L
 
 
@@ -327,14 +314,15 @@ def _md_default_model(res: dict) -> list[str]:
         if "error" in dm:
             L.append(f"Not measured: {dm['error'][:300]}")
         else:
-            L.append(f"detect {_fmt(dm['closed']['detect']['rps'])} req/s vs live {_fmt(dm['closed']['live']['rps'])} req/s "
-                     f"→ {_fmt(dm['detect_over_live'], 2)} of the trivial endpoint.")
+            L.append(f"detect {fmt(dm['closed']['detect']['rps'])} req/s vs live {fmt(dm['closed']['live']['rps'])} req/s "
+                     f"→ {fmt(dm['detect_over_live'], 2)} of the trivial endpoint.")
     return L
 
 
 def scale_markdown(res: dict) -> str:
-    L = [line for section in (_md_header, _md_throughput, _md_protocols, _md_latency_closed, _md_latency_single, _md_memory,
-                              _md_head_alone, _md_precisions, _md_ceiling, _md_paired, _md_default_model)
+    L = [line for section in (_md_header, _md_throughput, _md_protocols, _md_softmax_bound, _md_full_logits,
+                              _md_latency_closed, _md_latency_single, _md_memory, _md_head_alone, _md_precisions,
+                              _md_ceiling, _md_paired, _md_default_model)
          for line in section(res)]
     L += ["", "Peer: tools/bench/torch_peer.py — FastAPI, pydantic body, eager torch backbone rebuilt from backbone.onnx, "
           "W and b as torch tensors, full softmax over D per request, no batching.", ""]

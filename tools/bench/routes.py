@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from tools.report import md_table
+
 ROUTES = ("live", "detect", "v2", "v2_binary", "softmax")
 READY_TIMEOUT_S = 600.0  # loading verifies every hash of the bundle first
 
@@ -109,7 +111,7 @@ async def _measure(app, routes: tuple[str, ...], rounds: int, requests: int, pro
 def measure_routes(bundle: Path, routes: tuple[str, ...] = ROUTES, rounds: int = 5, requests: int = 2000,
                    progress: Callable[[], None] = lambda: None) -> dict:
     """µs per request on each route: {"best_us": {route: µs}, "median_us": ..., "all_us": ...}."""
-    from serving.app import create_app
+    from serving.http.app import create_app
     from serving.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="slc-routes-") as tmp:
@@ -126,10 +128,9 @@ def routes_markdown(r: dict, command: str) -> str:
     lines = ["# Server time per request on each route (in-process ASGI, one request at a time)", "",
              f"Command: `{command}`  ", f"Bundle: `{r['bundle']}`; {r['rounds']} rounds of {r['requests']:,} "
              "requests per route, routes alternating; one input per request (the load client's bodies).", "",
-             "| route | best µs | median µs | × detect (best) |", "|---|---:|---:|---:|"]
-    for route in best:
-        ratio = best[route] / best["detect"] if "detect" in best else float("nan")
-        lines.append(f"| {route} | {best[route]:.1f} | {med[route]:.1f} | {ratio:.2f} |")
+             md_table(["route", "best µs", "median µs", "× detect (best)"],
+                      [[route, f"{best[route]:.1f}", f"{med[route]:.1f}",
+                        f"{best[route] / best['detect'] if 'detect' in best else float('nan'):.2f}"] for route in best], "lrrr")]
     lines += ["", "What a request costs the server, the inline backbone included (for routes whose work runs "
               "inline, the event loop's CPU; softmax also waits for the worker thread); not HTTP parsing "
               "(uvicorn) and not the load client. Lower is better."]

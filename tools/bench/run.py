@@ -38,7 +38,8 @@ from tools.bench.precision import bench_precisions, read_bandwidth
 from tools.bench.report import evaluate_targets, scale_markdown, scale_plot
 from tools.bench.server import grpc_available, peer_server, process_tree_memory, slc_server
 from serving.bundle import replace_dir, slc_home
-from tools.loadtest.stats import latency_summary
+from tools.loadtest.stats import endpoint_summary, latency_summary
+from tools.report import write_json, write_result
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +132,6 @@ def full_logits_formats(url: str, model: str, batch: int = 1, rounds: int = 9, s
     return out
 
 
-def _summary(report: dict) -> dict:
-    """The few numbers per endpoint the scale tables need."""
-    out = {}
-    for name, ep in report["endpoints"].items():
-        lat = ep["latency_ms"]
-        out[name] = {"rps": ep["goodput_rps"], "requests": ep["requests"], "errors": ep["errors"],
-                     "p50_ms": lat.get("p50"), "p90_ms": lat.get("p90"), "p99_ms": lat.get("p99"),
-                     "p99.9_ms": lat.get("p99.9"), "max_ms": lat.get("max"), "mean_ms": lat.get("mean")}
-    return out
-
-
 def measure_server(url: str, endpoints: Sequence[str], concurrency: int, duration: float, warmup: float = 2.0,
                    single: Optional[Sequence[str]] = None, class_: Optional[str] = None,
                    grpc_port: Optional[int] = None) -> dict:
@@ -151,7 +141,7 @@ def measure_server(url: str, endpoints: Sequence[str], concurrency: int, duratio
                              progress=True, grpc_port=grpc_port)
     one = lt.run_loadtest(url, list(single or endpoints), class_=class_, concurrency=1, duration=duration,
                           warmup=min(warmup, 1.0), interleave="request", progress=True, grpc_port=grpc_port)
-    return {"closed": _summary(closed.report), "single_connection": _summary(one.report),
+    return {"closed": endpoint_summary(closed.report), "single_connection": endpoint_summary(one.report),
             "closed_report": closed.report, "single_report": one.report}
 
 
@@ -186,11 +176,11 @@ def bench_one(D: int, dim: int, duration: float, concurrency: int, log_dir: Path
         protocols = ["detect", "v2", "v2_binary"] + ["grpc"] * grpc
         one = lt.run_loadtest(srv.url, protocols, concurrency=1, duration=duration, warmup=1.0, interleave="request",
                               progress=True, grpc_port=srv.grpc_port)
-        row["slc"]["protocols_single"] = _summary(one.report)
+        row["slc"]["protocols_single"] = endpoint_summary(one.report)
         for key, conns in (("softmax_one_batch", ONE_BATCH), ("softmax_saturated", SATURATE)):
             before = cpu.snapshot(srv.proc.pid)  # (the warm-up's 2 s count too: the same load)
             full = lt.run_loadtest(srv.url, ["softmax"], concurrency=conns, duration=duration, warmup=2.0)
-            row[key] = {"concurrency": conns, **_summary(full.report)["softmax"]}
+            row[key] = {"concurrency": conns, **endpoint_summary(full.report)["softmax"]}
             row[key]["cpu"] = cpu.split(before, cpu.snapshot(srv.proc.pid), row[key]["rps"])
         row["recall"] = topk_recall(srv.url)
         row["full_logits"] = full_logits_formats(srv.url, model["name"], rounds=9 if D <= 100_000 else 5)
@@ -269,7 +259,7 @@ def default_model_check(duration: float, concurrency: int, log_dir: Path) -> dic
             return {"error": str(exc)[-800:]}
         closed = lt.run_loadtest(srv.url, ["live", "detect", "v2"], concurrency=concurrency, duration=3 * duration,
                                  warmup=2.0, interleave="block", block_s=BLOCK_S, progress=True)
-        s = _summary(closed.report)
+        s = endpoint_summary(closed.report)
         return {"ready_s": ready, "closed": s, "detect_over_live": s["detect"]["rps"] / s["live"]["rps"],
                 "v2_over_detect": s["v2"]["rps"] / s["detect"]["rps"]}
 
@@ -319,8 +309,8 @@ def run_scale_bench(classes: Sequence[int], dim: int = 256, duration: float = 8.
 
 
 def _write(res: dict, out: Path, partial: bool = False) -> None:
-    (out / "scale.json").write_text(json.dumps(res, indent=2, default=float) + "\n")
     if partial:
+        write_json(out / "scale.json", res, default=float)
         return
-    (out / "scale.md").write_text(scale_markdown(res))
+    write_result(out, "scale", lambda: scale_markdown(res), res, default=float)
     scale_plot(res, out / "scale.png")

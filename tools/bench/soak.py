@@ -20,6 +20,7 @@ from typing import Optional
 
 from tools import loadtest as lt
 from tools.bench.server import ServerProcess, free_port, process_tree_memory
+from tools.report import md_table
 
 log = logging.getLogger(__name__)
 ENDPOINTS = ["detect", "softmax", "topk", "topk_index"]
@@ -164,10 +165,9 @@ def soak_markdown(res: dict, command: str) -> str:
              f"- memory of the last life, after warm-up → end: {m['rss_after_warmup'] / 2**20:.1f} → "
              f"{m['rss_end'] / 2**20:.1f} MiB ({m['growth_bytes'] / 2**20:+.1f} MiB)",
              f"- open file descriptors after warm-up → end: {res['fds']['after_warmup']} → {res['fds']['end']}", "",
-             "| endpoint | requests | ok | errors |", "|---|---:|---:|---|"]
-    for name, ep in res["load"].items():
-        errs = ", ".join(f"{k}: {v}" for k, v in sorted(ep["errors"].items())) or "none"
-        lines.append(f"| {name} | {ep['requests']} | {ep['ok']} | {errs} |")
+             md_table(["endpoint", "requests", "ok", "errors"],
+                      [[name, ep["requests"], ep["ok"], ", ".join(f"{k}: {v}" for k, v in sorted(ep["errors"].items())) or "none"]
+                       for name, ep in res["load"].items()], "lrrl")]
     lines += ["", "Load errors of kind `transport` fall in the kill windows (connections refused while the "
               "server restarts); every HTTP answer is counted by status.", ""]
     return "\n".join(lines)

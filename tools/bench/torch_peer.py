@@ -29,22 +29,21 @@ import numpy as np
 from serving.bundle.session import ort_session
 
 
-def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
-    """Rebuild backbone.onnx as eager torch ops; None if the graph uses an op not covered here."""
-    import onnx
-    import torch
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path))
-    graph = model.graph
-    consts = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in graph.initializer}
-    F = torch.nn.functional
-
+def _attr_reader(onnx) -> Callable:
+    """attr(node, name, default): an ONNX node attribute's value, or the default when absent
+    (ONNX leaves attributes at their default value out of the graph)."""
     def attr(node, name, default=None):
         for a in node.attribute:
             if a.name == name:
                 return onnx.helper.get_attribute_value(a)
         return default
+
+    return attr
+
+
+def _attribute_ops(attr: Callable, torch) -> dict[str, Callable]:
+    """The ops whose behaviour depends on node attributes, as (node, *inputs) -> tensor."""
+    F = torch.nn.functional
 
     def gemm(node, x, w, b=None):
         if attr(node, "transA", 0):
@@ -70,8 +69,15 @@ def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
         return F.conv2d(x, w, b, stride=attr(node, "strides", [1, 1]), padding=pads[: len(pads) // 2],
                         dilation=attr(node, "dilations", [1, 1]), groups=attr(node, "group", 1))
 
-    ops: dict[str, Callable] = {
-        "Gemm": gemm,
+    return {"Gemm": gemm, "LpNormalization": lpnorm, "ReduceL2": reduce_l2, "Flatten": flatten, "Conv": conv}
+
+
+def _torch_ops(attr: Callable, torch) -> dict[str, Callable]:
+    """ONNX op_type -> eager torch function (node, *inputs): the ops the rebuild covers."""
+    F = torch.nn.functional
+    layer = _attribute_ops(attr, torch)
+    return {
+        "Gemm": layer["Gemm"],
         "MatMul": lambda n, a, b: a @ b,
         "Add": lambda n, a, b: a + b,
         "Sub": lambda n, a, b: a - b,
@@ -84,14 +90,26 @@ def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
         "Max": lambda n, a, b: torch.maximum(a, b),
         "Clip": lambda n, x, lo=None, hi=None: torch.clamp(x, lo, hi),
         "Identity": lambda n, x: x,
-        "LpNormalization": lpnorm,
-        "ReduceL2": reduce_l2,
-        "Flatten": flatten,
+        "LpNormalization": layer["LpNormalization"],
+        "ReduceL2": layer["ReduceL2"],
+        "Flatten": layer["Flatten"],
         "Reshape": lambda n, x, shape: x.reshape([int(s) if int(s) != 0 else x.shape[i] for i, s in enumerate(shape)]),
-        "Conv": conv,
+        "Conv": layer["Conv"],
         "MaxPool": lambda n, x: F.max_pool2d(x, attr(n, "kernel_shape"), attr(n, "strides")),
         "GlobalAveragePool": lambda n, x: x.mean(dim=(2, 3), keepdim=True),
     }
+
+
+def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
+    """Rebuild backbone.onnx as eager torch ops; None if the graph uses an op not covered here."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    consts = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in graph.initializer}
+    ops = _torch_ops(_attr_reader(onnx), torch)
     if any(node.op_type not in ops for node in graph.node):
         return None
     in_name, out_name = graph.input[0].name, graph.output[0].name
@@ -108,6 +126,34 @@ def _onnx_backbone_in_torch(path: Path) -> Optional[Callable]:
     return forward
 
 
+def _peer_backbone(bundle_path: Path) -> tuple[Callable, str]:
+    """(backbone, how it runs): the torch rebuild of backbone.onnx, or onnxruntime when the graph
+    has an op the rebuild does not cover (the head stays in torch either way)."""
+    import torch
+
+    torch_backbone = _onnx_backbone_in_torch(bundle_path / "backbone.onnx")
+    if torch_backbone is not None:
+        return torch_backbone, "torch (rebuilt from backbone.onnx)"
+    # an op not covered: onnxruntime for the backbone only, the head stays in torch
+    session = ort_session(bundle_path / "backbone.onnx", threads=0)  # 0: onnxruntime's default threads
+
+    def backbone(x):
+        return torch.from_numpy(session.run(["embedding"], {"input": x.numpy()})[0])
+
+    return backbone, "onnxruntime (graph has ops the torch rebuild does not cover)"
+
+
+def _add_health_routes(app) -> None:
+    """GET /v1/health/live and /v1/health/ready: always up once the app exists."""
+    @app.get("/v1/health/live")
+    def live():
+        return {"status": "live"}
+
+    @app.get("/v1/health/ready")
+    def ready():
+        return {"status": "ready"}
+
+
 def create_peer_app(bundle_path: Path | str):
     """FastAPI app of the plain peer over a bundle directory."""
     import torch
@@ -121,30 +167,13 @@ def create_peer_app(bundle_path: Path | str):
     weight = torch.from_numpy(np.array(np.load(bundle_path / "head_weight.npy", allow_pickle=False)))  # [D, d]
     bias = torch.from_numpy(np.array(np.load(bundle_path / "head_bias.npy", allow_pickle=False)))  # [D]
     input_shape = [int(s) for s in manifest["input"]["shape"]]
-
-    torch_backbone = _onnx_backbone_in_torch(bundle_path / "backbone.onnx")
-    if torch_backbone is not None:
-        backbone_kind = "torch (rebuilt from backbone.onnx)"
-        backbone = torch_backbone
-    else:  # an op not covered: onnxruntime for the backbone only, the head stays in torch
-        backbone_kind = "onnxruntime (graph has ops the torch rebuild does not cover)"
-        session = ort_session(bundle_path / "backbone.onnx", threads=0)  # 0: onnxruntime's default threads
-
-        def backbone(x):
-            return torch.from_numpy(session.run(["embedding"], {"input": x.numpy()})[0])
+    backbone, backbone_kind = _peer_backbone(bundle_path)
 
     class Inputs(BaseModel):
         inputs: list[Any]
 
     app = FastAPI(title="plain torch peer")
-
-    @app.get("/v1/health/live")
-    def live():
-        return {"status": "live"}
-
-    @app.get("/v1/health/ready")
-    def ready():
-        return {"status": "ready"}
+    _add_health_routes(app)
 
     @app.get("/v1/model")
     def model():

@@ -21,7 +21,8 @@ import numpy as np
 
 from serving.bundle import load_bundle
 from serving.bundle.session import ort_session
-from serving.index import ClassIndex, exact_topk
+from serving.core.class_index import ClassIndex, exact_topk
+from tools.report import md_table
 
 K = 10
 
@@ -96,13 +97,14 @@ def markdown(result: dict, command: str) -> str:
              f"Queries: h(x) of {result['queries']} (the bundle's backbone graph). Heads: the trained head, and the "
              f"trained head grown with perturbed copies of its rows (σ = {result['sigma']:g}; "
              "tools/bench/trained_index.py). Recall of the index's top-10 against the exact top-10 over the same head; "
-             "times for the whole query batch on 2 shared cores.", "",
-             "| head | classes | index | recall@1 | recall@10 | build s | index s | exact s | index parameters |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             "times for the whole query batch on 2 shared cores.", ""]
+    rows = []
     for r in result["rows"]:
         info = {k: v for k, v in r["info"].items() if k in ("nlist", "nprobe", "rerank", "hnsw_m", "ef_search", "codes")}
         used = r["info"].get("kind", r["kind"])
         asked = r["kind"] if used == r["kind"] else f"{r['kind']} → {used} (not worth it)"
-        lines.append(f"| {r['head']} | {r['classes']:,} | {asked} | {r['recall_at_1']:.4f} | {r['recall_at_10']:.4f} | "
-                     f"{r['build_seconds']} | {r['index_seconds']} | {r['exact_seconds']} | {info or '—'} |")
+        rows.append([r["head"], f"{r['classes']:,}", asked, f"{r['recall_at_1']:.4f}", f"{r['recall_at_10']:.4f}",
+                     f"{r['build_seconds']}", f"{r['index_seconds']}", f"{r['exact_seconds']}", f"{info or '—'}"])
+    lines.append(md_table(["head", "classes", "index", "recall@1", "recall@10", "build s", "index s", "exact s",
+                           "index parameters"], rows, "lrlrrrrrl"))
     return "\n".join(lines + [""])

@@ -16,11 +16,11 @@ alarm), as in trainer/calibrate.py.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from tools.report import md_table, write_result
 from trainer.calibrate import choose_thresholds, rates_at
 
 KAPPAS = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -86,21 +86,16 @@ def markdown(results: list[dict], command: str) -> str:
              "Methods: tools/experiments/calibration_study.py.",
              ""]
     for r in results:
+        rows = [[f"{row['target']:g}", row["method"],
+                 *(f"{row[k]:.3f}" for k in ("mean_precision", "worst_decile_precision", "classes_reaching_target",
+                                             "mean_recall", "pooled_precision")), f"{row['matches']:,}"]
+                for row in r["rows"].values()]
         lines += [f"## {r['loss']} ({'PoLS' if r['pols'] else 'not PoLS'}): `{Path(r['run']).name}`", "",
-                  "| target | method | mean precision | worst-decile precision | classes reaching | mean recall "
-                  "| pooled precision | matches |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for row in r["rows"].values():
-            lines.append(f"| {row['target']:g} | {row['method']} | {row['mean_precision']:.3f} | "
-                         f"{row['worst_decile_precision']:.3f} | {row['classes_reaching_target']:.3f} | "
-                         f"{row['mean_recall']:.3f} | {row['pooled_precision']:.3f} | {row['matches']:,} |")
-        lines.append("")
+                  md_table(["target", "method", "mean precision", "worst-decile precision", "classes reaching",
+                            "mean recall", "pooled precision", "matches"], rows, "rlrrrrrr"), ""]
     return "\n".join(lines)
 
 
 def write(results: list[dict], out: Path, command: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"calibration-{results[0]['dataset']}"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(results, command))
-    return out / f"{name}.md"
+    """OUT/calibration-<dataset>.{json,md}; the markdown's path."""
+    return write_result(out, f"calibration-{results[0]['dataset']}", lambda: markdown(results, command), results)[0]

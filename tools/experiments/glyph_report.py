@@ -12,6 +12,7 @@ import numpy as np
 
 from tools.experiments.table1 import claim_check, format_error
 from tools.experiments.run_cache import PENDING
+from tools.report import md_table, write_text
 
 METRICS = ("accuracy", "auprc", "p_at_r90", "p_at_r99")
 VIEW_TITLES = {
@@ -23,19 +24,18 @@ VIEW_TITLES = {
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| loss | PoLS | seeds | 1−Acc | 1−AUPRC | 1−P@R0.9 | 1−P@R0.99 | top-5 acc |",
-             "|---|---|---|---|---|---|---|---|"]
+    cells = []
     for row in rows:
         pols = "yes" if row["pols"] else "no"
         if row["seeds_ok"] == 0:
-            lines.append(f"| {row['loss']} | {pols} | 0 ({row['seeds_pending']} pending) |" + " — |" * 5)
+            cells.append([row["loss"], pols, f"0 ({row['seeds_pending']} pending)", *["—"] * 5])
             continue
         seeds = str(row["seeds_ok"]) + (f" (+{row['seeds_failed']} diverged)" if row["seeds_failed"] else "") \
             + (f" (+{row['seeds_pending']} pending)" if row.get("seeds_pending") else "")
-        cells = [format_error(row, k) if row["seeds_ok"] > 1 else f"{1 - row[k]:.3f}" for k in METRICS]
+        errors = [format_error(row, k) if row["seeds_ok"] > 1 else f"{1 - row[k]:.3f}" for k in METRICS]
         top5 = f"{row['top5_accuracy']:.3f}" if np.isfinite(row["top5_accuracy"]) else "—"
-        lines.append(f"| {row['loss']} | {pols} | {seeds} | " + " | ".join(cells) + f" | {top5} |")
-    return lines
+        cells.append([row["loss"], pols, seeds, *errors, top5])
+    return [md_table(["loss", "PoLS", "seeds", "1−Acc", "1−AUPRC", "1−P@R0.9", "1−P@R0.99", "top-5 acc"], cells, "l" * 8)]
 
 
 def lr_lines(search: dict, lrs: tuple[float, ...], steps: int, seed: int) -> list[str]:
@@ -44,16 +44,16 @@ def lr_lines(search: dict, lrs: tuple[float, ...], steps: int, seed: int) -> lis
         return []
     lines = [f"Learning rate per row (the paper's protocol): each grid point trained {steps} steps with seed "
              f"{seed} (Adam, cosine to 0 over those steps); the best calibration-face accuracy chose, never the "
-             "test face. A sampled head (R = 0.1) takes the rate its loss chose with the full head.", "",
-             "| row | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |", "|---|" + "---:|" * (len(lrs) + 1)]
+             "test face. A sampled head (R = 0.1) takes the rate its loss chose with the full head.", ""]
+    rows = []
     for row, info in search.items():
         if "inherited from" in info["grid"]:
-            lines.append(f"| {row} |" + " |" * len(lrs) + f" {info['chosen']} (as {info['grid']['inherited from']}) |")
+            rows.append([row, *[""] * len(lrs), f"{info['chosen']} (as {info['grid']['inherited from']})"])
             continue
         cells = [("—" if (a := info["grid"].get(f"{lr:g}")) is None else
                   (f"**{a:.3f}**" if info["chosen"] == lr else f"{a:.3f}")) for lr in lrs]
-        lines.append(f"| {row} | " + " | ".join(cells) + f" | {info['chosen']} |")
-    return lines + [""]
+        rows.append([row, *cells, info["chosen"]])
+    return lines + [md_table(["row", *(f"lr {lr:g}" for lr in lrs), "chosen"], rows, "l" + "r" * (len(lrs) + 1)), ""]
 
 
 def detect_lines(detect: dict) -> list[str]:
@@ -61,25 +61,22 @@ def detect_lines(detect: dict) -> list[str]:
     the calibration faces for precision 0.99, then measured on the test face (means over classes)."""
     if not detect:
         return []
-    lines = ["| row | calibration recall | test recall | test precision | classes at 0.99 on test | "
-             "small: recall / precision | tight: recall / precision |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for row, d in detect.items():
         t = d["test"]
         views = [f"{d[v]['per_class_mean_recall']:.3f} / {d[v]['per_class_mean_precision']:.3f}" if v in d else "—"
                  for v in ("test_small", "test_tight")]
-        lines.append(f"| {row} | {t['calibration_recall']:.3f} | **{t['per_class_mean_recall']:.3f}** | "
-                     f"{t['per_class_mean_precision']:.3f} | {t['classes_reaching_target']:.0f} | " + " | ".join(views) + " |")
-    return lines + [""]
+        rows.append([row, f"{t['calibration_recall']:.3f}", f"**{t['per_class_mean_recall']:.3f}**",
+                     f"{t['per_class_mean_precision']:.3f}", f"{t['classes_reaching_target']:.0f}", *views])
+    return [md_table(["row", "calibration recall", "test recall", "test precision", "classes at 0.99 on test",
+                      "small: recall / precision", "tight: recall / precision"], rows, "lrrrrrr"), ""]
 
 
 def timing_lines(run_info: dict) -> list[str]:
-    lines = ["| row | seed | lr | steps | train min | eval min | images/s |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for row, infos in run_info.items():
-        for seed, info in enumerate(infos):
-            if info:
-                lines.append(f"| {row} | {seed} | {info.get('lr', '')} | {info['steps']} | {info['train_seconds'] / 60:.1f} | "
-                             f"{info['eval_seconds'] / 60:.1f} | {info['images_per_second']:.0f} |")
-    return lines + [""]
+    rows = [[row, seed, info.get("lr", ""), info["steps"], f"{info['train_seconds'] / 60:.1f}",
+             f"{info['eval_seconds'] / 60:.1f}", f"{info['images_per_second']:.0f}"]
+            for row, infos in run_info.items() for seed, info in enumerate(infos) if info]
+    return [md_table(["row", "seed", "lr", "steps", "train min", "eval min", "images/s"], rows, "lrrrrrr"), ""]
 
 
 def plot(out: Path, dataset: str, runs: dict, search: dict, lrs: tuple[float, ...]) -> Path:
@@ -157,4 +154,4 @@ def write_report(out: Path, plan, result: dict, command: str) -> None:
               "## The paper's claim, checked on the test-face means", "",
               *claim_check({r["loss"]: r for r in result["rows"]["test"]}), "",
               "## Wall time per run", "", *timing_lines(result.get("run_info") or {})]
-    (out / f"{plan.dataset}.md").write_text("\n".join(lines))
+    write_text(out / f"{plan.dataset}.md", "\n".join(lines))

@@ -29,6 +29,7 @@ import numpy as np
 
 from tools.experiments.table1 import summarise_seeds
 from tools.experiments.glyph_report import write_report
+from tools.report import write_json
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def glyph_experiment(plan: GlyphPlan, out: Path, runs: Path, command: str, progr
     extras = _extras(plan.dataset, done, evaluate_missing)
     result = _result(plan, done, extras, trained, time.perf_counter() - started)
     result["lr_search"] = {row_name(*row): {"grid": grid, "chosen": lr} for row, (lr, grid) in search.items()}
-    (out / f"{plan.dataset}.json").write_text(json.dumps(result, indent=2))
+    write_json(out / f"{plan.dataset}.json", result, newline=False)
     write_report(out, plan, result, command)
     return result
 

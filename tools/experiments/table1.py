@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.bundle import slc_home
+from tools.report import md_table, write_result
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +121,13 @@ def claim_check(rows: dict[str, dict]) -> list[str]:
     baselines = [b for b in ("ce", "max_margin") if measured(b)]
     if not baselines:
         return ["(no measured ce / max_margin rows: claim not checked)"]
-    lines = ["| PoLS loss | beats " + " and ".join(baselines) + " on 1−AUPRC | on 1−P@0.99 | accuracy within 1 point |",
-             "|---|---|---|---|"]
+    table_rows = []
     best_acc = max(rows[b]["accuracy"] for b in baselines)
     for name, row in rows.items():
         if not row["pols"] or name == "normalized_ce":
             continue
         if not measured(name):
-            lines.append(f"| {name} | pending | pending | pending |")
+            table_rows.append([name, "pending", "pending", "pending"])
             continue
         cells = []
         for key in ("auprc", "p_at_r99"):
@@ -142,11 +142,12 @@ def claim_check(rows: dict[str, dict]) -> list[str]:
             cells.append(", ".join(parts))
         acc_ok = row["accuracy"] >= best_acc - 0.01
         cells.append(f"{'yes' if acc_ok else 'NO'} ({1 - row['accuracy']:.3f} vs {1 - best_acc:.3f})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
+        table_rows.append([name, *cells])
+    return [md_table(["PoLS loss", "beats " + " and ".join(baselines) + " on 1−AUPRC", "on 1−P@0.99",
+                      "accuracy within 1 point"], table_rows, "llll")]
 
 
-def _write_markdown(out: Path, result: dict, command: str, elapsed: float) -> None:
+def _markdown(result: dict, command: str, elapsed: float) -> str:
     rows = {r["loss"]: r for r in result["rows"]}
     p = result["protocol"]
     lines = [
@@ -162,17 +163,9 @@ def _write_markdown(out: Path, result: dict, command: str, elapsed: float) -> No
         "mean ± sample std over seeds; **1 − metric, lower is better**. Raw logits except `normalized_ce` "
         "(softmax of the `ce` models).",
         "",
-        "| loss | PoLS | lr | 1−AUPRC | 1−P@0.9 | 1−P@0.99 | 1−Acc | 1−sep. | paper 1−AUPRC | paper 1−P@0.9 | paper 1−P@0.99 | paper 1−Acc |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        md_table(["loss", "PoLS", "lr", "1−AUPRC", "1−P@0.9", "1−P@0.99", "1−Acc", "1−sep.", "paper 1−AUPRC", "paper 1−P@0.9",
+                  "paper 1−P@0.99", "paper 1−Acc"], [_table_row(name, row) for name, row in rows.items()], "l" * 12),
     ]
-    for name, row in rows.items():
-        paper = PAPER_MNIST.get(name)
-        paper_cells = [f"{v:.3f}" for v in paper] if paper else ["—"] * 4
-        lr = f"{row['lr']:g}" if row["lr"] is not None else "—"
-        sep = f"{1 - row['separation']:.4f}" if np.isfinite(row["separation"]) else "failed"
-        label = f"{name} ({PAPER_NAMES[name]})" if name in PAPER_NAMES else name
-        lines.append(f"| {label} | {'yes' if row['pols'] else 'no'} | {lr} | " + " | ".join(format_error(row, k) for k in METRIC_KEYS)
-                     + f" | {sep} | " + " | ".join(paper_cells) + " |")
     lines += [
         "",
         "Paper columns: the MNIST block of Table 1 of Keren, Sabato & Schuller (full 60k-image MNIST, "
@@ -188,7 +181,17 @@ def _write_markdown(out: Path, result: dict, command: str, elapsed: float) -> No
         f"Precision–recall curve of one class: `{p['pr_curve']}`.",
         "",
     ]
-    (out / "table1.md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def _table_row(name: str, row: dict) -> list[str]:
+    """One loss's cells of the main table: ours (1 − metric ± std) beside the paper's."""
+    paper = PAPER_MNIST.get(name)
+    paper_cells = [f"{v:.3f}" for v in paper] if paper else ["—"] * 4
+    lr = f"{row['lr']:g}" if row["lr"] is not None else "—"
+    sep = f"{1 - row['separation']:.4f}" if np.isfinite(row["separation"]) else "failed"
+    label = f"{name} ({PAPER_NAMES[name]})" if name in PAPER_NAMES else name
+    return [label, "yes" if row["pols"] else "no", lr, *(format_error(row, k) for k in METRIC_KEYS), sep, *paper_cells]
 
 
 def _pr_plot(out: Path, runs: dict[str, Path]) -> str:
@@ -338,8 +341,7 @@ def table1(dataset: str = "mnist5k", seeds: int | list[int] = 3, epochs: int = 3
         },
         "paper_mnist_one_minus": {k: dict(zip(("auprc", "p_at_r90", "p_at_r99", "accuracy"), v)) for k, v in PAPER_MNIST.items()},
     }
-    (out / "table1.json").write_text(json.dumps(result, indent=2))
     command = command or (f"tools.experiments.table1.table1(dataset={dataset!r}, seeds={seeds!r}, epochs={epochs}, "
                           f"lrs={list(lrs)}, out={str(out)!r})")
-    _write_markdown(out, result, command, time.perf_counter() - started)
+    write_result(out, "table1", lambda: _markdown(result, command, time.perf_counter() - started), result, newline=False)
     return result

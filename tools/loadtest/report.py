@@ -2,21 +2,17 @@
 percentile spectrum)."""
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import numpy as np
 
 from tools.loadtest.stats import LoadtestResult
+from tools.report import fmt, md_table, write_result
 
 
-def _fmt(x, digits=2) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, float):
-        return f"{x:,.{digits}f}"
-    return str(x)
+def _fmt(x, digits: int = 2) -> str:
+    """This report's style of tools.report.fmt: fixed point at every size, ints as they are."""
+    return fmt(x, digits, sci_below=0, group_ints=False)
 
 
 def report_markdown(report: dict) -> str:
@@ -41,19 +37,16 @@ def report_markdown(report: dict) -> str:
         lines.append(f"- generator ceiling on `{ceil['endpoint']}` (concurrency {ceil['concurrency']}): "
                      f"{_fmt(ceil['rps'], 0)} req/s (p50 {_fmt(ceil['p50_ms'])} ms); {wrk_s}. "
                      "Numbers near this ceiling measure the client and the shared cores, not the endpoint.")
-    lines += ["", "| endpoint | requests | ok | req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | errors |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, ep in report["endpoints"].items():
-        lat = ep["latency_ms"]
-        errs = ", ".join(f"{k}: {v}" for k, v in ep["errors"].items()) or "none"
-        lines.append(f"| {name} | {ep['requests']} | {ep['ok']} | {_fmt(ep['goodput_rps'], 1)} | {_fmt(lat.get('p50'))} | "
-                     f"{_fmt(lat.get('p90'))} | {_fmt(lat.get('p99'))} | {_fmt(lat.get('p99.9'))} | {_fmt(lat.get('max'))} | {errs} |")
+    rows = [[name, ep["requests"], ep["ok"], _fmt(ep["goodput_rps"], 1),
+             *(_fmt(ep["latency_ms"].get(q)) for q in ("p50", "p90", "p99", "p99.9", "max")),
+             ", ".join(f"{k}: {v}" for k, v in ep["errors"].items()) or "none"] for name, ep in report["endpoints"].items()]
+    lines += ["", md_table(["endpoint", "requests", "ok", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms", "errors"],
+                           rows, "lrrrrrrrrl")]
     if report["ratios"]:
+        rows = [[pair, *(_fmt(r[k]) for k in ("latency_p50_b_over_a", "latency_p99_b_over_a", "latency_mean_b_over_a",
+                                              "goodput_a_over_b"))] for pair, r in report["ratios"].items()]
         lines += ["", "Ratios (b over a for latency: > 1 means a is faster):", "",
-                  "| a/b | p50 | p99 | mean | goodput a/b |", "|---|---:|---:|---:|---:|"]
-        for pair, r in report["ratios"].items():
-            lines.append(f"| {pair} | {_fmt(r['latency_p50_b_over_a'])} | {_fmt(r['latency_p99_b_over_a'])} | "
-                         f"{_fmt(r['latency_mean_b_over_a'])} | {_fmt(r['goodput_a_over_b'])} |")
+                  md_table(["a/b", "p50", "p99", "mean", "goodput a/b"], rows, "lrrrr")]
         if report["interleave"] == "request" and report["load"]["model"] == "closed":
             lines += ["", "With per-request interleaving in a closed loop every endpoint gets the same number of "
                       "requests, so goodput ratios are ~1 by construction; compare latencies."]
@@ -103,11 +96,9 @@ def plot_latency(result: LoadtestResult, path: Path) -> None:
 
 
 def write_reports(result: LoadtestResult, out: Path) -> list[Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "report.json", out / "report.md", out / "latency.png"]
-    paths[0].write_text(json.dumps(result.report, indent=2, default=float) + "\n")
-    paths[1].write_text(report_markdown(result.report))
-    plot_latency(result, paths[2])
-    return paths
+    """OUT/report.json, report.md and latency.png; their paths in that order."""
+    md, js = write_result(out, "report", lambda: report_markdown(result.report), result.report, default=float)
+    png = Path(out) / "latency.png"
+    plot_latency(result, png)
+    return [js, md, png]
 

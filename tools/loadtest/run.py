@@ -214,6 +214,73 @@ async def _prepare(host: str, port: int, endpoints: list[str], class_: Optional[
     return input_shape, class_, (v2_target(model, class_) if v2_needed else None)
 
 
+def _check_load(concurrency: Optional[int], rate: Optional[float], interleave: str) -> Optional[int]:
+    """The load model's arguments checked before any connection opens; returns the concurrency
+    (8 when neither it nor a rate is given: the closed loop is the default)."""
+    if concurrency is not None and rate is not None:
+        raise ValueError("give either concurrency (closed loop) or rate (open loop), not both")
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be > 0")
+    if concurrency is None and rate is None:
+        concurrency = 8
+    if interleave not in ("request", "block"):
+        raise ValueError("interleave must be 'request' or 'block'")
+    return concurrency
+
+
+async def _drive(state: _RunState, concurrency: Optional[int], rate: Optional[float], t0: float, warmup: float,
+                 duration: float, block_s: float, drain_timeout: float, interleave: str) -> Optional[list[float]]:
+    """Issue the load (closed blocks, closed workers or the open dispatcher), then drain: stragglers
+    past the timeout are cancelled. Returns the seconds each endpoint owned (closed blocks), else None."""
+    owned = None
+    if concurrency is not None and interleave == "block":
+        owned = await _closed_blocks(state, concurrency, warmup, duration, block_s, drain_timeout)
+        pending = set()
+    elif concurrency is not None:
+        counter = [0]
+        workers = [asyncio.create_task(_closed_worker(state, counter)) for _ in range(concurrency)]
+        done, pending = await asyncio.wait(workers, timeout=warmup + duration + drain_timeout)
+    else:
+        tasks: set = set()
+        await _open_dispatcher(state, rate, t0, tasks)
+        pending_now = set(tasks)
+        done, pending = (await asyncio.wait(pending_now, timeout=drain_timeout)) if pending_now else (set(), set())
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    return owned
+
+
+async def _close_run(progress_task: asyncio.Task, pools: list, progress: bool) -> None:
+    """Stop the progress line and close each distinct pool once (endpoints share pools)."""
+    progress_task.cancel()
+    for pool in {id(p): p for p in pools}.values():
+        await pool.close()
+    if progress:
+        sys.stderr.write("\n")
+
+
+def _run_settings(report: dict, url: str, class_: Optional[str], batch: int, client: str, interleave: str,
+                  concurrency: Optional[int], rate: Optional[float], max_connections: int, duration: float,
+                  warmup: float, max_requests: Optional[int], input_shape: Optional[Sequence[int]],
+                  grpc_port: Optional[int], v2, block_s: float) -> None:
+    """Write the run's settings into the report, so that a number always travels with its load."""
+    report.update({
+        "url": url, "class": class_, "batch": batch, "client": client, "interleave": interleave,
+        "load": ({"model": "closed", "concurrency": concurrency} if concurrency is not None
+                 else {"model": "open", "rate": rate, "max_connections": max_connections}),
+        "duration_s": duration, "warmup_s": warmup, "max_requests": max_requests,
+        "input_shape": list(input_shape or []),
+    })
+    if grpc_port is not None:
+        report["grpc_port"] = grpc_port
+    if v2 is not None:
+        report["v2"] = {"model": v2.model, "class_id": v2.class_id}
+    if interleave == "block":
+        report["block_s"] = block_s
+
+
 async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = None,
                     concurrency: Optional[int] = None, rate: Optional[float] = None,
                     duration: float = 10.0, warmup: float = 2.0, max_requests: Optional[int] = None,
@@ -229,14 +296,7 @@ async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = 
     `duration` measured seconds or `max_requests` measured requests, then drains in-flight
     requests. The grpc endpoint goes to `grpc_port` on the same host (the server's --grpc-port).
     """
-    if concurrency is not None and rate is not None:
-        raise ValueError("give either concurrency (closed loop) or rate (open loop), not both")
-    if rate is not None and rate <= 0:
-        raise ValueError("rate must be > 0")
-    if concurrency is None and rate is None:
-        concurrency = 8
-    if interleave not in ("request", "block"):
-        raise ValueError("interleave must be 'request' or 'block'")
+    concurrency = _check_load(concurrency, rate, interleave)
     endpoints = [e.strip() for e in endpoints if e.strip()]
     check_endpoints(endpoints, grpc_port)
     host, port = check_target(url, allow_remote)
@@ -253,43 +313,12 @@ async def run_async(url: str, endpoints: Sequence[str], class_: Optional[str] = 
                       max_requests=max_requests, interleave=interleave, block_s=block_s)
     progress_task = asyncio.create_task(_progress(state, t0, progress))
     try:
-        owned = None
-        if concurrency is not None and interleave == "block":
-            owned = await _closed_blocks(state, concurrency, warmup, duration, block_s, drain_timeout)
-            pending = set()
-        elif concurrency is not None:
-            counter = [0]
-            workers = [asyncio.create_task(_closed_worker(state, counter)) for _ in range(concurrency)]
-            done, pending = await asyncio.wait(workers, timeout=warmup + duration + drain_timeout)
-        else:
-            tasks: set = set()
-            await _open_dispatcher(state, rate, t0, tasks)
-            pending_now = set(tasks)
-            done, pending = (await asyncio.wait(pending_now, timeout=drain_timeout)) if pending_now else (set(), set())
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        owned = await _drive(state, concurrency, rate, t0, warmup, duration, block_s, drain_timeout, interleave)
     finally:
-        progress_task.cancel()
-        for pool in {id(p): p for p in pools}.values():
-            await pool.close()
-        if progress:
-            sys.stderr.write("\n")
+        await _close_run(progress_task, pools, progress)
     report = summarize(samples, [s.name for s in specs], state.measure_start, duration, interleave, block_s, owned)
-    report.update({
-        "url": url, "class": class_, "batch": batch, "client": client, "interleave": interleave,
-        "load": ({"model": "closed", "concurrency": concurrency} if concurrency is not None
-                 else {"model": "open", "rate": rate, "max_connections": max_connections}),
-        "duration_s": duration, "warmup_s": warmup, "max_requests": max_requests,
-        "input_shape": list(input_shape or []),
-    })
-    if grpc_port is not None:
-        report["grpc_port"] = grpc_port
-    if v2 is not None:
-        report["v2"] = {"model": v2.model, "class_id": v2.class_id}
-    if interleave == "block":
-        report["block_s"] = block_s
+    _run_settings(report, url, class_, batch, client, interleave, concurrency, rate, max_connections, duration,
+                  warmup, max_requests, input_shape, grpc_port, v2, block_s)
     return LoadtestResult(report=report, samples=samples, endpoints=[s.name for s in specs],
                           measure_start=state.measure_start)
 

@@ -155,3 +155,13 @@ def endpoint_ratios(per: dict) -> dict:
             }
     return out
 
+
+def endpoint_summary(report: dict) -> dict:
+    """The few numbers per endpoint of a load test's report that the benchmark tables need."""
+    out = {}
+    for name, ep in report["endpoints"].items():
+        lat = ep["latency_ms"]
+        out[name] = {"rps": ep["goodput_rps"], "requests": ep["requests"], "errors": ep["errors"],
+                     "p50_ms": lat.get("p50"), "p90_ms": lat.get("p90"), "p99_ms": lat.get("p99"),
+                     "p99.9_ms": lat.get("p99.9"), "max_ms": lat.get("max"), "mean_ms": lat.get("mean")}
+    return out

@@ -145,6 +145,51 @@ def _underflow_rows(C: torch.Tensor, count: torch.Tensor, floor: float) -> torch
     return C.reshape(-1, C.shape[-1]).amin(0) < floor
 
 
+def _group_polynomials(x: torch.Tensor, N: int, G: int, M: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step (1) of _log_esp_fast: (P [d+1, M, B], σ_j(e') of each group in linear space, and
+    gmax [M, B], the group's shift). The classes, padded to N with e = 0, form M groups of G."""
+    B, n = x.shape
+    x2 = x.new_full((N, B), float("-inf"))
+    torch.mul(x.t(), LOG2E, out=x2[:n])  # padding rows: e = 0 exactly
+    leaves = x2.view(G, M, B)  # leaf t of group ν is class ν + t·M
+    gmax = leaves.amax(0)  # [M, B]; finite: the first half of every group is real
+    e = torch.exp2(leaves - gmax)  # [G, M, B] in [0, 1]
+    h = G // 2
+    P = x.new_empty((3, h, M, B))  # first level in closed form: (1 + aX)(1 + bX)
+    P[0] = 1.0
+    torch.add(e[:h], e[h:], out=P[1])
+    torch.mul(e[:h], e[h:], out=P[2])
+    while P.shape[1] > 1:
+        h = P.shape[1] // 2
+        P = _lin_poly_mul(P[:, :h], P[:, h:], K)
+    return P[:, 0], gmax  # [d+1, M, B], σ_j(e') of each group
+
+
+def _tilted_merge(L: torch.Tensor, count: torch.Tensor, K: int, floor: float,
+                  bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step (2) of _log_esp_fast, one level: merge node pairs i <-> i + h of the base-2 log
+    coefficients L [d+1, 2h, B] (count [2h] classes per node) by a chord tilt and linear-space
+    product -> (L [out+1, h, B], count [h]); ORs the rows that underflowed into `bad` in place."""
+    B = L.shape[2]
+    h = L.shape[1] // 2
+    A, Bq, cA, cB = L[:, :h], L[:, h:], count[:h], count[h:]
+    d = L.shape[0] - 1
+    tA, tB = cA.clamp(max=d), cB.clamp(max=d)  # [h] highest non-zero coefficient
+    top = A.gather(0, tA.view(1, h, 1).expand(1, h, B)) + Bq.gather(0, tB.view(1, h, 1).expand(1, h, B))
+    lam = top[0] / (tA + tB).to(L.dtype)[:, None]  # [h, B] chord slope of the product
+    js = torch.arange(d + 1, device=L.device, dtype=L.dtype)[:, None, None]
+    At = torch.addcmul(A, js, lam, value=-1.0)  # A_a − λ·a
+    Bt = torch.addcmul(Bq, js, lam, value=-1.0)
+    uA, uB = At.amax(0), Bt.amax(0)
+    C = _lin_poly_mul(torch.exp2(At - uA), torch.exp2(Bt - uB), K)  # [out+1, h, B]
+    count = cA + cB
+    bad |= _underflow_rows(C, count, floor)
+    js = torch.arange(C.shape[0], device=L.device, dtype=L.dtype)[:, None, None]
+    L = torch.log2(C).add_(uA + uB).addcmul_(js, lam)
+    L[0] = 0.0
+    return L, count
+
+
 def _log_esp_fast(x: torch.Tensor, K: int) -> torch.Tensor:
     """log_esp without autograd, several times faster, same values to working precision.
 
@@ -164,41 +209,13 @@ def _log_esp_fast(x: torch.Tensor, K: int) -> torch.Tensor:
     G = min(GROUP, N)
     M = N // G
     floor = _MIN_LINEAR.get(x.dtype, 2.0 ** -80)
-    x2 = x.new_full((N, B), float("-inf"))
-    torch.mul(x.t(), LOG2E, out=x2[:n])  # padding rows: e = 0 exactly
-    leaves = x2.view(G, M, B)  # leaf t of group ν is class ν + t·M
-    gmax = leaves.amax(0)  # [M, B]; finite: the first half of every group is real
-    e = torch.exp2(leaves - gmax)  # [G, M, B] in [0, 1]
-    h = G // 2
-    P = x.new_empty((3, h, M, B))  # first level in closed form: (1 + aX)(1 + bX)
-    P[0] = 1.0
-    torch.add(e[:h], e[h:], out=P[1])
-    torch.mul(e[:h], e[h:], out=P[2])
-    while P.shape[1] > 1:
-        h = P.shape[1] // 2
-        P = _lin_poly_mul(P[:, :h], P[:, h:], K)
-    P = P[:, 0]  # [d+1, M, B], σ_j(e') of each group
+    P, gmax = _group_polynomials(x, N, G, M, K)  # [d+1, M, B], [M, B]
     count = (torch.arange(N, device=x.device).view(G, M) < n).sum(0)  # [M] classes per group
     bad = _underflow_rows(P, count, floor)
     js = torch.arange(P.shape[0], device=x.device, dtype=x.dtype)[:, None, None]
     L = torch.log2(P).addcmul_(js, gmax)  # [d+1, M, B] base-2 log σ_j of each group
     while L.shape[1] > 1:
-        h = L.shape[1] // 2
-        A, Bq, cA, cB = L[:, :h], L[:, h:], count[:h], count[h:]
-        d = L.shape[0] - 1
-        tA, tB = cA.clamp(max=d), cB.clamp(max=d)  # [h] highest non-zero coefficient
-        top = A.gather(0, tA.view(1, h, 1).expand(1, h, B)) + Bq.gather(0, tB.view(1, h, 1).expand(1, h, B))
-        lam = top[0] / (tA + tB).to(x.dtype)[:, None]  # [h, B] chord slope of the product
-        js = torch.arange(d + 1, device=x.device, dtype=x.dtype)[:, None, None]
-        At = torch.addcmul(A, js, lam, value=-1.0)  # A_a − λ·a
-        Bt = torch.addcmul(Bq, js, lam, value=-1.0)
-        uA, uB = At.amax(0), Bt.amax(0)
-        C = _lin_poly_mul(torch.exp2(At - uA), torch.exp2(Bt - uB), K)  # [out+1, h, B]
-        count = cA + cB
-        bad |= _underflow_rows(C, count, floor)
-        js = torch.arange(C.shape[0], device=x.device, dtype=x.dtype)[:, None, None]
-        L = torch.log2(C).add_(uA + uB).addcmul_(js, lam)
-        L[0] = 0.0
+        L, count = _tilted_merge(L, count, K, floor, bad)
     res = L[:, 0]  # [d+1, B]
     if res.shape[0] < K + 1:
         res = torch.cat([res, res.new_full((K + 1 - res.shape[0], B), float("-inf"))], 0)
@@ -294,20 +311,9 @@ class _SmoothTopk(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _inclusion_probabilities(x: torch.Tensor, lsig: torch.Tensor, k: int, p: int):
-    """π_{k−1,i}, π_{k,i} = ∂log σ_j/∂x_i [B, C] by the recursion of Algorithm 2,
-    π_{j,i} = a_{j,i}·(1 − π_{j−1,i}), a_{j,i} = exp(x_i + log σ_{j−1} − log σ_j), with the
-    numerically unstable entries replaced (Appendix B.2.2).
-
-    Detection: the recursion multiplies the error of 1 − π_{j−1,i} by a_{j,i}, so the absolute
-    error of π_{j,i} is about eps·g_{j,i}, g_j = a_j·g_{j−1} + 1. Entries with eps·g > tol
-    (tol = eps^(2/3)) take the p-th order approximation when its error bound, the last term
-    exp(log σ_{j+p} − log σ_j − p·x_i) (Proposition 6 with σ_{j+p}(e_minus_i) <= σ_{j+p}(e)),
-    is below tol; the rare rest get the exact δ_{j,i} = σ_{j−1}(e_minus_i) of eq. (16) from one
-    batched forward pass over their rows with x_i removed.
-    """
-    eps = torch.finfo(x.dtype).eps
-    tol = eps ** (2.0 / 3.0)
+def _recursion_terms(x: torch.Tensor, lsig: torch.Tensor, k: int) -> dict:
+    """{j: (π_j [B, C], g_j [B, C])} for j = k−1, k by the plain recursion of Algorithm 2; g_j is
+    the error growth the caller uses to find the entries the recursion got wrong."""
     ratio = lsig[:, :k] - lsig[:, 1:k + 1]  # [B, k]: log σ_{j−1} − log σ_j, j = 1..k
     # a_j = e_i·σ_{j−1}/σ_j as a product when no row's ratio can overflow, else per entry in log
     product_form = bool(ratio.max() < 0.5 * math.log(torch.finfo(x.dtype).max))
@@ -327,6 +333,14 @@ def _inclusion_probabilities(x: torch.Tensor, lsig: torch.Tensor, k: int, p: int
             keep[j] = (a * one_minus, growth)
         if j < k:
             one_minus = (a * one_minus).neg_().add_(1.0)
+    return keep
+
+
+def _approximate_unstable(x: torch.Tensor, lsig: torch.Tensor, keep: dict, k: int, p: int, eps: float,
+                          tol: float) -> tuple[list, list, list]:
+    """Replace, in keep's π in place, the unstable entries (eps·g > tol) by the p-th order
+    approximation where its error bound is below tol; returns (rows, cols, j) lists of the
+    entries it could not fix, left for the exact leave-one-out pass."""
     exact_rows, exact_cols, exact_j = [], [], []
     for j in (k - 1, k):
         if j == 0:
@@ -348,15 +362,41 @@ def _inclusion_probabilities(x: torch.Tensor, lsig: torch.Tensor, k: int, p: int
         pi[rows[good], cols[good]] = approx[good]
         exact_rows.append(rows[~good]), exact_cols.append(cols[~good])
         exact_j.append(torch.full_like(rows[~good], j))
+    return exact_rows, exact_cols, exact_j
+
+
+def _exact_leave_one_out(x: torch.Tensor, lsig: torch.Tensor, keep: dict, k: int, exact_rows: list,
+                         exact_cols: list, exact_j: list) -> None:
+    """Write, in keep's π in place, the exact π_{j,i} = e_i·σ_{j−1}(e_minus_i)/σ_j of eq. (16) for
+    the listed entries, from one batched log_esp over their rows with x_i removed."""
+    rows, cols, js = torch.cat(exact_rows), torch.cat(exact_cols), torch.cat(exact_j)
+    without = x[rows].scatter(1, cols[:, None], float(x[rows].amin()) - PAD_BITS * LN2)  # [V, C]
+    loo = log_esp(without, k - 1)  # log σ_{0..k−1}(e_minus_i), [V, k]
+    value = torch.exp(x[rows, cols] + loo.gather(1, (js - 1)[:, None]).squeeze(1)
+                      - lsig[rows].gather(1, js[:, None]).squeeze(1))
+    for j in (k - 1, k):
+        sel = js == j
+        keep[j][0][rows[sel], cols[sel]] = value[sel]
+
+
+def _inclusion_probabilities(x: torch.Tensor, lsig: torch.Tensor, k: int, p: int):
+    """π_{k−1,i}, π_{k,i} = ∂log σ_j/∂x_i [B, C] by the recursion of Algorithm 2,
+    π_{j,i} = a_{j,i}·(1 − π_{j−1,i}), a_{j,i} = exp(x_i + log σ_{j−1} − log σ_j), with the
+    numerically unstable entries replaced (Appendix B.2.2).
+
+    Detection: the recursion multiplies the error of 1 − π_{j−1,i} by a_{j,i}, so the absolute
+    error of π_{j,i} is about eps·g_{j,i}, g_j = a_j·g_{j−1} + 1. Entries with eps·g > tol
+    (tol = eps^(2/3)) take the p-th order approximation when its error bound, the last term
+    exp(log σ_{j+p} − log σ_j − p·x_i) (Proposition 6 with σ_{j+p}(e_minus_i) <= σ_{j+p}(e)),
+    is below tol; the rare rest get the exact δ_{j,i} = σ_{j−1}(e_minus_i) of eq. (16) from one
+    batched forward pass over their rows with x_i removed.
+    """
+    eps = torch.finfo(x.dtype).eps
+    tol = eps ** (2.0 / 3.0)
+    keep = _recursion_terms(x, lsig, k)
+    exact_rows, exact_cols, exact_j = _approximate_unstable(x, lsig, keep, k, p, eps, tol)
     if exact_rows and sum(r.numel() for r in exact_rows):
-        rows, cols, js = torch.cat(exact_rows), torch.cat(exact_cols), torch.cat(exact_j)
-        without = x[rows].scatter(1, cols[:, None], float(x[rows].amin()) - PAD_BITS * LN2)  # [V, C]
-        loo = log_esp(without, k - 1)  # log σ_{0..k−1}(e_minus_i), [V, k]
-        value = torch.exp(x[rows, cols] + loo.gather(1, (js - 1)[:, None]).squeeze(1)
-                          - lsig[rows].gather(1, js[:, None]).squeeze(1))
-        for j in (k - 1, k):
-            sel = js == j
-            keep[j][0][rows[sel], cols[sel]] = value[sel]
+        _exact_leave_one_out(x, lsig, keep, k, exact_rows, exact_cols, exact_j)
     pi_km1 = keep[k - 1][0] if k >= 2 else torch.zeros_like(x)
     return pi_km1, keep[k][0]
 

@@ -1,5 +1,5 @@
 """The shared image preprocessing (serving/bundle/image.py): an image file read by the trainer
-(`load_image_file`) and the same bytes sent to the server as a body (`serving.images.decode`)
+(`load_image_file`) and the same bytes sent to the server as a body (`serving.codecs.images.decode`)
 give byte-identical arrays, for every format, mode and spec the two meet (grey, RGB, RGBA,
 16-bit, palette, EXIF-rotated, resized); background `any` never inverts; the `HW` layout;
 and check_image_spec accepts what the preprocessing can do and nothing else."""
@@ -13,7 +13,7 @@ from PIL import Image
 
 from serving.bundle.image import is_grey, load_image_file, preprocess
 from serving.bundle.imagespec import check_image_spec, input_shape_of
-from serving.images import decode
+from serving.codecs.images import decode
 
 CONTENT_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".gif": "image/gif", ".bmp": "image/bmp",
                  ".webp": "image/webp", ".tif": "image/tiff"}

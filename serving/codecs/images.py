@@ -1,0 +1,61 @@
+"""Image request bodies: the HTTP side (content types, 415 / 413 / 422 envelopes) of decoding an
+image body into one example of the bundle's input shape.
+
+The server decodes in worker processes under a time budget (serving/codecs/image_decoder.py); `decode`
+here is the same work in the calling thread. The decoding and preprocessing themselves are
+serving/bundle/image.py, the one implementation the trainer also uses on image files, so a
+training image sent as a body gets exactly its offline logit. The manifest's `image` spec says how (docs/bundle-format.md).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from serving.bundle.image import MAX_PIXELS, preprocess
+from serving.codecs.image_worker import decode_body, refusal
+from serving.errors import InvalidInput, Kind, PayloadTooLarge, SlcError, UnsupportedMediaType
+
+__all__ = ["IMAGE_TYPES", "MAX_PIXELS", "refusal_error", "content_type_of", "decode", "image_format", "is_image",
+           "preprocess"]
+
+IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/bmp": "BMP",
+               "image/webp": "WEBP", "image/tiff": "TIFF"}  # content type -> the one Pillow decoder tried
+
+
+def content_type_of(scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower()
+    return b""
+
+
+def is_image(content_type: bytes) -> bool:
+    return content_type.startswith(b"image/")
+
+
+def image_format(content_type: bytes, spec: Optional[dict]) -> str:
+    """The Pillow format to try for a body of this content type; 415 when the bundle or the type takes no image."""
+    if spec is None:
+        raise UnsupportedMediaType("this bundle's input is not an image: send JSON (Content-Type: application/json)")
+    name = content_type.decode("latin-1")
+    if name not in IMAGE_TYPES:
+        raise UnsupportedMediaType(f"{name} is not a supported image type; send one of {', '.join(IMAGE_TYPES)}")
+    return IMAGE_TYPES[name]
+
+
+def refusal_error(kind: str, code: str, message: str) -> SlcError:
+    """The error of a decoding refusal (serving/codecs/image_worker.py `refusal`)."""
+    cls = {Kind.TOO_LARGE: PayloadTooLarge, Kind.UNSUPPORTED_MEDIA: UnsupportedMediaType,
+           Kind.INVALID: InvalidInput}.get(Kind(kind), SlcError)
+    return cls(message, code=code, kind=Kind(kind))
+
+
+def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: tuple[int, ...]) -> np.ndarray:
+    """One example float32 [*input_shape] from an image body, decoded in this thread; 415 / 413 / 422
+    as the envelope. The server decodes in worker processes instead (serving/codecs/image_decoder.py)."""
+    fmt = image_format(content_type, spec)
+    try:
+        return decode_body(body, fmt, spec)
+    except Exception as exc:  # noqa: BLE001 - any decoder or EXIF failure is the image's fault, never a 500
+        raise refusal_error(*refusal(exc)) from None

@@ -1,0 +1,201 @@
+"""The passes over all D classes (softmax, exact top-k, all logits) behind one interface, `HeadPass`,
+whose strategy is chosen at warm-up by timing each one the settings and the bundle allow:
+
+numpy / ort     one GEMM per class chunk over the memory-mapped rows (numpy's BLAS or onnxruntime's)
+ort_pair        two one-thread onnxruntime GEMMs taking class chunks in turn
+packed_pair     the same over pre-packed chunk sessions (serving/core/packed_head.py: a second copy)
+onnx            full.onnx: the backbone and the head in one session (a second copy of the head)
+int8 / bf16     the quantized head (SLC_HEAD_PRECISION), each answer finished on the float32 rows
+
+Every pass feeds per-request accumulators (serving/core/head_scan.py): never a [batch, D] matrix
+unless a job answers with one. Runs in the batcher's worker thread, one pass at a time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from serving.core import head_scan, quantized_head
+from serving.core.packed_head import PackedHead
+
+log = logging.getLogger(__name__)
+
+# full.onnx and the packed head hold their own (packed) copy of the head in RAM; past this many
+# weights (256 MB of float32) the softmax baseline only reads the memory-mapped rows.
+ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
+
+Parts = list  # [(slice of the pass's rows, accumulator)]
+
+
+class HeadPass:
+    """`run(x, h, parts)`: ONE pass over the head for the rows of h [M, d] (or of the inputs x, for
+    the onnx strategy, which embeds too), each slice of rows into its accumulator."""
+
+    def __init__(self, bundle, runtime, settings):
+        self.bundle, self.runtime, self.settings = bundle, runtime, settings
+        self.num_classes, self.embed_dim = int(bundle.num_classes), int(bundle.embed_dim)
+        self._weight, self._bias = np.asarray(bundle.weight), np.asarray(bundle.bias)
+        self.name = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
+        self.timing: dict[str, float] = {}
+        self.precision = settings.head_precision
+        if self.precision != "float32" and self.precision not in bundle.heads:
+            raise ValueError(f"head_precision={self.precision}: the bundle has no {self.precision} head "
+                             f"(add one with: slc bundle quantize {bundle.path} --precision {self.precision})")
+        # a quantized pass keeps a few more top-k candidates, re-scored exactly (TopK.rescore)
+        self.topk_extra = quantized_head.TOPK_EXTRA if self.precision != "float32" else 0
+        self._ort_gemm = head_scan.OrtGemm(self.embed_dim, threads=runtime.threads)
+        self.logsumexp = head_scan.OrtLogSumExp()  # the softmax statistics of a chunk (MLAS)
+        # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
+        # ort_pair: two one-thread GEMMs (this thread and the pool's) taking class chunks in turn
+        self._ort_pair = (tuple(head_scan.over_rows(head_scan.OrtGemm(self.embed_dim, threads=1),
+                                                    bundle.weight, bundle.bias) for _ in range(2))
+                          if self._pool is not None else None)
+        if self.name in ("ort_pair", "packed_pair") and self._ort_pair is None:
+            raise ValueError(f"softmax_impl={self.name} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
+        self._packed: Optional[PackedHead] = None  # packed_pair's chunk sessions (built at warm-up)
+        self._quantized: Optional[Any] = None  # Int8Head / Bf16Head (serving/core/quantized_head.py)
+        self._scan_buf: Optional[np.ndarray] = None  # chunk buffers, kept: no 8 MiB malloc per batch
+        self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
+
+    @property
+    def needs_embedding(self) -> bool:
+        """False for onnx: its session embeds the inputs itself."""
+        return self.name != "onnx"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ the pass
+    def run(self, x: np.ndarray, h: Optional[np.ndarray], parts: Parts) -> None:
+        self._strategy(self.name)(x, h, parts)
+
+    def _strategy(self, name: str) -> Callable[[np.ndarray, Optional[np.ndarray], Parts], None]:
+        if self.precision != "float32":
+            return lambda x, h, parts: self._quantized_pass(h, parts)
+        if name in ("ort_pair", "packed_pair"):
+            return lambda x, h, parts: self._pair_pass(h, parts, name)
+        if name == "onnx":
+            return lambda x, h, parts: head_scan.feed(self.runtime.full_logits(x), parts, pool=self._pool)
+        gemm = self._ort_gemm if name == "ort" else head_scan.numpy_gemm
+        return lambda x, h, parts: head_scan.scan(self.bundle.weight, self.bundle.bias, h, parts, gemm=gemm,
+                                                  buf=self._chunk_buffer(len(h)), pool=self._pool)
+
+    def _chunk_buffer(self, m: int) -> np.ndarray:
+        """The flat scratch array of a pass over m inputs, grown when needed and then kept."""
+        need = m * head_scan.chunk_rows(m, self.num_classes)
+        if self._scan_buf is None or self._scan_buf.size < need:
+            self._scan_buf = np.empty(need, dtype=np.float32)
+        return self._scan_buf
+
+    def _pair_buffers(self, m: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two chunk buffers of a two-thread pass for m inputs (one chunk each), grown when needed."""
+        need = m * rows
+        if self._pair_bufs is None or self._pair_bufs[0].size < need:
+            self._pair_bufs = (np.empty(need, dtype=np.float32), np.empty(need, dtype=np.float32))
+        return self._pair_bufs
+
+    def _pair_pass(self, h: np.ndarray, parts: Parts, impl: str) -> None:
+        """The pass on two threads taking chunks in turn: one-thread GEMMs over the mapped rows
+        (ort_pair) or the packed head's chunk sessions (packed_pair)."""
+        if impl == "packed_pair" and len(h) > self.settings.max_batch:
+            impl = "ort_pair"  # a lone job above max_batch: chunks of max_batch x rows would grow with it
+        gemms = (self._packed, self._packed) if impl == "packed_pair" else self._ort_pair
+        rows = self._packed.rows if impl == "packed_pair" else head_scan.pair_rows(len(h), self.num_classes)
+        head_scan.scan_two(self.num_classes, h, parts, gemms, self._pair_buffers(len(h), rows), self._pool, rows)
+
+    def _quantized_head(self):
+        """The int8 or bf16 ChunkGemm of the head (built once)."""
+        if self._quantized is None:
+            head = self.bundle.heads[self.precision]
+            if self.precision == "int8":
+                rows = quantized_head.int8_rows(self.num_classes,
+                                                head_scan.pair_rows(self.settings.max_batch, self.num_classes))
+                self._quantized = quantized_head.Int8Head(head["weight"], head["scale"], self.bundle.bias, rows)
+            else:
+                self._quantized = quantized_head.Bf16Head(head["weight"], self.bundle.bias)
+        return self._quantized
+
+    def _quantized_pass(self, h: np.ndarray, parts: Parts) -> None:
+        """The pass on the quantized head (both threads when there are two), then each answer
+        finished on the float32 rows: the top-k's candidates and the softmax's own logit re-scored."""
+        gemm = self._quantized_head()
+        rows = gemm.rows if self.precision == "int8" else head_scan.pair_rows(len(h), self.num_classes)
+        head_scan.scan_two(self.num_classes, h, parts, (gemm, gemm), self._pair_buffers(len(h), rows), self._pool, rows)
+        for sl, acc in parts:
+            if isinstance(acc, head_scan.TopK):
+                acc.rescore(h[sl], self._weight, self._bias, keep=acc.k - quantized_head.TOPK_EXTRA)
+            elif isinstance(acc, head_scan.SoftmaxStats):
+                acc.rescore(h[sl], self._weight, self._bias)
+
+    # ------------------------------------------------------------------ the choice (warm-up)
+    def choose(self) -> None:
+        """Time a softmax batch through each strategy the settings allow; keep the fastest (or time
+        only the one the settings name, or the quantized head's: its time sets the batch's patience)."""
+        n = self.settings.max_batch
+        x = np.random.default_rng(0).standard_normal((n,) + tuple(self.bundle.input_shape)).astype(np.float32)
+        timings = {}
+        for name in self._candidates():
+            try:
+                timings[name] = self._time(name, x)
+            except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
+                if self.precision != "float32":
+                    raise
+                log.warning("softmax path %s unavailable: %s", name, exc)
+        if not timings:
+            raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
+        self.name = min(timings, key=timings.get)
+        self.timing = timings
+        self._drop_unused()
+
+    def _time(self, name: str, x: np.ndarray) -> float:
+        """Best of 3 of one softmax batch over x, one request per input (as under load)."""
+        if name == "packed_pair" and self._packed is None:
+            self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
+                                      head_scan.pair_rows(self.settings.max_batch, self.num_classes))
+        run = self._strategy(name)
+
+        def once():
+            parts = [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self.logsumexp)) for i in range(len(x))]
+            run(x, self.runtime.embed(x) if name != "onnx" else None, parts)
+
+        once()  # the first call pays loading and page faults
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            once()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def _candidates(self) -> list[str]:
+        """The strategies the settings and the bundle allow."""
+        if self.precision != "float32":  # the passes read the quantized head: nothing to choose
+            return [self.precision]
+        wanted = self.settings.softmax_impl
+        fits_twice = self.num_classes * self.embed_dim <= ONNX_HEAD_MAX_VALUES
+        names = ["numpy", "ort"] + (["ort_pair"] if self._ort_pair is not None else [])
+        if wanted == "onnx" or (wanted == "auto" and fits_twice):
+            names.append("onnx")
+        if self._ort_pair is not None and (wanted == "packed_pair" or (wanted == "auto" and fits_twice)):
+            names.append("packed_pair")
+        if wanted != "auto":
+            return [n for n in names if n == wanted]
+        if len(names) == 2:
+            log.info("full-softmax head: numpy over the mmap rows (D*d = %d: full.onnx would hold a second copy)",
+                     self.num_classes * self.embed_dim)
+        return names
+
+    def _drop_unused(self) -> None:
+        """The copies of the head the chosen strategy does not read, freed."""
+        if self.name != "onnx":
+            self.runtime.drop_full()
+        if self.name != "packed_pair":
+            self._packed = None
+        if self.name not in ("ort_pair", "packed_pair") and self.precision == "float32":
+            self._pair_bufs = None

@@ -1,0 +1,1 @@
+"""The gRPC front: KServe v2 (inference.GRPCInferenceService) over the core."""

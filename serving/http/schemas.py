@@ -1,0 +1,228 @@
+"""Request and response bodies of the /v1 API (docs/api.md).
+
+These models describe the bodies in the OpenAPI schema. At run time the POST bodies are read by
+serving/codecs/strict_json.py with the same rules, without walking a million floats in Python: numbers are
+strict (no strings, no booleans) and finite, no value is coerced, and shapes are checked
+against the bundle.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # strict: ints yes, "1.0" and true no
+FiniteFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # no "1.5", no true
+# One example: flat, or nested like the bundle's input shape (up to rank 4: C, H, W, ...).
+Example = Union[list[Number], list[list[Number]], list[list[list[Number]]], list[list[list[list[Number]]]]]
+Inputs = Annotated[list[Example], Field(min_length=1, description="N examples, each nested like the input shape or flat")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# ----------------------------------------------------------------------------- errors, health
+class ErrorDetail(BaseModel):
+    code: str = Field(description="snake_case, stable")
+    message: str
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["live", "ready"]
+
+
+# ----------------------------------------------------------------------------- detect
+class DetectRequest(_Body):
+    inputs: Inputs
+    threshold: Optional[FiniteFloat] = Field(None, description="override of the class's calibrated threshold")
+
+
+class DetectResult(BaseModel):
+    logit: float
+    match: bool = Field(description="logit >= threshold")
+    probability: float = Field(description="Platt-calibrated σ(a·logit + b)")
+
+
+class DetectResponse(BaseModel):
+    class_id: int
+    class_name: str
+    threshold: float
+    results: list[DetectResult]
+
+
+# ----------------------------------------------------------------------------- softmax
+class SoftmaxRequest(_Body):
+    inputs: Inputs
+
+
+class SoftmaxResult(BaseModel):
+    probability: float = Field(description="softmax over all D logits, entry of the class")
+    logit: float
+    is_top1: bool
+
+
+class SoftmaxResponse(BaseModel):
+    class_id: int
+    class_name: str
+    results: list[SoftmaxResult]
+
+
+# ----------------------------------------------------------------------------- topk
+class TopkRequest(_Body):
+    inputs: Inputs
+    k: int = Field(5, ge=1, strict=True, description="at most the server's max_topk")
+    mode: Literal["exact", "index"] = "exact"
+
+
+class TopkEntry(BaseModel):
+    class_id: int
+    class_name: str
+    logit: float
+
+
+class TopkResponse(BaseModel):
+    k: int
+    mode: Literal["exact", "index"]
+    results: list[list[TopkEntry]]
+
+
+# ----------------------------------------------------------------------------- gallery
+ItemId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class GalleryItemIn(_Body):
+    id: ItemId
+    input: Example
+    metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _strict_json(cls, v):
+        """Stored metadata is answered back later: reject now what cannot be (NaN, lone surrogates)."""
+        if v is not None:
+            if not _finite(v):
+                raise ValueError("metadata holds NaN or infinite numbers")
+            try:
+                orjson.dumps(v)
+            except TypeError as exc:  # e.g. a lone surrogate in a string
+                raise ValueError(f"metadata is not strict JSON: {exc}") from None
+        return v
+
+
+def _finite(v) -> bool:
+    """No NaN / inf anywhere in a JSON-like value (orjson writes them as null, silently)."""
+    if isinstance(v, float):
+        return v == v and v not in (float("inf"), float("-inf"))
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    if isinstance(v, list):
+        return all(_finite(x) for x in v)
+    return True
+
+
+class GalleryUpsertRequest(_Body):
+    items: Annotated[list[GalleryItemIn], Field(min_length=1)]
+
+
+class GalleryPutRequest(_Body):
+    input: Any = Field(..., description="one example (or send an image body, for bundles whose input is an image)")
+    metadata: Optional[dict[str, Any]] = None
+
+
+class GalleryUpsertResponse(BaseModel):
+    upserted: int
+    ids: list[str]
+
+
+class GalleryItem(BaseModel):
+    id: str
+    input: Any
+    metadata: Optional[dict[str, Any]] = None
+
+
+class ClassSearchRequest(_Body):
+    limit: int = Field(100, ge=1, le=100_000, strict=True, description="most items returned (best first)")
+    threshold: Optional[FiniteFloat] = Field(None, description="override of the class's calibrated threshold")
+
+
+class SearchHit(BaseModel):
+    id: str
+    logit: float
+    metadata: Optional[dict[str, Any]] = None
+
+
+class ClassSearchResponse(BaseModel):
+    class_id: int
+    class_name: str
+    threshold: float
+    results: list[SearchHit]
+
+
+class GalleryInfo(BaseModel):
+    count: int
+    index_kind: str
+
+
+# ----------------------------------------------------------------------------- model
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    version: Optional[str] = None
+    input: dict[str, Any]
+    embed_dim: int
+    num_classes: int
+    digest: str
+    manifest: dict[str, Any] = Field(description="manifest summary (no class list, no file hashes)")
+    calibration: dict[str, Any] = Field(description="target, global threshold, per-class summary")
+    providers: list[str] = Field(description="onnxruntime execution providers in use")
+    device: str
+    softmax_impl: str
+    index: Optional[dict[str, Any]] = None
+    batching: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- OpenAPI of the loaded model
+FLOAT32_MAX = 3.4028234663852886e38
+def example_schema(input_shape: tuple[int, ...]) -> dict:
+    """JSON schema of one example of this model: flat (size numbers) or nested exactly like the shape."""
+    number = {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}  # float32 values
+    nested: dict = number
+    for n in reversed(input_shape):
+        nested = {"type": "array", "items": nested, "minItems": n, "maxItems": n}
+    size = 1
+    for n in input_shape:
+        size *= n
+    flat = {"type": "array", "items": number, "minItems": size, "maxItems": size}
+    return flat if len(input_shape) == 1 else {"anyOf": [flat, nested]}
+
+
+def describe_model_inputs(openapi: dict, input_shape: tuple[int, ...], max_inputs: int, max_topk: int,
+                          model_names: list[str]) -> dict:
+    """The OpenAPI schema with the loaded model's real input shape, the server's limits and the KServe
+    model names, so that a client (or a fuzzer) sees exactly what a valid request is."""
+    schemas = openapi.get("components", {}).get("schemas", {})
+    for path, ops in openapi.get("paths", {}).items():
+        for op in ops.values():
+            for param in op.get("parameters", []) if "{model}" in path else []:
+                if param.get("name") == "model":
+                    param["schema"] = {"type": "string", "enum": list(model_names)}
+    one = example_schema(tuple(input_shape))
+    inputs = {"type": "array", "items": one, "minItems": 1, "maxItems": max_inputs,
+              "description": f"1..{max_inputs} examples, each {list(input_shape)} or flat"}
+    for name in ("DetectRequest", "SoftmaxRequest", "TopkRequest"):
+        if name in schemas:
+            schemas[name]["properties"]["inputs"] = inputs
+    if "TopkRequest" in schemas:
+        schemas["TopkRequest"]["properties"]["k"]["maximum"] = max_topk
+    if "GalleryItemIn" in schemas:
+        schemas["GalleryItemIn"]["properties"]["input"] = one
+    if "GalleryUpsertRequest" in schemas:
+        schemas["GalleryUpsertRequest"]["properties"]["items"]["maxItems"] = max_inputs
+    return openapi

@@ -1,0 +1,259 @@
+"""The /v1 routes (docs/api.md): parse, resolve the class, hand over to the engine, answer.
+
+Every POST or PUT with a body (detect, softmax, topk, gallery writes, class search) is answered by
+its handler straight from ASGI (`fast_route`, serving/http/fast_routes.py) and checked by
+serving/codecs/strict_json.py: the size while reading, the parse in C, the counts, then one
+vectorised conversion of the examples; no value is coerced and no per-value Python runs on an
+ordinary request. pydantic models describe each body in the OpenAPI schema; FastAPI's own
+handler answers the other methods (GET, DELETE).
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from urllib.parse import unquote_plus
+from typing import Any, Callable, Optional
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+
+
+from serving.codecs import fast_json, image_decoder, images, strict_json as read
+from serving.errors import Forbidden, NotReady, Unauthorized, UnsupportedMediaType
+from serving.gallery import bodies
+from serving.http.deps import error_responses, ready_engine, server_state
+from serving.http.errors import OrjsonResponse
+from serving.http.fast_routes import RawAnswer, app_state, fast_route
+from serving.http.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
+                             SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
+
+
+def _is_json(scope) -> bool:
+    """Content-Type application/json (parameters such as a charset allowed, spaces around `;` too)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
+
+
+def _read_object(scope, body: bytes, optional: bool = False) -> dict:
+    """The body as a JSON object; with `optional`, an empty body is {} whatever its type."""
+    if optional and not body.strip():
+        return {}
+    if not _is_json(scope):
+        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+    return read.parse_object(body)
+
+
+_QUERY_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
+_WRITE_ERRORS = error_responses(400, 401, 403, 408, 413, 415, 422, 429, 503, 504, 507)
+_SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
+
+
+async def require_api_key(request: Request) -> None:
+    """Write routes need the key when SLC_API_KEY is set: `Authorization: Bearer KEY` or `X-API-Key: KEY`."""
+    settings = request.app.state.slc.settings
+    refuse_open_writes(settings)
+    check_api_key(settings.api_key_value(), request.headers.get("x-api-key"), request.headers.get("authorization", ""))
+
+
+OPEN_WRITES_REFUSED = ("gallery writes are refused: this server listens on {host} (reachable from other machines) "
+                       "and has no API key. Set one (SLC_API_KEY=$(openssl rand -hex 32); clients then send "
+                       "`Authorization: Bearer KEY`), or let anyone write with SLC_ALLOW_OPEN_WRITES=1 / "
+                       "--allow-open-writes, or listen on 127.0.0.1")
+
+
+def refuse_open_writes(settings) -> None:
+    """403 on a write when no key is set on a non-loopback host and open writes are not allowed."""
+    if settings.open_writes_refused():
+        raise Forbidden(OPEN_WRITES_REFUSED.format(host=settings.host), code="writes_need_api_key")
+
+
+def check_api_key(expected: Optional[str], given: Optional[str], auth: str) -> None:
+    if not expected:
+        return
+    if given is None and auth[:7].lower() == "bearer ":
+        given = auth[7:].strip()
+    if not given or not secrets.compare_digest(given.encode(), expected.encode()):
+        raise Unauthorized("missing or wrong API key (send `Authorization: Bearer KEY` or `X-API-Key: KEY`)",
+                           code="unauthorized")
+
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/health/live", response_model=Health, tags=["health"])
+async def live() -> dict:
+    return {"status": "live"}
+
+
+@router.get("/health/ready", response_model=Health, responses=error_responses(503), tags=["health"])
+async def ready(state=Depends(server_state)) -> dict:
+    if not state.is_ready:
+        raise NotReady(state.not_ready_reason())
+    return {"status": "ready"}
+
+
+@router.get("/model", response_model=ModelInfo, responses=error_responses(503), tags=["model"])
+async def model(engine=Depends(ready_engine), state=Depends(server_state)):
+    return OrjsonResponse(state.model_info())
+
+
+# ----------------------------------------------------------------------------- POST and PUT bodies
+# Answered from the raw body by FastRoutes (serving/http/fast_routes.py): one implementation each.
+async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict]) -> tuple[Any, dict, np.ndarray]:
+    """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
+    the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
+    An image body (Content-Type image/*) is one example; its parameters come from the query string."""
+    engine = app_state(scope).ready_engine()
+    content_type = images.content_type_of(scope)
+    if images.is_image(content_type):
+        obj = _query_string(scope)
+        read.check_keys(obj, tuple(k for k in allowed if k != "inputs"), where="query string")
+        p = params(obj)
+        return engine, p, await _image_example(engine, body, content_type)
+    n, shape = engine.settings.max_inputs, engine.input_shape
+    lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
+    read.check_structure(body, max_values=n * math.prod(shape) + 8, max_lists=1 + n * lists_per_example,
+                         max_objects=1)
+    fast = fast_json.query(body, shape, n) if _is_json(scope) else None  # plain bodies: no float objects
+    obj = fast if fast is not None else _read_object(scope, body)
+    read.check_keys(obj, allowed, required=("inputs",))
+    p = params(obj)
+    if fast is not None:
+        return engine, p, fast["inputs"]
+    return engine, p, read.examples(obj["inputs"], engine.input_shape, n, read.has_bool_token(body))
+
+
+async def _image_example(engine, body: bytes, content_type: bytes) -> np.ndarray:
+    """One example [1, *input_shape] from an image body (decoded by a worker process, under a time budget)."""
+    x = await image_decoder.decode(engine.settings, body, content_type, engine.bundle.image, engine.input_shape)
+    return x[None].astype(np.float32, copy=False)
+
+
+def _query_string(scope) -> dict:
+    """?threshold=0.5&k=3&mode=index -> {"threshold": 0.5, "k": 3, "mode": "index"} (JSON values where they parse)."""
+    from urllib.parse import parse_qsl
+
+    out = {}
+    for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True):
+        try:
+            out[key] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@fast_route(router, "POST", "/classes/{class}/detect", name="detect", body=DetectRequest,
+            response_model=DetectResponse, responses=_QUERY_ERRORS, tags=["query"])
+async def detect(scope, body: bytes):
+    """One logit per input: W[class]·h(x) + b[class] against the class's threshold."""
+    engine, p, x = await _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
+    cls = engine.resolve_class(scope["path_params"]["class"])
+    return 200, await engine.detect(cls, x, p["threshold"])
+
+
+@fast_route(router, "POST", "/classes/{class}/softmax", name="softmax", body=SoftmaxRequest,
+            response_model=SoftmaxResponse, responses=_QUERY_ERRORS, tags=["query"])
+async def softmax(scope, body: bytes):
+    """The full-softmax baseline: all D logits per input, the class's softmax entry."""
+    engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
+    cls = engine.resolve_class(scope["path_params"]["class"])
+    return 200, await engine.softmax(cls, x)
+
+
+@fast_route(router, "POST", "/topk", name="topk", body=TopkRequest, response_model=TopkResponse,
+            responses=_QUERY_ERRORS, tags=["query"])
+async def topk(scope, body: bytes):
+    """The k best classes per input: exact (all D logits) or through the faiss class index."""
+    max_topk = app_state(scope).settings.max_topk
+    engine, p, x = await _query(scope, body, ("inputs", "k", "mode"), lambda o: {
+        "k": read.integer(o, "k", 5, 1, max_topk, code="k_too_large"),
+        "mode": read.choice(o, "mode", "exact", ("exact", "index"))})
+    return 200, await engine.topk(x, p["k"], p["mode"])
+
+
+def _require_key(scope) -> None:
+    headers = dict(scope["headers"])
+    given, auth = headers.get(b"x-api-key"), headers.get(b"authorization", b"")
+    settings = app_state(scope).settings
+    refuse_open_writes(settings)
+    check_api_key(settings.api_key_value(), None if given is None else given.decode("latin-1"), auth.decode("latin-1"))
+
+
+@fast_route(router, "POST", "/gallery/items", name="gallery_upsert", body=GalleryUpsertRequest, status_code=201,
+            response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS, tags=["gallery"])
+async def gallery_upsert(scope, body: bytes):
+    """Upsert by id; answered only once the items are committed to disk."""
+    # counts on the raw bytes here; the parse and every per-value check on the gallery's executor
+    # (serving/gallery/bodies.py)
+    _require_key(scope)  # 401 before the body is parsed
+    engine = app_state(scope).ready_engine()
+    s = engine.settings
+    bodies.check_upsert_structure(body, s.max_inputs, engine.input_shape, s.max_metadata_values)
+    if not _is_json(scope):
+        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+    items, x = await engine.off_loop(bodies.read_upsert, body, s, engine.input_shape)
+    ids = await engine.gallery_upsert(items, x)
+    return 201, {"upserted": len(ids), "ids": ids}
+
+
+@fast_route(router, "PUT", "/gallery/items/{item_id:path}", name="gallery_put", body=GalleryPutRequest,
+            status_code=201, response_model=GalleryUpsertResponse, responses=_WRITE_ERRORS, tags=["gallery"])
+async def gallery_put(scope, body: bytes):
+    """Upsert one item by its id: JSON {input, metadata?}, or an image body (metadata as a JSON
+    object in ?metadata=) for bundles whose input is an image. Answered once committed."""
+    _require_key(scope)
+    engine = app_state(scope).ready_engine()
+    s = engine.settings
+    item_id = bodies.item_id(scope["path_params"]["item_id"], "item id")
+    content_type = images.content_type_of(scope)
+    if not images.is_image(content_type):
+        bodies.check_upsert_structure(body, 1, engine.input_shape, s.max_metadata_values, what="item")
+        if not _is_json(scope):
+            raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+        items, x = await engine.off_loop(bodies.read_put, body, item_id, s, engine.input_shape)
+        ids = await engine.gallery_upsert(items, x)
+        return 201, {"upserted": len(ids), "ids": ids}
+    obj = _query_string(scope)  # metadata as JSON in ?metadata= (bounded by the header size limit)
+    read.check_keys(obj, ("metadata",), where="query string")
+    source = unquote_plus(scope.get("query_string", b"").decode("latin-1")).encode()  # metadata's raw text
+    meta = bodies.metadata_json(obj.get("metadata"), source, "metadata", s.max_metadata_values, s.max_metadata_bytes)
+    x = await _image_example(engine, body, content_type)
+    item = {"id": item_id, "input": x[0].tolist(), "metadata": obj.get("metadata"), "metadata_json": meta}
+    ids = await engine.gallery_upsert([item], x)
+    return 201, {"upserted": len(ids), "ids": ids}
+
+
+@router.get("/gallery/items/{item_id:path}", response_model=GalleryItem, responses=error_responses(404, 429, 503),
+            tags=["gallery"])
+async def gallery_get(item_id: str, engine=Depends(ready_engine)):
+    return Response(await engine.gallery_get(item_id), media_type="application/json")
+
+
+@router.delete("/gallery/items/{item_id:path}", status_code=204, responses=error_responses(401, 403, 404, 429, 503, 507),
+               dependencies=[Depends(require_api_key)], tags=["gallery"])
+async def gallery_delete(item_id: str, engine=Depends(ready_engine)):
+    await engine.gallery_delete(item_id)
+    return Response(status_code=204)
+
+
+@fast_route(router, "POST", "/classes/{class}/search", name="class_search", body=ClassSearchRequest,
+            body_default=None, response_model=ClassSearchResponse, responses=_SEARCH_ERRORS, tags=["gallery"])
+async def class_search(scope, body: bytes):
+    """Gallery items whose logit for the class is >= the threshold, best first."""
+    engine = app_state(scope).ready_engine()
+    obj = _read_object(scope, body, optional=True)
+    read.check_keys(obj, ("limit", "threshold"))
+    limit = read.integer(obj, "limit", 100, 1, 100_000)
+    threshold = read.number(obj, "threshold")
+    cls = engine.resolve_class(scope["path_params"]["class"])
+    return 200, RawAnswer(await engine.gallery_search(cls, threshold, limit), b"application/json")
+
+
+@router.get("/gallery", response_model=GalleryInfo, responses=error_responses(429, 503), tags=["gallery"])
+async def gallery_info(engine=Depends(ready_engine)):
+    return OrjsonResponse(await engine.gallery_info())

@@ -140,7 +140,7 @@ def check_dataset_name(name: str) -> None:
 
 def image_spec(name: str) -> dict | None:
     """How an image becomes one example of dataset `name` (the bundle manifest's `image`,
-    serving/codecs/images.py), or None for datasets whose examples are not images."""
+    serving/images.py), or None for datasets whose examples are not images."""
     if name == "mnist5k":  # 28x28 grey, white digit on black, values 0..255, flattened
         return {"height": 28, "width": 28, "channels": 1, "layout": "flat", "scale": 1.0, "background": "dark",
                 "resample": "lanczos"}

@@ -34,6 +34,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "index": ("tools.bench.cli:index", "Top-k index build time, memory and recall on a synthetic head."),
     "soak": ("tools.bench.cli:soak", "Mixed load with kill -9 during writes: acknowledged writes lost, memory, fds."),
     "routes": ("tools.bench.cli:routes", "Server time per request on each route, the app called in-process (no HTTP noise)."),
+    "ab": ("tools.bench.cli:ab", "This checkout's server against another checkout's, alternating blocks (before/after a change)."),
     "mixed": ("tools.bench.cli:mixed", "Detect latency beside full-softmax load: one batch at a time against two lanes."),
     "hostile": ("tools.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("tools.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),

@@ -368,3 +368,58 @@ def replica(classes: int, dim: int, precision: str, class_index: str, duration: 
     write_result(out, f"replica-D{classes}", lambda: replica_markdown(r, command), r, indent=1, default=float)
     click.echo(f"D={classes:,} {precision}: ready {r['large']['ready_s']:.0f} s, RSS {r['large']['memory']['rss'] / 2**30:.1f} GiB "
                f"-> {out / f'replica-D{classes}.md'}")
+
+
+def _endpoints(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    from tools.loadtest import ENDPOINT_NAMES
+
+    names = [e.strip() for e in value.split(",") if e.strip()]
+    bad = [e for e in names if e not in ENDPOINT_NAMES]
+    if not names or bad:
+        raise click.BadParameter(f"unknown endpoint(s) {', '.join(bad) or '(none given)'}; choose from "
+                                 f"{', '.join(ENDPOINT_NAMES)}", ctx, param)
+    return names
+
+
+@click.command()
+@click.option("--base", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="the other checkout (e.g. `git worktree add /tmp/base main`); this one is the head")
+@click.option("--classes", default="10,10000", show_default=True, callback=_classes, help="comma list of D")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
+@click.option("--endpoint", "endpoints", default="detect,v2,v2_binary,softmax", show_default=True, callback=_endpoints,
+              help="comma list of loadtest endpoints (grpc needs the slc[grpc] extra)")
+@click.option("--rounds", type=click.IntRange(min=2), default=10, show_default=True, help="alternations per endpoint")
+@click.option("--block", type=POSITIVE, default=2.0, show_default=True, help="measured seconds per block")
+@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="closed-loop workers")
+@click.option("--name", default="ab", show_default=True, help="the report's file stem: OUT/NAME.{json,md}")
+@click.option("--out", default="docs/results", show_default=True, help="where NAME.{json,md} go", **OUT)
+def ab(base: Path, classes: list[int], dim: int, endpoints: list[str], rounds: int, block: float, concurrency: int,
+       name: str, out: Path) -> None:
+    """This checkout's server against the one at --base, both up, alternating blocks: req/s, CPU per request,
+    head/base with a 95 % interval. The fair before/after of a change on a noisy machine."""
+    from rich.progress import Progress
+
+    from tools.bench.ab import ab_markdown, check_checkout, run_ab
+    from tools.bench.run import cached_bundle
+    from tools.bench.server import grpc_available
+
+    try:
+        check_checkout(base)
+        check_checkout(Path(__file__).resolve().parents[2])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--base") from None
+    if "grpc" in endpoints and not grpc_available():
+        raise click.UsageError("the grpc endpoint needs the grpc extra: pip install -e '.[grpc]'")
+    bundles = {D: cached_bundle(D, dim) for D in classes}
+    with tempfile.TemporaryDirectory(prefix="slc-ab-") as tmp, Progress(transient=True) as bar:
+        task = bar.add_task("ab", total=len(classes) * rounds * len(endpoints))
+        r = run_ab(base, Path(__file__).resolve().parents[2], bundles, Path(tmp), endpoints, rounds, block, concurrency,
+                   progress=lambda msg: bar.update(task, advance=1, description=msg))
+    command = (f"slc bench ab --base {base} --classes {','.join(map(str, classes))} --dim {dim} "
+               f"--endpoint {','.join(endpoints)} --rounds {rounds} --block {block:g} --concurrency {concurrency}"
+               + (f" --name {name}" if name != "ab" else ""))
+    write_result(out, name, lambda: ab_markdown(r, command), {**r, "command": command})
+    click.echo(ab_markdown(r, command))
+    for D, eps in r["sizes"].items():
+        click.echo(f"D={int(D):,}: " + ", ".join(f"{ep} {s['head_over_base'] or 0:.3f} ({s['verdict']})" for ep, s in eps.items()))
+    click.echo(f"-> {out / (name + '.md')}")

@@ -23,11 +23,13 @@ def free_port() -> int:
 class ServerProcess:
     """A server in a subprocess; ready when GET /v1/health/ready answers 200."""
 
-    def __init__(self, argv: list[str], port: int, log_path: Path, env: Optional[dict] = None):
-        self.port, self.log_path = port, log_path
+    def __init__(self, argv: list[str], port: int, log_path: Path, env: Optional[dict] = None,
+                 cwd: Optional[Path] = None):
+        self.port, self.log_path, self.grpc_port = port, log_path, None
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
+                                     env={**os.environ, **(env or {})})
         self.started = time.perf_counter()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "
         "for it; passes and index searches still run one at a time; 1: one batch at a time, in arrival order "
         "(always 1 on CUDA or with one intra-op thread)"))
+    one_thread_max_batch: Union[Literal["auto"], int] = Field("auto", description=(
+        "backbone batches of up to this many inputs run on a one-thread onnxruntime session instead of the "
+        "intra-op pool (waking the pool costs more than a small batch's work); auto = timed at warm-up (the "
+        "largest of 1, 2, 4, ..., 32 where one thread is faster: a noisy choice on a busy machine), 0 = always "
+        "the pool. Pin it to make replicas behave alike (GET /v1/model shows the value in use). Only on the "
+        "CPU, with two or more intra-op threads, for a backbone graph of at most 64 MiB"))
     inline_max_ms: float = Field(0.5, ge=0, description=(
         "a backbone-only batch (detect, v2, gallery writes) whose measured cost is under this runs on the event "
         "loop instead of the worker thread, whose hop costs more; 0: always the worker"))
@@ -138,6 +144,13 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_level(cls, value):
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("one_thread_max_batch")
+    @classmethod
+    def _one_thread_range(cls, v):
+        if v != "auto" and not 0 <= v <= 4096:
+            raise ValueError(f"one_thread_max_batch must be auto or 0..4096, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _pairs_need_two_threads(self) -> "Settings":

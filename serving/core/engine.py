@@ -99,13 +99,15 @@ class Engine:
     async def warm_up(self) -> None:
         """Touch every path once (ORT allocations, mmap pages) and choose the softmax head."""
         x = np.zeros((min(self.settings.max_batch, 8),) + self.input_shape, np.float32)
-        small = await self.batcher.run_sync(self.runtime.choose_small_batches)
+        pinned = None if self.settings.one_thread_max_batch == "auto" else self.settings.one_thread_max_batch
+        small = await self.batcher.run_sync(lambda: self.runtime.choose_small_batches(pinned=pinned))
         await self.batcher.run_sync(self.runtime.embed, x[:1])
         await self.batcher.run_sync(self.runtime.embed, x)
         await self.batcher.run_sync(self.head_pass.choose)
         self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
         if small:
-            log.info("backbone: one-thread session for batches of up to %d inputs (faster than the pool there)", small)
+            log.info("backbone: one-thread session for batches of up to %d inputs (%s)", small,
+                     "timed: faster than the pool there" if pinned is None else "SLC_ONE_THREAD_MAX_BATCH")
         log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
                  self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
         if self.index is not None and not self.index.reads_every_row:  # an exact index is the pass: nothing to warm

@@ -124,29 +124,36 @@ class Runtime:
         (h,) = session.run([self._backbone_out], {self._backbone_in: x})
         return h
 
-    def choose_small_batches(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), timer=None, rounds: int = 5) -> int:
+    def choose_small_batches(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), timer=None, rounds: int = 5,
+                             pinned: Optional[int] = None) -> int:
         """Keep a one-thread backbone session for the batch sizes it runs faster than the pool does
         (waking the other threads costs more than a small batch's work), timed here: the best of
         `rounds` rounds of 5 runs, the two sessions' rounds interleaved so that a busy moment of a
         shared machine hits both (one noisy round used to cut the one-thread range from 32 to 4).
+        `pinned` (SLC_ONE_THREAD_MAX_BATCH): that range, untimed, so that replicas behave alike.
         Only on the CPU, with more than one thread, and for a backbone small enough to hold twice."""
         path = Path(self.bundle.graph_path("backbone"))
         if self.threads == 1 or self.uses_cuda or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
             return 0
         small = ort_session(path, threads=1, providers=CPU, spin=False)
+        best = pinned if pinned is not None else self._time_small_batches(small, sizes, timer or _best_time, rounds)
+        # kept even where the pool wins for every size: a backbone batch beside a pass over the head
+        # (the batcher's second lane) runs on it, so that the two do not fight over the same threads
+        self._small, self.small_batch_max = small, best
+        return best
+
+    def _time_small_batches(self, small: ort.InferenceSession, sizes: tuple[int, ...], timer, rounds: int) -> int:
+        """The largest of `sizes` up to which the one-thread session beats the pool, 0 if none."""
         best = 0
         for n in sizes:
             x = {self._backbone_in: np.zeros((n, *self.bundle.input_shape), np.float32)}
             one = pool = math.inf
             for _ in range(rounds):
-                one = min(one, (timer or _best_time)(small, self._backbone_out, x))
-                pool = min(pool, (timer or _best_time)(self.backbone, self._backbone_out, x))
+                one = min(one, timer(small, self._backbone_out, x))
+                pool = min(pool, timer(self.backbone, self._backbone_out, x))
             if one >= pool:
                 break
             best = n
-        # kept even where the pool wins for every size: a backbone batch beside a pass over the head
-        # (the batcher's second lane) runs on it, so that the two do not fight over the same threads
-        self._small, self.small_batch_max = small, best
         return best
 
     def full_logits(self, x: np.ndarray) -> np.ndarray:

@@ -40,3 +40,40 @@ def test_a_one_thread_runtime_keeps_one_session(bundle):
     rt = Runtime(bundle, "cpu", threads=1)
     assert rt.choose_small_batches(timer=_timer_where_one_thread_wins_up_to(64)) == 0
     assert rt._small is None
+
+
+def _no_timer(session, output, feed):
+    raise AssertionError("a pinned range must not be timed")
+
+
+def test_a_pinned_range_is_taken_untimed_and_answers_as_the_pool_does(bundle, offline):
+    rt = Runtime(bundle, "cpu", threads=2)
+    assert rt.choose_small_batches(timer=_no_timer, pinned=16) == 16 and rt.small_batch_max == 16
+    x = np.random.default_rng(2).standard_normal((16, INPUT_DIM)).astype(np.float32)
+    np.testing.assert_allclose(rt.embed(x), offline.embed(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pinned_range_does_not_apply_where_there_is_one_thread(bundle):
+    rt = Runtime(bundle, "cpu", threads=1)
+    assert rt.choose_small_batches(timer=_no_timer, pinned=16) == 0 and rt._small is None
+
+
+def test_the_server_shows_the_pinned_range_it_serves_with(client_factory):
+    """SLC_ONE_THREAD_MAX_BATCH reaches the runtime through warm-up, and GET /v1/model reports it."""
+    client = client_factory(intra_op_threads=2, one_thread_max_batch=8)
+    assert client.get("/v1/model").json()["batching"]["one_thread_backbone_max_batch"] == 8
+
+
+def test_one_thread_max_batch_takes_auto_or_a_count_from_the_environment(monkeypatch, tmp_path):
+    import pytest
+    from pydantic import ValidationError
+
+    from serving.settings import Settings
+
+    for raw, want in (("auto", "auto"), ("12", 12), ("0", 0)):
+        monkeypatch.setenv("SLC_ONE_THREAD_MAX_BATCH", raw)
+        assert Settings(data_dir=tmp_path).one_thread_max_batch == want
+    for raw in ("-1", "5000", "many"):
+        monkeypatch.setenv("SLC_ONE_THREAD_MAX_BATCH", raw)
+        with pytest.raises(ValidationError, match="one_thread_max_batch"):
+            Settings(data_dir=tmp_path)

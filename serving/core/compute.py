@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # full.onnx and the packed head hold their own (packed) copy of the head in RAM; past this many
 # weights (256 MB of float32) the softmax baseline only reads the memory-mapped rows.
 ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
+CHOICE_ROUNDS = 5  # interleaved timing rounds of the warm-up choice
 
 Parts = list  # [(slice of the pass's rows, accumulator)]
 
@@ -135,43 +136,39 @@ class HeadPass:
                 acc.rescore(h[sl], self._weight, self._bias)
 
     # ------------------------------------------------------------------ the choice (warm-up)
-    def choose(self) -> None:
+    def choose(self, rounds: int = CHOICE_ROUNDS) -> None:
         """Time a softmax batch through each strategy the settings allow; keep the fastest (or time
         only the one the settings name, or the quantized head's: its time sets the batch's patience)."""
         n = self.settings.max_batch
         x = np.random.default_rng(0).standard_normal((n,) + tuple(self.bundle.input_shape)).astype(np.float32)
-        timings = {}
+        batches = {}
         for name in self._candidates():
             try:
-                timings[name] = self._time(name, x)
+                batches[name] = self._batch(name, x)
+                batches[name]()  # the first call pays loading and page faults
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
+                batches.pop(name, None)
                 if self.precision != "float32":
                     raise
                 log.warning("softmax path %s unavailable: %s", name, exc)
-        if not timings:
+        if not batches:
             raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
-        self.name = min(timings, key=timings.get)
-        self.timing = timings
+        self.timing = _best_interleaved(batches, rounds)
+        self.name = min(self.timing, key=self.timing.get)
         self._drop_unused()
 
-    def _time(self, name: str, x: np.ndarray) -> float:
-        """Best of 3 of one softmax batch over x, one request per input (as under load)."""
+    def _batch(self, name: str, x: np.ndarray) -> Callable[[], None]:
+        """One softmax batch over x through strategy `name`, one request per input (as under load)."""
         if name == "packed_pair" and self._packed is None:
             self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
                                       head_scan.pair_rows(self.settings.max_batch, self.num_classes))
         run = self._strategy(name)
 
-        def once():
+        def once() -> None:
             parts = [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self.logsumexp)) for i in range(len(x))]
             run(x, self.runtime.embed(x) if name != "onnx" else None, parts)
 
-        once()  # the first call pays loading and page faults
-        best = math.inf
-        for _ in range(3):
-            t0 = time.perf_counter()
-            once()
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return once
 
     def _candidates(self) -> list[str]:
         """The strategies the settings and the bundle allow."""
@@ -199,3 +196,17 @@ class HeadPass:
             self._packed = None
         if self.name not in ("ort_pair", "packed_pair") and self.precision == "float32":
             self._pair_bufs = None
+
+
+def _best_interleaved(batches: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Best time of each batch over `rounds` rounds that take every strategy in turn (the order
+    rotated each round), so that a busy moment of a shared machine hits them all rather than one:
+    timed one after another, the choice changed from start to start (docs/results/house-aa.md)."""
+    names = list(batches)
+    best = dict.fromkeys(names, math.inf)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            batches[name]()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best

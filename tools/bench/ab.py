@@ -85,30 +85,35 @@ def warm_up_choices(srv: ServerProcess) -> dict:
 
 
 def _start_matched(trees: dict, bundle: Path, work: Path, grpc: bool, tries: int) -> tuple[dict, dict]:
-    """Base, then head, each warming up alone (a warm-up beside another's skews both timings); the head
-    restarted up to `tries` times until its warm-up choices equal the base's."""
-    servers, info = {}, {"starts": 0}
+    """Base, then head, each warming up alone (a warm-up beside another's skews both timings); while
+    their warm-up choices differ, the head and the base restarted in turn (the odd choice may be
+    either's), `tries` restarts at most."""
+    servers, info, starts = {}, {}, {"base": 0, "head": 0}
+
+    def start(side: str) -> None:
+        if side in servers:
+            servers.pop(side).stop()
+        starts[side] += 1
+        servers[side] = checkout_server(trees[side], bundle, work, f"{side}{starts[side]}", grpc)
+        servers[side].wait_ready(600)
+        info[side] = warm_up_choices(servers[side])
+
     try:
-        servers["base"] = checkout_server(trees["base"], bundle, work, "base", grpc)
-        servers["base"].wait_ready(600)
-        info["base"] = warm_up_choices(servers["base"])
-        for attempt in range(1, tries + 1):
-            servers["head"] = checkout_server(trees["head"], bundle, work, f"head{attempt}", grpc)
-            servers["head"].wait_ready(600)
-            info["head"], info["starts"] = warm_up_choices(servers["head"]), attempt
-            if info["head"] == info["base"] or attempt == tries:
+        start("base")
+        start("head")
+        for restart in range(tries):
+            if info["head"] == info["base"]:
                 break
-            servers.pop("head").stop()
+            start(SIDES[(restart + 1) % 2])  # head, base, head, ...
     except BaseException:
         for srv in servers.values():
             srv.stop()
         raise
-    info["matched"] = info["head"] == info["base"]
-    return servers, info
+    return servers, {**info, "starts": starts, "matched": info["head"] == info["base"]}
 
 
 def _one_size(trees: dict, bundle: Path, work: Path, endpoints: list[str], rounds: int, block: float,
-              concurrency: int, step: Callable[[str], None], tries: int = 4) -> tuple[dict, dict]:
+              concurrency: int, step: Callable[[str], None], tries: int = 6) -> tuple[dict, dict]:
     """Both servers of one bundle up; per round, each endpoint on base then head (head first on odd rounds)."""
     servers, info = _start_matched(trees, bundle, work, "grpc" in endpoints, tries)
     blocks = {ep: {side: [] for side in SIDES} for ep in endpoints}
@@ -192,8 +197,9 @@ def _cpu_cell(s: dict, side: str) -> str:
 
 def _choices_line(w: dict) -> str:
     show = lambda c: ", ".join(f"{k} {v}" for k, v in c.items())  # noqa: E731
-    state = (f"equal after {w['starts']} start(s) of the head" if w["matched"]
-             else f"**still different after {w['starts']} starts: the rows compare configurations, not only code**")
+    n = f"{w['starts']['base']} start(s) of the base, {w['starts']['head']} of the head"
+    state = (f"equal after {n}" if w["matched"]
+             else f"**still different after {n}: the rows compare configurations, not only code**")
     return f"base {show(w['base'])}; head {show(w['head'])}: {state}"
 
 
@@ -216,6 +222,6 @@ def ab_markdown(r: dict, command: str) -> str:
          "when it holds 1); server CPU in µs per request (all its threads, from /proc).", "",
          md_table(["D", "endpoint", "base req/s", "head req/s", "head/base", "95 % interval", "head faster",
                    "base CPU µs", "head CPU µs", "CPU head/base", "verdict"], rows, "llrrrrrrrrl"),
-         "", "Warm-up choices (GET /v1/model; the head restarted until they equal the base's):", ""]
+         "", "Warm-up choices (GET /v1/model; head and base restarted in turn until they are equal):", ""]
     L += [f"- D = {int(D):,}: " + _choices_line(w) for D, w in r.get("warm_up", {}).items()]
     return "\n".join(L) + "\n"

@@ -93,7 +93,7 @@ def test_each_side_is_served_by_its_own_checkout(bundle_path, tmp_path):
     assert s["verdict"] == "base answered nothing" and r["base"]["tree"] == str(base.resolve())
     assert "base answered nothing" in ab_markdown(r, "slc bench ab")
     w = r["warm_up"]["50"]
-    assert w["starts"] >= 1 and isinstance(w["base"]["softmax_impl"], str)
+    assert w["starts"]["base"] >= 1 and w["starts"]["head"] >= 1 and isinstance(w["base"]["softmax_impl"], str)
     assert w["matched"] == (w["base"] == w["head"])
 
 
@@ -108,26 +108,27 @@ class _FakeServer:
         self.stopped = True
 
 
-def test_the_head_is_restarted_until_its_warm_up_choices_equal_the_bases(monkeypatch, tmp_path):
-    """Warm-up timings choose the softmax pass and the one-thread batch range: a head that chose
-    otherwise is stopped and started again; the first matching one is kept."""
+def test_head_and_base_are_restarted_in_turn_until_their_warm_up_choices_agree(monkeypatch, tmp_path):
+    """Warm-up timings choose the softmax pass and the one-thread batch range. A base that chose the
+    odd pass is restarted too: head, base, head ... until both chose alike; the others are stopped."""
     from tools.bench import ab
 
-    base_choice = {"softmax_impl": "onnx", "one_thread_backbone_max_batch": 32}
-    heads = iter([{"softmax_impl": "onnx", "one_thread_backbone_max_batch": 0}, dict(base_choice)])
+    common, odd = {"softmax_impl": "onnx"}, {"softmax_impl": "packed_pair"}
+    draws = {"base": iter([odd, common]), "head": iter([common, common])}
     started = []
 
     def fake_server(tree, bundle, work, tag, grpc):
-        srv = _FakeServer(tag, base_choice if tag == "base" else next(heads))
+        srv = _FakeServer(tag, next(draws[tag.rstrip("0123456789")]))
         started.append(srv)
         return srv
 
     monkeypatch.setattr(ab, "checkout_server", fake_server)
     monkeypatch.setattr(ab, "warm_up_choices", lambda srv: srv.choices)
-    servers, info = ab._start_matched({"base": tmp_path, "head": tmp_path}, tmp_path, tmp_path, False, tries=4)
-    assert [s.tag for s in started] == ["base", "head1", "head2"]
-    assert started[1].stopped and not started[2].stopped and servers["head"] is started[2]
-    assert info == {"starts": 2, "base": base_choice, "head": base_choice, "matched": True}
+    servers, info = ab._start_matched({"base": tmp_path, "head": tmp_path}, tmp_path, tmp_path, False, tries=6)
+    assert [s.tag for s in started] == ["base1", "head1", "head2", "base2"]
+    assert [s.stopped for s in started] == [True, True, False, False]
+    assert servers == {"head": started[2], "base": started[3]}
+    assert info == {"base": common, "head": common, "starts": {"base": 2, "head": 2}, "matched": True}
 
 
 def test_after_the_last_try_a_mismatch_is_kept_and_reported(monkeypatch, tmp_path):
@@ -137,5 +138,6 @@ def test_after_the_last_try_a_mismatch_is_kept_and_reported(monkeypatch, tmp_pat
                         lambda tree, bundle, work, tag, grpc: _FakeServer(tag, {"softmax_impl": tag[:4]}))
     monkeypatch.setattr(ab, "warm_up_choices", lambda srv: srv.choices)
     servers, info = ab._start_matched({"base": tmp_path, "head": tmp_path}, tmp_path, tmp_path, False, tries=3)
-    assert info["starts"] == 3 and not info["matched"] and not servers["head"].stopped
-    assert "still different after 3 starts" in ab._choices_line(info)
+    assert info["starts"] == {"base": 2, "head": 3} and not info["matched"]
+    assert not servers["head"].stopped and not servers["base"].stopped
+    assert "still different after 2 start(s) of the base, 3 of the head" in ab._choices_line(info)

@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 # full.onnx and the packed head hold their own (packed) copy of the head in RAM; past this many
 # weights (256 MB of float32) the softmax baseline only reads the memory-mapped rows.
 ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
-CHOICE_ROUNDS = 5  # interleaved timing rounds of the warm-up choice
+CHOICE_TIE = 0.10  # strategies within this share of the cheapest count as tied (PREFERENCE decides)
+# ties: onnx embeds and scans in one session call (the least work on the event loop's side), then the simplest
+PREFERENCE = ("onnx", "numpy", "ort", "packed_pair", "ort_pair", "int8", "bf16")
+SMALL_BATCH = 8  # the warm-up choice also times this batch: a few clients' requests batched together
 
 Parts = list  # [(slice of the pass's rows, accumulator)]
 
@@ -42,7 +45,8 @@ class HeadPass:
         self.num_classes, self.embed_dim = int(bundle.num_classes), int(bundle.embed_dim)
         self._weight, self._bias = np.asarray(bundle.weight), np.asarray(bundle.bias)
         self.name = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
-        self.timing: dict[str, float] = {}
+        self.timing: dict[str, float] = {}  # seconds of a max_batch softmax batch per strategy (warm-up)
+        self.timing_by_batch: dict[int, dict[str, float]] = {}  # {batch size: {strategy: seconds}}
         self.precision = settings.head_precision
         if self.precision != "float32" and self.precision not in bundle.heads:
             raise ValueError(f"head_precision={self.precision}: the bundle has no {self.precision} head "
@@ -136,39 +140,49 @@ class HeadPass:
                 acc.rescore(h[sl], self._weight, self._bias)
 
     # ------------------------------------------------------------------ the choice (warm-up)
-    def choose(self, rounds: int = CHOICE_ROUNDS) -> None:
-        """Time a softmax batch through each strategy the settings allow; keep the fastest (or time
-        only the one the settings name, or the quantized head's: its time sets the batch's patience)."""
+    def choose(self) -> None:
+        """Time softmax batches through each strategy the settings allow; keep the fastest (or time
+        only the one the settings name, or the quantized head's: its time sets the batch's patience).
+
+        Timed at two sizes, a few clients' batch and the largest, and chosen by the summed cost per
+        input: at the largest alone the strategies are close enough for a busy moment to pick one
+        that is much slower at the batches most loads make (docs/results/house-aa.md)."""
         n = self.settings.max_batch
         x = np.random.default_rng(0).standard_normal((n,) + tuple(self.bundle.input_shape)).astype(np.float32)
-        batches = {}
+        sizes = sorted({min(SMALL_BATCH, n), n})
+        times = {}
         for name in self._candidates():
             try:
-                batches[name] = self._batch(name, x)
-                batches[name]()  # the first call pays loading and page faults
+                times[name] = {size: self._time(name, x[:size]) for size in sizes}
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
-                batches.pop(name, None)
                 if self.precision != "float32":
                     raise
                 log.warning("softmax path %s unavailable: %s", name, exc)
-        if not batches:
+        if not times:
             raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
-        self.timing = _best_interleaved(batches, rounds)
-        self.name = min(self.timing, key=self.timing.get)
+        self.name = pick_strategy(times)
+        self.timing = {name: t[n] for name, t in times.items()}  # the full batch: sets the scan's patience
+        self.timing_by_batch = {size: {name: t[size] for name, t in times.items()} for size in sizes}
         self._drop_unused()
 
-    def _batch(self, name: str, x: np.ndarray) -> Callable[[], None]:
-        """One softmax batch over x through strategy `name`, one request per input (as under load)."""
+    def _time(self, name: str, x: np.ndarray) -> float:
+        """Best of 3 of one softmax batch over x, one request per input (as under load)."""
         if name == "packed_pair" and self._packed is None:
             self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
                                       head_scan.pair_rows(self.settings.max_batch, self.num_classes))
         run = self._strategy(name)
 
-        def once() -> None:
+        def once():
             parts = [(slice(i, i + 1), head_scan.SoftmaxStats(1, 0, self.logsumexp)) for i in range(len(x))]
             run(x, self.runtime.embed(x) if name != "onnx" else None, parts)
 
-        return once
+        once()  # the first call pays loading and page faults
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            once()
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def _candidates(self) -> list[str]:
         """The strategies the settings and the bundle allow."""
@@ -198,15 +212,11 @@ class HeadPass:
             self._pair_bufs = None
 
 
-def _best_interleaved(batches: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Best time of each batch over `rounds` rounds that take every strategy in turn (the order
-    rotated each round), so that a busy moment of a shared machine hits them all rather than one:
-    timed one after another, the choice changed from start to start (docs/results/house-aa.md)."""
-    names = list(batches)
-    best = dict.fromkeys(names, math.inf)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            batches[name]()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+def pick_strategy(times: dict[str, dict[int, float]]) -> str:
+    """The strategy of least summed cost per input over the timed batch sizes ({name: {size: s}});
+    among those within CHOICE_TIE of it, the first in PREFERENCE, so that a near tie (a small head,
+    where every strategy costs alike) is not decided by noise from one start to the next."""
+    cost = {name: sum(t / size for size, t in by_size.items()) for name, by_size in times.items()}
+    best = min(cost.values())
+    near = [name for name in cost if cost[name] <= best * (1 + CHOICE_TIE)]
+    return min(near, key=lambda name: PREFERENCE.index(name) if name in PREFERENCE else len(PREFERENCE))

@@ -108,8 +108,8 @@ class Engine:
         if small:
             log.info("backbone: one-thread session for batches of up to %d inputs (%s)", small,
                      "timed: faster than the pool there" if pinned is None else "SLC_ONE_THREAD_MAX_BATCH")
-        log.info("full-softmax head: %s (best of 3, batch %d: %s)", self.softmax_impl,
-                 self.settings.max_batch, {k: f"{v * 1e3:.2f} ms" for k, v in self.softmax_timing.items()})
+        log.info("full-softmax head: %s (least cost per input; best of 3 by batch size: %s)", self.softmax_impl,
+                 {n: {k: f"{v * 1e3:.2f} ms" for k, v in t.items()} for n, t in self.head_pass.timing_by_batch.items()})
         if self.index is not None and not self.index.reads_every_row:  # an exact index is the pass: nothing to warm
             await self.batcher.run_sync(self.index.search, np.zeros((1, self.bundle.embed_dim), np.float32), 1)
 

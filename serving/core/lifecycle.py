@@ -102,6 +102,8 @@ class ServerState:
             "device": s.device,
             "softmax_impl": engine.softmax_impl,
             "softmax_timing_ms": {k: round(v * 1e3, 3) for k, v in engine.softmax_timing.items()},
+            "softmax_timing_ms_by_batch": {str(n): {k: round(v * 1e3, 3) for k, v in t.items()}
+                                           for n, t in engine.head_pass.timing_by_batch.items()},
             "index": self.index.info(),
             "gallery": {"index_kind": self.gallery.index_kind},
             "batching": {"max_batch": s.max_batch, "max_delay_ms": s.max_delay_ms, "queue_size_inputs": s.queue_size,

@@ -77,3 +77,20 @@ def test_one_thread_max_batch_takes_auto_or_a_count_from_the_environment(monkeyp
         monkeypatch.setenv("SLC_ONE_THREAD_MAX_BATCH", raw)
         with pytest.raises(ValidationError, match="one_thread_max_batch"):
             Settings(data_dir=tmp_path)
+
+
+def _timer_where_the_pool_is_faster_by(share: float):
+    def timer(session, output, feed):
+        one_thread = session.get_session_options().intra_op_num_threads == 1
+        return 1.0 if one_thread else 1.0 / (1 + share)
+    return timer
+
+
+def test_a_near_tie_goes_to_the_one_thread_session(bundle):
+    """Sizes where the two sessions tie used to be decided by noise (the range flipped between 0 and
+    32 from start to start); within SMALL_BATCH_TIE the one thread keeps the size."""
+    from serving.core.sessions import SMALL_BATCH_TIE
+
+    rt = Runtime(bundle, "cpu", threads=2)
+    assert rt.choose_small_batches(timer=_timer_where_the_pool_is_faster_by(SMALL_BATCH_TIE / 2)) == 32
+    assert rt.choose_small_batches(timer=_timer_where_the_pool_is_faster_by(SMALL_BATCH_TIE * 2)) == 0

@@ -141,3 +141,25 @@ def test_after_the_last_try_a_mismatch_is_kept_and_reported(monkeypatch, tmp_pat
     assert info["starts"] == {"base": 2, "head": 3} and not info["matched"]
     assert not servers["head"].stopped and not servers["base"].stopped
     assert "still different after 2 start(s) of the base, 3 of the head" in ab._choices_line(info)
+
+
+def test_warm_up_choices_are_counted_per_checkout_and_size_and_every_server_stopped(monkeypatch, tmp_path):
+    from tools.bench import warm_up_choices as wc
+
+    draws = iter([{"softmax_impl": "onnx", "one_thread_backbone_max_batch": 32},
+                  {"softmax_impl": "numpy", "one_thread_backbone_max_batch": 0}] * 6)
+    started = []
+
+    def fake_server(tree, bundle, work, tag, grpc):
+        srv = _FakeServer(tag, next(draws))
+        started.append(srv)
+        return srv
+
+    monkeypatch.setattr(wc, "checkout_server", fake_server)
+    monkeypatch.setattr(wc, "warm_up_choices", lambda srv: srv.choices)
+    monkeypatch.setattr(wc, "cached_bundle", lambda D, dim: tmp_path / f"D{D}")
+    counts = wc.count_choices({"head": tmp_path, "base": tmp_path}, [10, 1000], starts=3)
+    assert counts["head"][10] == {("onnx", 32): 3} and counts["base"][1000] == {("numpy", 0): 3}
+    assert len(started) == 12 and all(s.stopped for s in started)
+    md = wc.choices_markdown(counts, {"head": tmp_path, "base": tmp_path}, 3, "cmd")
+    assert "onnx / 32: 3" in md and "numpy / 0: 3" in md

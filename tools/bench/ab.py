@@ -219,7 +219,8 @@ def ab_markdown(r: dict, command: str) -> str:
          f"Both servers up at once (each warmed up alone), closed loop with {r['concurrency']} connections from this checkout's client; "
          f"{r['rounds']} rounds of one {r['block_s']:g} s block per endpoint and side, head first on odd rounds. "
          "req/s over all blocks; head/base with a 95 % bootstrap interval over rounds ('equal within noise' "
-         "when it holds 1); server CPU in µs per request (all its threads, from /proc).", "",
+         "when it holds 1; across many rows about 1 in 20 misses 1 by chance, so one row just outside it is "
+         "weak evidence); server CPU in µs per request (all its threads, from /proc).", "",
          md_table(["D", "endpoint", "base req/s", "head req/s", "head/base", "95 % interval", "head faster",
                    "base CPU µs", "head CPU µs", "CPU head/base", "verdict"], rows, "llrrrrrrrrl"),
          "", "Warm-up choices (GET /v1/model; head and base restarted in turn until they are equal):", ""]

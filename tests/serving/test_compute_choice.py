@@ -39,12 +39,17 @@ def test_one_timed_size_reduces_to_the_fastest():
     assert compute.pick_strategy({"numpy": {4: 2.0}, "onnx": {4: 1.0}}) == "onnx"
 
 
-def test_the_server_serves_with_the_strategy_its_reported_timings_choose(client_factory):
-    """Through the real warm-up: /v1/model reports every timing; the rule applied to them names the
-    strategy the server serves with, and the max_batch column is softmax_timing_ms."""
-    model = client_factory(intra_op_threads=2, max_batch=32).get("/v1/model").json()
-    by_batch = model["softmax_timing_ms_by_batch"]
-    assert set(by_batch) == {"8", "32"} and {"numpy", "ort", "ort_pair"} <= set(by_batch["8"])
-    times = {name: {int(n): by_batch[n][name] for n in by_batch} for name in by_batch["8"]}
-    assert model["softmax_impl"] == compute.pick_strategy(times)
-    assert model["softmax_timing_ms"] == pytest.approx(by_batch["32"])
+def test_the_server_serves_with_the_strategy_its_timings_choose(client_factory):
+    """Through the real warm-up: the rule applied to the times the warm-up measured names the strategy
+    the server serves with; /v1/model reports those times (rounded to µs) and the max_batch column
+    as softmax_timing_ms."""
+    client = client_factory(intra_op_threads=2, max_batch=32)
+    model = client.get("/v1/model").json()
+    head_pass = client.app.state.slc.engine.head_pass
+    assert set(head_pass.timing_by_batch) == {8, 32} and {"numpy", "ort", "ort_pair"} <= set(head_pass.timing_by_batch[8])
+    times = {name: {n: head_pass.timing_by_batch[n][name] for n in (8, 32)} for name in head_pass.timing_by_batch[8]}
+    assert model["softmax_impl"] == head_pass.name == compute.pick_strategy(times)
+    reported = model["softmax_timing_ms_by_batch"]
+    for n, by_name in head_pass.timing_by_batch.items():
+        assert reported[str(n)] == pytest.approx({k: v * 1e3 for k, v in by_name.items()}, abs=1e-3)
+    assert model["softmax_timing_ms"] == reported["32"]

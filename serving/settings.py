@@ -95,8 +95,9 @@ class Settings(BaseSettings):
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
         "numpy's GEMM or onnxruntime's, or two one-thread onnxruntime GEMMs taking chunks in turn (ort_pair; "
         "packed_pair: each chunk's rows pre-packed once, a second copy of the head; both with two or more "
-        "intra-op threads), or full.onnx; auto = the fastest at warm-up (packed_pair and onnx only for heads of "
-        "at most 64 Mi weights)")
+        "intra-op threads), or full.onnx; auto = the least cost per input at warm-up (batches of 8 and max_batch; "
+        "near ties to onnx, numpy, ort, packed_pair, ort_pair in that order; heads of at most 2^18 weights take "
+        "that order untimed; packed_pair and onnx only for heads of at most 64 Mi weights)")
     class_index: Literal["auto", "exact", "flat", "ivf", "hnsw"] = Field(
         "auto", description="the class index behind topk mode=index: auto = flat up to 50,000 classes, else ivf "
         "(hnsw when ivf misses its recall or speed target), built at start and cached under data_dir; exact = no "

@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 # weights (256 MB of float32) the softmax baseline only reads the memory-mapped rows.
 ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
 CHOICE_TIE = 0.10  # strategies within this share of the cheapest count as tied (PREFERENCE decides)
+CHOICE_TIE_S = 2e-6  # ... or within this many seconds per input: a small head, where the rest of a request costs far more
 # ties: onnx embeds and scans in one session call (the least work on the event loop's side), then the simplest
 PREFERENCE = ("onnx", "numpy", "ort", "packed_pair", "ort_pair", "int8", "bf16")
+SMALL_HEAD_VALUES = 1 << 18  # D*d up to this (1 MiB of float32 rows): the preferred strategy, not raced
 SMALL_BATCH = 8  # the warm-up choice also times this batch: a few clients' requests batched together
 
 Parts = list  # [(slice of the pass's rows, accumulator)]
@@ -150,20 +152,32 @@ class HeadPass:
         n = self.settings.max_batch
         x = np.random.default_rng(0).standard_normal((n,) + tuple(self.bundle.input_shape)).astype(np.float32)
         sizes = sorted({min(SMALL_BATCH, n), n})
+        candidates, race = self._candidates(), not self._small_head()
+        if not race:  # every strategy costs alike here: the preferred one that runs, timed for the patience
+            candidates.sort(key=lambda name: PREFERENCE.index(name) if name in PREFERENCE else len(PREFERENCE))
         times = {}
-        for name in self._candidates():
+        for name in candidates:
             try:
                 times[name] = {size: self._time(name, x[:size]) for size in sizes}
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
                 if self.precision != "float32":
                     raise
                 log.warning("softmax path %s unavailable: %s", name, exc)
+                continue
+            if not race:
+                break
         if not times:
             raise RuntimeError(f"softmax_impl={self.settings.softmax_impl}: that path cannot run on this bundle")
         self.name = pick_strategy(times)
         self.timing = {name: t[n] for name, t in times.items()}  # the full batch: sets the scan's patience
         self.timing_by_batch = {size: {name: t[size] for name, t in times.items()} for size in sizes}
         self._drop_unused()
+
+    def _small_head(self) -> bool:
+        """A head too small for the strategies to differ (its GEMM is a sliver of a request's cost): no
+        race, whose outcome there was noise from one start to the next (docs/results/warm-up-choices.md)."""
+        return (self.settings.softmax_impl == "auto" and self.precision == "float32"
+                and self.num_classes * self.embed_dim <= SMALL_HEAD_VALUES)
 
     def _time(self, name: str, x: np.ndarray) -> float:
         """Best of 3 of one softmax batch over x, one request per input (as under load)."""
@@ -218,5 +232,5 @@ def pick_strategy(times: dict[str, dict[int, float]]) -> str:
     where every strategy costs alike) is not decided by noise from one start to the next."""
     cost = {name: sum(t / size for size, t in by_size.items()) for name, by_size in times.items()}
     best = min(cost.values())
-    near = [name for name in cost if cost[name] <= best * (1 + CHOICE_TIE)]
+    near = [name for name in cost if cost[name] <= max(best * (1 + CHOICE_TIE), best + CHOICE_TIE_S)]
     return min(near, key=lambda name: PREFERENCE.index(name) if name in PREFERENCE else len(PREFERENCE))

@@ -23,8 +23,8 @@ def test_the_choice_is_the_least_summed_cost_per_input_brute_force():
         times = {n: {8: float(rng.uniform(1e-3, 3e-3)), 64: float(rng.uniform(3e-3, 9e-3))} for n in names}
         cost = {n: times[n][8] / 8 + times[n][64] / 64 for n in names}
         chosen = compute.pick_strategy(times)
-        assert all(cost[chosen] <= cost[n] * (1 + compute.CHOICE_TIE) for n in names)
-        near = [n for n in names if cost[n] <= min(cost.values()) * (1 + compute.CHOICE_TIE)]
+        best = min(cost.values())
+        near = [n for n in names if cost[n] <= max(best * (1 + compute.CHOICE_TIE), best + compute.CHOICE_TIE_S)]
         assert chosen == sorted(near, key=compute.PREFERENCE.index)[0]
 
 
@@ -35,14 +35,32 @@ def test_a_near_tie_goes_to_the_preferred_strategy_whatever_the_noise():
         assert compute.pick_strategy({k: {n: v / 1e3 for n, v in t.items()} for k, t in times.items()}) == "onnx"
 
 
+def test_on_a_tiny_head_a_few_microseconds_per_input_are_a_tie():
+    """D = 10: numpy 25 % cheaper than onnx, but by 1 µs per input against ~150 µs a request costs."""
+    times = {"numpy": {8: 24e-6, 64: 150e-6}, "onnx": {8: 32e-6, 64: 200e-6}}
+    assert compute.pick_strategy(times) == "onnx"
+    far = {"numpy": {8: 24e-6, 64: 150e-6}, "onnx": {8: 80e-6, 64: 400e-6}}  # 5 µs per input: not a tie
+    assert compute.pick_strategy(far) == "numpy"
+
+
 def test_one_timed_size_reduces_to_the_fastest():
     assert compute.pick_strategy({"numpy": {4: 2.0}, "onnx": {4: 1.0}}) == "onnx"
 
 
-def test_the_server_serves_with_the_strategy_its_timings_choose(client_factory):
-    """Through the real warm-up: the rule applied to the times the warm-up measured names the strategy
-    the server serves with; /v1/model reports those times (rounded to µs) and the max_batch column
-    as softmax_timing_ms."""
+def test_a_small_head_gets_the_preferred_strategy_without_a_race(client_factory):
+    """D*d under SMALL_HEAD_VALUES (the test bundle): onnx, timed alone (its time sets the patience)."""
+    client = client_factory(intra_op_threads=2, max_batch=32)
+    model = client.get("/v1/model").json()
+    assert model["softmax_impl"] == compute.PREFERENCE[0]
+    assert set(model["softmax_timing_ms"]) == {compute.PREFERENCE[0]}
+    assert set(model["softmax_timing_ms_by_batch"]) == {"8", "32"}
+
+
+def test_the_server_serves_with_the_strategy_its_timings_choose(client_factory, monkeypatch):
+    """Through the real warm-up with a race (every head counted large): the rule applied to the times
+    the warm-up measured names the strategy the server serves with; /v1/model reports those times
+    (rounded to µs) and the max_batch column as softmax_timing_ms."""
+    monkeypatch.setattr(compute, "SMALL_HEAD_VALUES", 0)
     client = client_factory(intra_op_threads=2, max_batch=32)
     model = client.get("/v1/model").json()
     head_pass = client.app.state.slc.engine.head_pass

@@ -143,12 +143,13 @@ class HeadPass:
 
     # ------------------------------------------------------------------ the choice (warm-up)
     def choose(self) -> None:
-        """Time softmax batches through each strategy the settings allow; keep the fastest (or time
+        """Time softmax batches through each strategy the settings allow and keep the cheapest (or time
         only the one the settings name, or the quantized head's: its time sets the batch's patience).
 
         Timed at two sizes, a few clients' batch and the largest, and chosen by the summed cost per
-        input: at the largest alone the strategies are close enough for a busy moment to pick one
-        that is much slower at the batches most loads make (docs/results/house-aa.md)."""
+        input (pick_strategy): at the largest alone the strategies are close enough for a busy moment
+        to pick one that is much slower at the batches most loads make
+        (docs/results/house-before-after.md)."""
         n = self.settings.max_batch
         x = np.random.default_rng(0).standard_normal((n,) + tuple(self.bundle.input_shape)).astype(np.float32)
         sizes = sorted({min(SMALL_BATCH, n), n})
@@ -175,7 +176,7 @@ class HeadPass:
 
     def _small_head(self) -> bool:
         """A head too small for the strategies to differ (its GEMM is a sliver of a request's cost): no
-        race, whose outcome there was noise from one start to the next (docs/results/warm-up-choices.md)."""
+        race, whose outcome there was noise from one start to the next (docs/results/house-before-after.md)."""
         return (self.settings.softmax_impl == "auto" and self.precision == "float32"
                 and self.num_classes * self.embed_dim <= SMALL_HEAD_VALUES)
 

@@ -19,7 +19,6 @@ from models import check_backbone_name, list_backbones
 from serving.bundle.cliopts import OUT, POSITIVE, key_values
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
-from trainer.sharded_head import sharded_losses
 from trainer.augment import AUGMENTS
 from trainer.device import DEVICES, PRECISIONS
 from trainer.train import OPTIMIZERS, SCHEDULES

@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import random
-import shutil
 import signal
 import time
 import dataclasses
@@ -48,12 +47,14 @@ from models import ClassHead, SLCNet, backbone_input_spec, build_backbone, spec_
 from trainer.augment import augment_generator, build_augment
 from trainer.checkpoint import atomic_save, checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.data import Splits, load_dataset
+from trainer.data.imagefiles import dataset_path
 from trainer.device import autocast, check_precision, grad_scaler, process_group_backend, resolve_device
 from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadcast_parameters, sum_gradients
 from trainer.history import History, plot_curves
 from trainer.loader import EpochBatches, batch_loader
 from trainer.losses import build_loss
 from trainer.metrics import head_chunks, pooled_separation, slc_metrics, streaming_slc_metrics
+from trainer.run_dir import check_out, clear_run, make_out
 from trainer.sampled_head import ClassSampler
 from trainer.sharded_head import Shard, gather_head, keep_shard, sharded_losses
 
@@ -304,19 +305,20 @@ def resolve_backbone(cfg: TrainConfig, splits: Splits) -> str:
     return "resnet_glyph" if len(shape) == 3 and min(shape[1:]) >= 16 else "mlp"
 
 
-def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to train onto an existing run (one line) unless resuming it or told to overwrite."""
+def prepare_run_dir(cfg: "TrainConfig", out: Path, resume: bool, overwrite: bool) -> None:
+    """Before any data is read: refuse an --out that may not receive this run (trainer/run_dir.py), one line."""
     if resume:
         resume_config(out)  # one line when there is nothing to resume
         return
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"--out {out} already holds a run; choose another --out, add --overwrite to replace it, "
-                             f"or --resume {out} to continue it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    data = dataset_path(cfg.dataset) if cfg.dataset.startswith(("imagefolder:", "csv:", "npz:")) else None
+    check_out(out, overwrite, data)
+
+
+def _clear_out(out: Path) -> None:
+    """The run folder emptied of an old run's own files (--overwrite) and created; a word on what stays."""
+    if kept := clear_run(out):
+        print(f"--out {out}: kept {len(kept)} name(s) that are not the run's: {', '.join(kept[:4])}")
+    make_out(out)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -510,7 +512,7 @@ def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite:
     check_precision(cfg.precision, device)
     rank, world = _distributed(device)
     if rank == 0:
-        prepare_run_dir(out, resume, overwrite)
+        prepare_run_dir(cfg, out, resume, overwrite)
     seed_everything(cfg.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -527,6 +529,8 @@ def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite:
     if batch < 2 * world:
         raise ValueError(f"batch_size {batch} too small for {world} rank(s): every rank needs 2 examples")
     steps_per_epoch = n_train // batch  # drop the last incomplete batch
+    if rank == 0 and not resume:  # data found and checked: only now are an old run's own files removed
+        _clear_out(out)
     total_steps = min(max(1, cfg.epochs * steps_per_epoch), cfg.max_steps or 1 << 62)
     optimizer = _optimizer(cfg, net.parameters())
     schedule = _schedule(cfg, optimizer, total_steps)

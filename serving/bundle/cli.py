@@ -19,7 +19,7 @@ def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     from serving.bundle.quantize import PRECISIONS
 
     names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
-    if not names or (bad := [x for x in names if x not in PRECISIONS]):
+    if not names or any(x not in PRECISIONS for x in names):
         raise click.BadParameter(f"expected a comma list of {', '.join(PRECISIONS)}, got {value!r}", ctx, param)
     return names
 

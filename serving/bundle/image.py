@@ -39,6 +39,10 @@ FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")  # the Pillow decoders e
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # image files of a dataset
 MAX_PIXELS = 16_000_000  # decoded pixels of an image body; a larger one (or a decompression bomb) is refused
 FILE_MAX_PIXELS = 89_478_485  # of an image file (Pillow's own decompression-bomb limit): camera photos pass
+# What a file may decode to (width x height x bands x bytes per sample, after a JPEG's reduced-scale
+# decode): 128 MiB is a 44-megapixel RGB or a 33-megapixel RGBA image; a small PNG of 9000x9000 RGBA
+# (324 MiB decoded) is refused by its header. Bodies need no such bound: MAX_PIXELS keeps them under 128 MiB.
+FILE_MAX_DECODED_BYTES = 128 << 20
 CONTENT_PROBE = 256  # the content box is found on a copy at most this many pixels on a side
 CONTENT_MIN_CONTRAST = 24  # an image whose pixels differ less from its border than this is blank
 REDUCE_GAP = 3  # large images are reduced cheaply to >= 3x the target size before resampling (10x faster
@@ -177,9 +181,24 @@ def check_header(img, max_pixels: int = MAX_PIXELS) -> None:
         raise UnsupportedImage(f"{img.mode} images (32-bit samples) are not supported; send 8 or 16 bits")
 
 
-def open_image(fp: BinaryIO, formats: Iterable[str] = FORMATS, max_pixels: int = MAX_PIXELS, side: int = 0):
+def decoded_bytes(img) -> int:
+    """Bytes the decoder's output of an opened image holds: width x height x bands x bytes per sample."""
+    sample = 2 if img.mode.startswith("I;16") else 4 if img.mode in ("I", "F") else 1
+    return img.width * img.height * len(img.getbands()) * sample
+
+
+def check_decoded_bytes(img, max_bytes: Optional[int]) -> None:
+    """ImageTooLarge when the opened image would decode to more than max_bytes (None: no bound)."""
+    if max_bytes is not None and (n := decoded_bytes(img)) > max_bytes:
+        raise ImageTooLarge(f"the image decodes to {n / 2**20:,.0f} MiB ({img.width}x{img.height} {img.mode}); "
+                            f"the limit for an image file is {max_bytes / 2**20:,.0f} MiB")
+
+
+def open_image(fp: BinaryIO, formats: Iterable[str] = FORMATS, max_pixels: int = MAX_PIXELS, side: int = 0,
+               max_bytes: Optional[int] = None):
     """A decoded PIL image from an open binary file; the header is checked before any pixel is decoded.
-    `side`: a JPEG may be decoded at a reduced scale keeping both sides >= side. ImageTooComplex
+    `side`: a JPEG may be decoded at a reduced scale keeping both sides >= side. `max_bytes`: what
+    the decoder may produce (checked after the reduced scale is chosen, before decoding). ImageTooComplex
     before Pillow reads anything (check_structure). Pillow's own errors
     (not an image, truncated, DecompressionBombError) pass through."""
     from PIL import Image
@@ -191,22 +210,24 @@ def open_image(fp: BinaryIO, formats: Iterable[str] = FORMATS, max_pixels: int =
     check_header(img, max_pixels)
     if side and img.format == "JPEG":
         img.draft(img.mode, (side, side))  # a square: whatever the EXIF rotation, both sides stay >= side
+    check_decoded_bytes(img, max_bytes)
     img.load()
     check_header(img, max_pixels)  # the mode a decoder settles on after loading
     return img
 
 
-def decode_image(fp: BinaryIO, spec: dict, formats: Iterable[str] = FORMATS, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+def decode_image(fp: BinaryIO, spec: dict, formats: Iterable[str] = FORMATS, max_pixels: int = MAX_PIXELS,
+                 max_bytes: Optional[int] = None) -> np.ndarray:
     """One example float32 [*input shape of spec] from the bytes of an image (module doc)."""
     side = REDUCE_GAP * max(int(spec["height"]), int(spec["width"])) if REDUCE_GAP else 0
-    return preprocess(open_image(fp, formats, max_pixels, side), spec)
+    return preprocess(open_image(fp, formats, max_pixels, side, max_bytes), spec)
 
 
 def load_image_file(path: str | Path, spec: dict) -> np.ndarray:
     """One example float32 [*input shape of spec] from an image file, exactly as the server
     decodes the same bytes sent as an image body (files may be larger than bodies: FILE_MAX_PIXELS)."""
     with open(path, "rb") as f:
-        return decode_image(f, spec, max_pixels=FILE_MAX_PIXELS)
+        return decode_image(f, spec, max_pixels=FILE_MAX_PIXELS, max_bytes=FILE_MAX_DECODED_BYTES)
 
 
 def is_grey(img) -> bool:

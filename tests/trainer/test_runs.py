@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,12 +100,12 @@ def test_out_onto_an_existing_run_is_refused_in_one_line(straight):
     assert (straight / "checkpoint.pt").stat().st_mtime_ns == before
 
 
-def test_overwrite_replaces_the_run(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "stale.txt").write_text("old")
+def test_overwrite_replaces_the_run(straight, tmp_path):
+    run = shutil.copytree(straight, tmp_path / "run")
+    (run / "notes.txt").write_text("mine")
     train(_cfg(epochs=1), run, progress=False, overwrite=True)
-    assert not (run / "stale.txt").exists() and (run / "checkpoint.pt").is_file()
+    assert json.loads((run / "config.json").read_text())["epochs"] == 1 and (run / "checkpoint.pt").is_file()
+    assert (run / "notes.txt").read_text() == "mine"  # not the run's: kept
 
 
 def test_history_has_every_step_and_epoch_and_a_plot(straight):

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serving.bundle import atomic_write_text, replace_dir, slc_home
-from serving.bundle.image import EXTENSIONS, FILE_MAX_PIXELS, FORMATS, check_header, decode_image, is_grey
+from serving.bundle.image import (EXTENSIONS, FILE_MAX_DECODED_BYTES, FILE_MAX_PIXELS, FORMATS, check_decoded_bytes,
+                                  check_header, decode_image, is_grey)
 from serving.bundle.imagespec import LAYOUTS, check_image_spec, input_shape_of
 
 if TYPE_CHECKING:
@@ -164,6 +166,52 @@ def list_entries(name: str) -> tuple[Path, list[Entry]]:
     return path.parent, sorted(_csv_entries(path), key=lambda e: e.rel)
 
 
+# ------------------------------------------------------------------------------ which files may be read
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_regular(path: Path) -> str | None:
+    """Why `path` (symlinks followed) may not be read as an image file, or None for a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a dangling symlink" if os.path.islink(path) else "no such file"
+    except OSError as exc:
+        return _one_line(exc)
+    if stat.S_ISREG(mode):
+        return None
+    return "not a regular file: " + next((what for test, what in _KINDS if test(mode)), "a special file")
+
+
+def check_files(name: str, root: Path, entries: list[Entry]) -> tuple[list[Entry], list[tuple[str, str]]]:
+    """(the entries that are regular files, the others as (rel, why)), nothing opened; ValueError when
+    two entries are one file (same device and inode: `./a.png` and `a.png`, a symlink, a hard link)."""
+    ok, bad, seen = [], [], {}
+    for e in entries:
+        if why := _not_regular(root / e.rel):
+            bad.append((e.rel, why))
+            continue
+        st = os.stat(root / e.rel)
+        if (other := seen.setdefault((st.st_dev, st.st_ino), e.rel)) != e.rel:
+            raise ValueError(f"{name}: {other} and {e.rel} are the same file; list each image once")
+        ok.append(e)
+    return ok, bad
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """The bytes of a regular file; OSError for anything else (a FIFO swapped in after the check
+    is never waited on: opened non-blocking, refused by fstat before any read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 # ------------------------------------------------------------------------------ reading the files
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
@@ -176,8 +224,10 @@ def _scan_chunk(paths: list[str]) -> list[tuple[int, int, bool, str | None]]:
     out = []
     for p in paths:
         try:
-            with Image.open(p, formats=list(FORMATS)) as img:
+            with Image.open(io.BytesIO(read_regular(p)), formats=list(FORMATS)) as img:
                 check_header(img, FILE_MAX_PIXELS)
+                if img.format != "JPEG":  # a JPEG decodes at a reduced scale: checked when decoded
+                    check_decoded_bytes(img, FILE_MAX_DECODED_BYTES)
                 out.append((img.width, img.height, is_grey(img), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
             out.append((0, 0, False, _one_line(exc)))
@@ -190,8 +240,9 @@ def _decode_chunk(x_path: str, start: int, paths: list[str], spec: dict) -> list
     out = []
     for i, p in enumerate(paths):
         try:
-            data = Path(p).read_bytes()
-            x[start + i] = decode_image(io.BytesIO(data), spec, max_pixels=FILE_MAX_PIXELS)  # whole numbers 0..255
+            data = read_regular(p)
+            x[start + i] = decode_image(io.BytesIO(data), spec, max_pixels=FILE_MAX_PIXELS,
+                                        max_bytes=FILE_MAX_DECODED_BYTES)  # whole numbers 0..255
             out.append((hashlib.sha256(data).hexdigest(), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
             out.append((None, _one_line(exc)))
@@ -338,13 +389,17 @@ def cache_root() -> Path:
 
 
 def stat_key(root: Path, entries: list[Entry], image: dict | None, seed: int) -> str:
-    """What finds a built cache without reading an image: paths, labels, given splits, sizes and
-    modification times of the files, the requested spec and the split seed."""
+    """What finds a built cache without reading an image: paths, labels, given splits, and each file's
+    size, modification and change times, device and inode; the requested spec and the split seed.
+    A write to a file always moves its change time (st_ctime: set by the kernel, which no tool sets
+    back, unlike the modification time), so a file rewritten with its old size and mtime misses the
+    cache and is decoded and hashed again."""
     h = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "seed": seed, "image": check_requested(image)},
                                   sort_keys=True).encode())
     for e in entries:
         st = os.stat(root / e.rel)
-        h.update(json.dumps([e.rel, e.label, e.split, st.st_size, st.st_mtime_ns]).encode() + b"\n")
+        h.update(json.dumps([e.rel, e.label, e.split, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev,
+                             st.st_ino]).encode() + b"\n")
     return h.hexdigest()
 
 
@@ -455,6 +510,10 @@ def load(name: str, seed: int = 0, image: dict | None = None, skip_bad: bool = F
     from filelock import FileLock
 
     root, entries = list_entries(name)
+    entries, missing = check_files(name, root, entries)  # FIFOs, devices, missing files: never opened
+    _refuse_bad(name, missing, skip_bad)
+    if not entries:
+        raise ValueError(f"{name}: no readable image file")
     key = stat_key(root, entries, image, seed)
     if cache := _cached(key):
         return from_cache(name, cache, seed, skip_bad)
@@ -465,8 +524,8 @@ def load(name: str, seed: int = 0, image: dict | None = None, skip_bad: bool = F
         readable, sizes, bad = scan(name, root, entries, skip_bad, progress, workers)
         spec = resolve_spec(name, image, sizes)
         resolved_key = stat_key(root, entries, spec, seed)
-        cache = _cached(resolved_key) or build(name, root, readable, spec, seed, skip_bad, [rel for rel, _ in bad],
-                                               progress, workers)
+        cache = _cached(resolved_key) or build(name, root, readable, spec, seed, skip_bad,
+                                               [rel for rel, _ in missing + bad], progress, workers)
         _remember(key, cache)
         _remember(resolved_key, cache)
     return from_cache(name, cache, seed, skip_bad)

@@ -9,6 +9,11 @@ gets 422 `image_decode_timeout` and a new process takes the place of the old. A 
 while its body is being decoded (its deadline passed, its client left) kills that decode the same
 way. Bodies waiting for a worker are bounded: beyond `decode_queue` of them, 429 `overloaded`.
 
+A process that dies while decoding (killed from outside, out of memory) is the server's fault, not
+the body's: the body has passed the byte checks, and an image that fails to decode on its own is
+answered by the process (422). So the body is decoded once more, by a fresh process; when that one
+dies too, the request gets 503 `decoder_crashed` with Retry-After.
+
 Small images never wait behind large ones: a body of at most LIGHT_PIXELS by its header goes
 first, and larger ones (or ones whose header cannot be read cheaply) decode on all workers but
 one; a large one that would not be decoded before the request deadline (at the recent pace, per
@@ -55,6 +60,8 @@ LIGHT_PIXELS = 1 << 20
 DEADLINE_SHARE = 0.8
 RATE_PRIOR = 50e-9
 HEADER_MAX_BYTES = 64 * 1024  # of a worker's answer header (the example's bytes: at most its size)
+CRASH_RETRY_AFTER_S = 1
+_CRASHED = object()  # what _decode returns when the process died mid-decode
 
 
 class _Job:
@@ -216,7 +223,7 @@ class _Worker:
                 continue
             t0 = time.perf_counter()
             try:
-                result = self._decode(job)
+                result = self._answer(job)
             except Exception as exc:  # noqa: BLE001 - a bug here must not take the feeder thread down
                 log.exception("image decode feeder")
                 result = exc
@@ -240,8 +247,22 @@ class _Worker:
             if not self.pool.closed:
                 log.error("%s", exc)
 
+    def _answer(self, job: _Job):
+        """`_decode`, once more on a fresh process when the process died mid-decode: a death (a kill, the OOM
+        killer) is the server's failure, not the body's, which passed the byte checks. Once only: a body that
+        kills every decoder costs two processes, then 503 with Retry-After."""
+        result = self._decode(job)
+        if result is _CRASHED and not job.cancelled:
+            log.warning("decoding the %d-byte body once more, on a fresh worker", len(job.body))
+            result = self._decode(job)  # it starts the fresh process
+        if result is _CRASHED:
+            return NotReady("the image decoder process died while decoding the body, twice (a server-side "
+                            "failure, not the image's); retry", code="decoder_crashed", retry_after=CRASH_RETRY_AFTER_S)
+        return result
+
     def _decode(self, job: _Job):
-        """(header, example, its size in bytes) from the process, or the exception for the request; never raises."""
+        """(header, example, its size in bytes) from the process, or the exception for the request, or _CRASHED
+        when the process died decoding it; never raises."""
         if self.pool.closed:
             return NotReady("the server is shutting down")
         if self.proc is None or self.proc.poll() is not None:  # never started, or died while idle
@@ -262,9 +283,9 @@ class _Worker:
             if job.cancelled or self.pool.closed:
                 return NotReady("the request was cancelled, or the server is shutting down")
             self.pool.crashes += 1
-            log.warning("an image decode worker died on a body of %d bytes; replaced", len(job.body))
+            log.warning("an image decode worker died decoding a body of %d bytes; replaced", len(job.body))
             self.reap()
-            return InvalidInput("the body is not a decodable image (it crashed the decoder)", code="invalid_image")
+            return _CRASHED
         self.reap()  # past the budget: SIGKILL, the only way to stop a decoder
         self.pool.kills += 1
         log.warning("an image decode of a %d-byte body ran past its %g s budget: worker killed", len(job.body), budget)

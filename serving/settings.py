@@ -91,13 +91,15 @@ class Settings(BaseSettings):
     # --- compute
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    softmax_impl: Literal["auto", "numpy", "ort", "ort_pair", "packed_pair", "onnx"] = Field(
+    softmax_impl: Literal["auto", "numpy", "ort", "ort_pair", "packed_pair", "onnx", "device"] = Field(
         "auto", description="how all D logits are computed (softmax, exact top-k): a chunked pass over the head with "
         "numpy's GEMM or onnxruntime's, or two one-thread onnxruntime GEMMs taking chunks in turn (ort_pair; "
         "packed_pair: each chunk's rows pre-packed once, a second copy of the head; both with two or more "
         "intra-op threads), or full.onnx; auto = the least cost per input at warm-up (batches of 8 and max_batch; "
         "near ties to onnx, numpy, ort, packed_pair, ort_pair in that order; heads of at most 2^18 weights take "
-        "that order untimed; packed_pair and onnx only for heads of at most 64 Mi weights)")
+        "that order untimed; packed_pair and onnx only for heads of at most 64 Mi weights); device = the float32 head "
+        "resident on the execution device, only what each request answers with copied back (a candidate of auto "
+        "with --device cuda; on the CPU only when named)")
     class_index: Literal["auto", "exact", "flat", "ivf", "hnsw"] = Field(
         "auto", description="the class index behind topk mode=index: auto = flat up to 50,000 classes, else ivf "
         "(hnsw when ivf misses its recall or speed target), built at start and cached under data_dir; exact = no "

@@ -6,6 +6,9 @@ ort_pair        two one-thread onnxruntime GEMMs taking class chunks in turn
 packed_pair     the same over pre-packed chunk sessions (serving/core/packed_head.py: a second copy)
 onnx            full.onnx: the backbone and the head in one session (a second copy of the head)
 int8 / bf16     the quantized head (SLC_HEAD_PRECISION), each answer finished on the float32 rows
+device          the float32 head resident on the execution device (serving/core/device_head.py): with
+                --device cuda a candidate, and the one that reads no row on the host; on the CPU only
+                when named (SLC_SOFTMAX_IMPL=device), which is how make test checks its graphs
 
 Every pass feeds per-request accumulators (serving/core/head_scan.py): never a [batch, D] matrix
 unless a job answers with one. Runs in the batcher's worker thread, one pass at a time.
@@ -20,7 +23,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from serving.core import head_scan, quantized_head
+from serving.core import device_head, head_scan, quantized_head
+from serving.core.device_memory import check_fits
+from serving.errors import Kind, SlcError
 from serving.core.packed_head import PackedHead
 
 log = logging.getLogger(__name__)
@@ -31,7 +36,7 @@ ONNX_HEAD_MAX_VALUES = 64 * 1024 * 1024
 CHOICE_TIE = 0.10  # strategies within this share of the cheapest count as tied (PREFERENCE decides)
 CHOICE_TIE_S = 2e-6  # ... or within this many seconds per input: a small head, where the rest of a request costs far more
 # ties: onnx embeds and scans in one session call (the least work on the event loop's side), then the simplest
-PREFERENCE = ("onnx", "numpy", "ort", "packed_pair", "ort_pair", "int8", "bf16")
+PREFERENCE = ("onnx", "numpy", "ort", "packed_pair", "ort_pair", "int8", "bf16", "device")
 SMALL_HEAD_VALUES = 1 << 18  # D*d up to this (1 MiB of float32 rows): the preferred strategy, not raced
 SMALL_BATCH = 8  # the warm-up choice also times this batch: a few clients' requests batched together
 
@@ -67,6 +72,11 @@ class HeadPass:
             raise ValueError(f"softmax_impl={self.name} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
         self._packed: Optional[PackedHead] = None  # packed_pair's chunk sessions (built at warm-up)
         self._quantized: Optional[Any] = None  # Int8Head / Bf16Head (serving/core/quantized_head.py)
+        self._device: Optional[device_head.DeviceHead] = None  # the head on the execution device (device)
+        self.device_healthy = True  # False after a device error in a pass (readiness reports it)
+        if "device" in self._candidates():  # before any other work: a head too large for the GPU is one line
+            check_fits(self._device_kind(), self.num_classes, self.embed_dim, settings.max_batch,
+                       settings.max_topk + self.topk_extra)
         self._scan_buf: Optional[np.ndarray] = None  # chunk buffers, kept: no 8 MiB malloc per batch
         self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
 
@@ -90,9 +100,52 @@ class HeadPass:
             return lambda x, h, parts: self._pair_pass(h, parts, name)
         if name == "onnx":
             return lambda x, h, parts: head_scan.feed(self.runtime.full_logits(x), parts, pool=self._pool)
+        if name == "device":
+            return lambda x, h, parts: self._device_pass(h, parts)
         gemm = self._ort_gemm if name == "ort" else head_scan.numpy_gemm
         return lambda x, h, parts: head_scan.scan(self.bundle.weight, self.bundle.bias, h, parts, gemm=gemm,
                                                   buf=self._chunk_buffer(len(h)), pool=self._pool)
+
+    def device_head(self) -> device_head.DeviceHead:
+        """The head on the runtime's device, uploaded on first use; one line (SlcError) when it does not fit."""
+        if self._device is None:
+            where, max_k = self._device_kind(), self.settings.max_topk + self.topk_extra
+            self._device = device_head.DeviceHead(self.bundle.weight, self.bundle.bias, where, max_k=max_k,
+                                                  threads=self.runtime.threads)
+            log.info("head resident on %s: %.1f MB of float32 rows (providers %s)", where,
+                     self._device.resident_bytes / 1e6, self._device.providers)
+        return self._device
+
+    def device_info(self) -> dict:
+        """Where the passes over the head read the rows (GET /v1/model `head_device`)."""
+        if self.name != "device" or self._device is None:
+            return {"resident": "host", "healthy": True}
+        return {"resident": self._device.device, "bytes": self._device.resident_bytes,
+                "blocks": self._device.blocks, "block_width": self._device.width, "healthy": self.device_healthy}
+
+    def _device_kind(self) -> str:
+        return "cuda" if self.runtime.uses_cuda else "cpu"
+
+    def probe(self) -> bool:
+        """One lone input through the device pass (readiness after a device error): whether it works now."""
+        try:
+            self._device_pass(np.zeros((1, self.embed_dim), np.float32),
+                              [(slice(0, 1), head_scan.SoftmaxStats(1, 0))])
+        except SlcError:
+            return False
+        return True
+
+    def _device_pass(self, h: np.ndarray, parts: Parts) -> None:
+        """The pass on the device head; a device error is 503 (the server stays up, readiness says so)."""
+        head = self.device_head()
+        try:
+            head.run(h, parts)
+        except (RuntimeError, OSError) as exc:  # onnxruntime's Fail / RuntimeException, CUDA errors among them
+            self.device_healthy = False
+            log.error("device pass failed: %s", exc)
+            raise SlcError(f"the {head.device} pass over the head failed ({str(exc).splitlines()[0][:160]}); retry",
+                           kind=Kind.UNAVAILABLE, code="device_error", retry_after=1) from None
+        self.device_healthy = True
 
     def _chunk_buffer(self, m: int) -> np.ndarray:
         """The flat scratch array of a pass over m inputs, grown when needed and then kept."""
@@ -206,6 +259,8 @@ class HeadPass:
         wanted = self.settings.softmax_impl
         fits_twice = self.num_classes * self.embed_dim <= ONNX_HEAD_MAX_VALUES
         names = ["numpy", "ort"] + (["ort_pair"] if self._ort_pair is not None else [])
+        if wanted == "device" or (wanted == "auto" and self.runtime.uses_cuda):
+            names.append("device")
         if wanted == "onnx" or (wanted == "auto" and fits_twice):
             names.append("onnx")
         if self._ort_pair is not None and (wanted == "packed_pair" or (wanted == "auto" and fits_twice)):
@@ -223,6 +278,8 @@ class HeadPass:
             self.runtime.drop_full()
         if self.name != "packed_pair":
             self._packed = None
+        if self.name != "device":
+            self._device = None
         if self.name not in ("ort_pair", "packed_pair") and self.precision == "float32":
             self._pair_bufs = None
 

@@ -57,6 +57,21 @@ class ServerState:
             return f"the model could not be loaded: {self.load_error}"
         return "the model is still loading"
 
+    async def device_ready(self) -> bool:
+        """False while the device has failed a pass over the head and a probe input still fails (a probe
+        is run here, off the event loop, only after a failure): readiness then answers 503."""
+        engine = self.engine
+        if engine is None or engine.head_pass.device_healthy:
+            return True
+        return await asyncio.to_thread(engine.head_pass.probe)
+
+    async def check_ready(self) -> None:
+        """NotReady (503) unless the server is ready and its device healthy."""
+        if not self.is_ready:
+            raise NotReady(self.not_ready_reason())
+        if not await self.device_ready():
+            raise NotReady("the device failed a pass over the head and still fails a probe", code="device_error")
+
     def ready_engine(self):
         """The engine, or NotReady (503) while loading / after a failed load. A draining server
         still answers: requests already on their way finish."""
@@ -100,6 +115,7 @@ class ServerState:
             "calibration": calibration,
             "providers": list(self.runtime.providers),
             "device": s.device,
+            "head_device": engine.head_pass.device_info(),
             "softmax_impl": engine.softmax_impl,
             "softmax_timing_ms": {k: round(v * 1e3, 3) for k, v in engine.softmax_timing.items()},
             "softmax_timing_ms_by_batch": {str(n): {k: round(v * 1e3, 3) for k, v in t.items()}
@@ -110,6 +126,7 @@ class ServerState:
                          "request_timeout_s": s.request_timeout_s, "max_inputs": s.max_inputs,
                          "intra_op_threads": s.intra_op_threads, "inline_max_ms": s.inline_max_ms,
                          "one_thread_backbone_max_batch": self.runtime.small_batch_max,
+                         "small_batch_backbone": self.runtime.small_batch_device,
                          "concurrent_batches": engine.batcher.lanes},
         }
 

@@ -35,17 +35,38 @@ def cuda_device_count() -> int:
     return int(count.value)
 
 
-def _providers_for(device: str) -> list[str]:
+# TF32 off: a float32 MatMul or Conv in TF32 moves an embedding by about 1e-3 relative, enough to
+# move a logit across its calibrated threshold (onnxruntime's CUDA provider turns it on by default)
+CUDA = [("CUDAExecutionProvider", {"use_tf32": "0"}), *CPU]
+_preloaded = False
+
+
+def preload_cuda() -> None:
+    """Load the CUDA and cuDNN libraries of the nvidia-* wheels (the ones torch brings) before the first
+    CUDA session, so that no LD_LIBRARY_PATH is needed; once, and quietly where there are none."""
+    global _preloaded
+    if _preloaded or not hasattr(ort, "preload_dlls"):
+        return
+    _preloaded = True
+    try:
+        ort.preload_dlls(msvc=False, directory="")
+    except Exception as exc:  # noqa: BLE001 - the default library path may still hold them
+        log.info("onnxruntime.preload_dlls: %s", exc)
+
+
+def _providers_for(device: str) -> list:
     available = ort.get_available_providers()
     if device == "cpu":
         return CPU
     if device == "cuda":
         if "CUDAExecutionProvider" not in available:
             raise RuntimeError(f"device=cuda but this onnxruntime has no CUDAExecutionProvider (has {available})")
-        return ["CUDAExecutionProvider", *CPU]
+        preload_cuda()
+        return CUDA
     # auto: only try CUDA when this build has it and a GPU is there (else ORT prints a failed probe)
     if "CUDAExecutionProvider" in available and cuda_device_count() > 0:
-        return ["CUDAExecutionProvider", *CPU]
+        preload_cuda()
+        return CUDA
     return CPU
 
 
@@ -90,6 +111,11 @@ class Runtime:
                  ort.__version__, self.providers, device, threads)
 
     @property
+    def small_batch_device(self) -> str:
+        """Where batches of up to small_batch_max inputs run their backbone (GET /v1/model)."""
+        return "cpu (one thread)" if self._small is not None and self.small_batch_max else self.providers[0]
+
+    @property
     def uses_cuda(self) -> bool:
         return "CUDAExecutionProvider" in self.providers
 
@@ -132,9 +158,11 @@ class Runtime:
         `rounds` rounds of 5 runs, the two sessions' rounds interleaved so that a busy moment of a
         shared machine hits both (one noisy round used to cut the one-thread range from 32 to 4).
         `pinned` (SLC_ONE_THREAD_MAX_BATCH): that range, untimed, so that replicas behave alike.
-        Only on the CPU, with more than one thread, and for a backbone small enough to hold twice."""
+        With CUDA the same choice is between the GPU session and a one-thread CPU session: at a few inputs
+        the copies and kernel launches of a GPU call cost more than the CPU's work (detect at batch 1).
+        Only for a backbone small enough to hold twice; on the CPU only with more than one thread."""
         path = Path(self.bundle.graph_path("backbone"))
-        if self.threads == 1 or self.uses_cuda or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
+        if (self.threads == 1 and not self.uses_cuda) or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
             return 0
         small = ort_session(path, threads=1, providers=CPU, spin=False)
         best = pinned if pinned is not None else self._time_small_batches(small, sizes, timer or _best_time, rounds)

@@ -191,7 +191,7 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
             return pb.ServerLiveResponse(live=True)
 
         async def ServerReady(self, request, context):
-            return pb.ServerReadyResponse(ready=bool(state.is_ready))
+            return pb.ServerReadyResponse(ready=bool(state.is_ready and await state.device_ready()))
 
         async def ServerMetadata(self, request, context):
             return pb.ServerMetadataResponse(name="slc", version=SERVER_VERSION, extensions=[])
@@ -199,7 +199,7 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
         async def ModelReady(self, request, context):
             async def work(_):
                 model_kind(calls.engine(), request.name)
-                return pb.ModelReadyResponse(ready=bool(state.is_ready))
+                return pb.ModelReadyResponse(ready=bool(state.is_ready and await state.device_ready()))
             return await calls.run("ModelReady", context, work)
 
         async def ModelMetadata(self, request, context):

@@ -183,6 +183,8 @@ class ModelInfo(BaseModel):
     calibration: dict[str, Any] = Field(description="target, global threshold, per-class summary")
     providers: list[str] = Field(description="onnxruntime execution providers in use")
     device: str
+    head_device: dict[str, Any] = Field(description="where the passes over all D classes read the rows: host, or "
+                                        "the device (cuda) holding them, its bytes and whether it is healthy")
     softmax_impl: str
     index: Optional[dict[str, Any]] = None
     batching: dict[str, Any]

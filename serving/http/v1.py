@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 
 from serving.codecs import fast_json, image_decoder, images, strict_json as read
-from serving.errors import Forbidden, NotReady, Unauthorized, UnsupportedMediaType
+from serving.errors import Forbidden, Unauthorized, UnsupportedMediaType
 from serving.gallery import bodies
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
@@ -92,8 +92,7 @@ async def live() -> dict:
 
 @router.get("/health/ready", response_model=Health, responses=error_responses(503), tags=["health"])
 async def ready(state=Depends(server_state)) -> dict:
-    if not state.is_ready:
-        raise NotReady(state.not_ready_reason())
+    await state.check_ready()
     return {"status": "ready"}
 
 

@@ -105,8 +105,7 @@ async def v2_live():
 
 @router.get("/health/ready", response_model=Readiness, responses=error_responses(503))
 async def v2_ready(state=Depends(server_state)):
-    if not state.is_ready:
-        raise NotReady(state.not_ready_reason())
+    await state.check_ready()
     return {"ready": True}
 
 

@@ -23,7 +23,7 @@ def test_health_and_model(client, bundle):
     assert info["calibration"]["per_class"]["count"] == bundle.num_classes
     assert info["calibration"]["global"]["threshold"] == pytest.approx(bundle.global_threshold)
     assert info["index"]["kind"] and "recall_at_k" in info["index"]
-    assert info["softmax_impl"] in ("numpy", "ort", "ort_pair", "packed_pair", "onnx")
+    assert info["softmax_impl"] in ("numpy", "ort", "ort_pair", "packed_pair", "onnx", "device")
 
 
 @pytest.mark.parametrize("ref", ["7", "name"])
@@ -75,7 +75,7 @@ def test_softmax_matches_numpy(client, bundle, offline, inputs):
     assert [r["is_top1"] for r in body["results"]] == list(z.argmax(axis=1) == j)
 
 
-@pytest.mark.parametrize("impl", ["numpy", "ort", "ort_pair", "packed_pair", "onnx"])
+@pytest.mark.parametrize("impl", ["numpy", "ort", "ort_pair", "packed_pair", "onnx", "device"])
 def test_every_softmax_impl_answers_softmax_and_exact_topk_as_offline_math(client_factory, offline, inputs, impl):
     client = client_factory(softmax_impl=impl, intra_op_threads=2)  # (the pairs take two threads)
     assert client.get("/v1/model").json()["softmax_impl"] == impl

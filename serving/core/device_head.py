@@ -1,0 +1,271 @@
+"""The head resident on the execution device: every pass over the D rows runs there, and only what
+each request answers with comes back (issue 36; docs/configuration.md "The head on a GPU").
+
+With `--device cuda` the float32 rows are uploaded once, at load, as onnxruntime values on the GPU,
+and three small ONNX graphs built here read them through IO binding (no copy per call):
+
+  softmax   h [M, d], w [D, d], b [D], j [M] -> lse [M], zj [M], top [M], bad [M]
+  topk      h, w, b, k [1]                    -> values [M, K], ids [M, K], bad [M]
+  logits    h, w, b                           -> z [M, D]
+
+so a softmax answer crosses back as 4 numbers per input, a top-k as 2k, and the [M, D] logits
+only when a request asks for them. The reductions over D are split in two stages over blocks of
+the row ([M, D] -> [M, blocks, width] -> [M, blocks] -> [M]): onnxruntime's CUDA kernels for
+Softmax, TopK and the reductions give one thread block to a row, which at batch 1 leaves all but one
+multiprocessor idle at D = 10^6; with blocks, a row is spread over many. The row is padded to
+blocks x width with PAD, a finite logit far below any real one (exp(PAD - max) = 0; never in a
+top-k, since k <= D). TF32 is off (`use_tf32=0`): a float32 GEMM in TF32 moves logits by about
+1e-3 relative, enough to flip a decision at a calibrated threshold.
+
+The same graphs run on the CPU provider, which is how `make test` checks them against float64
+numpy on any machine (SLC_SOFTMAX_IMPL=device); on the CPU the chunked passes of head_scan.py
+remain the default (they never hold [M, D]).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from serving.core import head_scan
+
+log = logging.getLogger(__name__)
+
+PAD = -3.0e38  # a padded column's logit: finite (so 0 * PAD is 0), below every real logit
+BLOCK_WIDTH = 1024  # columns per block of the two-stage reductions (at least the largest k)
+GROUP_VALUES = 1 << 27  # logits of one run: inputs are taken in groups of at most this many x D
+OPSET = 17
+
+
+def block_shape(num_classes: int, max_k: int) -> tuple[int, int]:
+    """(blocks, width): the row of D logits as blocks x width >= D, width >= max_k (TopK's k per block)."""
+    width = min(num_classes, max(BLOCK_WIDTH, 1 << max(0, math.ceil(math.log2(max(max_k, 1))))))
+    return -(-num_classes // width), width
+
+
+def _graph(name: str, extra_inputs: list, outputs: list, nodes: list, d: int, initializers: list) -> bytes:
+    from onnx import TensorProto, helper
+
+    inputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["M", d]),
+              helper.make_tensor_value_info("w", TensorProto.FLOAT, ["D", d]),
+              helper.make_tensor_value_info("b", TensorProto.FLOAT, ["D"])] + extra_inputs
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8  # readable by every onnxruntime the project supports
+    return model.SerializeToString()
+
+
+def _common(num_classes: int, blocks: int, width: int) -> tuple[list, list]:
+    """(nodes, initializers): z = h w^T + b [M, D]; bad [M] (a NaN or an infinity in the row: the sum
+    of z * 0 is NaN exactly then); z3 [M, blocks, width] padded with PAD."""
+    from onnx import TensorProto, helper
+
+    pad = blocks * width - num_classes
+    inits = [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
+             helper.make_tensor("axis1", TensorProto.INT64, [1], [1]),
+             helper.make_tensor("pads", TensorProto.INT64, [4], [0, 0, 0, pad]),
+             helper.make_tensor("pad_value", TensorProto.FLOAT, [], [PAD]),
+             helper.make_tensor("shape3", TensorProto.INT64, [3], [-1, blocks, width])]
+    nodes = [helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1),
+             helper.make_node("Mul", ["z", "zero"], ["z0"]),
+             helper.make_node("ReduceSum", ["z0", "axis1"], ["z0sum"], keepdims=0),
+             helper.make_node("IsNaN", ["z0sum"], ["bad"]),
+             helper.make_node("Pad", ["z", "pads", "pad_value"], ["zp"], mode="constant"),
+             helper.make_node("Reshape", ["zp", "shape3"], ["z3"])]
+    return nodes, inits
+
+
+def softmax_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
+    """lse [M] (two-stage log-sum-exp), zj [M] (the logit of each row's class j), top [M] (the argmax,
+    ties to the smaller id), bad [M]."""
+    from onnx import TensorProto, helper
+
+    nodes, inits = _common(num_classes, blocks, width)
+    inits.append(helper.make_tensor("width", TensorProto.INT64, [], [width]))
+    nodes += [
+        helper.make_node("Unsqueeze", ["j", "axis1"], ["j1"]),  # [M, 1]
+        helper.make_node("GatherElements", ["z", "j1"], ["zj1"], axis=1),
+        helper.make_node("Squeeze", ["zj1", "axis1"], ["zj"]),
+        # stage 1, per block: max, sum of exp(z - max) -> lse of the block [M, blocks]
+        helper.make_node("ReduceMax", ["z3"], ["m3"], axes=[2], keepdims=1),  # [M, blocks, 1]
+        helper.make_node("Sub", ["z3", "m3"], ["zc"]),
+        helper.make_node("Exp", ["zc"], ["ez"]),
+        helper.make_node("ReduceSum", ["ez", "axis2"], ["s3"], keepdims=1),
+        helper.make_node("Log", ["s3"], ["ls3"]),
+        helper.make_node("Add", ["m3", "ls3"], ["lb3"]),
+        helper.make_node("Squeeze", ["lb3", "axis2"], ["lb"]),  # [M, blocks]
+        # stage 2, over the blocks
+        helper.make_node("ReduceMax", ["lb"], ["m2"], axes=[1], keepdims=1),  # [M, 1]
+        helper.make_node("Sub", ["lb", "m2"], ["lbc"]),
+        helper.make_node("Exp", ["lbc"], ["elb"]),
+        helper.make_node("ReduceSum", ["elb", "axis1"], ["s2"], keepdims=1),
+        helper.make_node("Log", ["s2"], ["ls2"]),
+        helper.make_node("Add", ["m2", "ls2"], ["lse1"]),
+        helper.make_node("Squeeze", ["lse1", "axis1"], ["lse"]),
+        # argmax: the best block by its max, then the best column in it (first of equals: the smaller id)
+        helper.make_node("ArgMax", ["z3"], ["local"], axis=2, keepdims=0),  # [M, blocks]
+        helper.make_node("Squeeze", ["m3", "axis2"], ["m"]),
+        helper.make_node("ArgMax", ["m"], ["best"], axis=1, keepdims=1),  # [M, 1]
+        helper.make_node("GatherElements", ["local", "best"], ["col"], axis=1),
+        helper.make_node("Mul", ["best", "width"], ["base"]),
+        helper.make_node("Add", ["base", "col"], ["top1"]),
+        helper.make_node("Squeeze", ["top1", "axis1"], ["top"]),
+    ]
+    inits.append(helper.make_tensor("axis2", TensorProto.INT64, [1], [2]))
+    outputs = [helper.make_tensor_value_info("lse", TensorProto.FLOAT, ["M"]),
+               helper.make_tensor_value_info("zj", TensorProto.FLOAT, ["M"]),
+               helper.make_tensor_value_info("top", TensorProto.INT64, ["M"]),
+               helper.make_tensor_value_info("bad", TensorProto.BOOL, ["M"])]
+    j = helper.make_tensor_value_info("j", TensorProto.INT64, ["M"])
+    return _graph("device_softmax", [j], outputs, nodes, d, inits)
+
+
+def topk_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
+    """values [M, k], ids [M, k] (best first, equal values by the smaller id), bad [M]: the k best of
+    each block, then the k best of those (sort-free in the sense that no row is sorted whole)."""
+    from onnx import TensorProto, helper
+
+    nodes, inits = _common(num_classes, blocks, width)
+    inits += [helper.make_tensor("offsets", TensorProto.INT64, [1, blocks, 1], list(range(0, blocks * width, width))),
+              helper.make_tensor("flat", TensorProto.INT64, [2], [0, -1])]
+    nodes += [
+        helper.make_node("TopK", ["z3", "k"], ["v3", "i3"], axis=2),  # [M, blocks, k]
+        helper.make_node("Add", ["i3", "offsets"], ["g3"]),  # ids in the row
+        helper.make_node("Reshape", ["v3", "flat"], ["vf"]),  # [M, blocks * k]: block by block
+        helper.make_node("Reshape", ["g3", "flat"], ["gf"]),
+        helper.make_node("TopK", ["vf", "k"], ["values", "pos"], axis=1),  # ties: the lower position
+        helper.make_node("GatherElements", ["gf", "pos"], ["ids"], axis=1),
+    ]
+    outputs = [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["M", "K"]),
+               helper.make_tensor_value_info("ids", TensorProto.INT64, ["M", "K"]),
+               helper.make_tensor_value_info("bad", TensorProto.BOOL, ["M"])]
+    k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
+    return _graph("device_topk", [k], outputs, nodes, d, inits)
+
+
+def logits_graph(d: int) -> bytes:
+    """z [M, D]: for the requests that answer with every logit."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1)]
+    outputs = [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", "D"])]
+    return _graph("device_logits", [], outputs, nodes, d, [])
+
+
+def providers_for(device: str, device_id: int = 0) -> list:
+    """The session providers of a device pass: CUDA with TF32 off, or the CPU."""
+    if device == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": str(device_id), "use_tf32": "0"}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class DeviceHead:
+    """The float32 head on `device` (cuda or cpu) and the three pass graphs over it. `run(h, parts)`
+    finishes every accumulator of `parts` (head_scan's SoftmaxStats, TopK, AllLogits) from one run per
+    kind over its rows; nothing of size D comes back but the logits a request asked for."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, device: str = "cpu", device_id: int = 0,
+                 max_k: int = 1, threads: int = 1):
+        import onnxruntime as ort
+
+        from serving.bundle.session import ort_session_options
+
+        self.num_classes, self.embed_dim = int(weight.shape[0]), int(weight.shape[1])
+        self.device, self.device_id = device, device_id
+        self.blocks, self.width = block_shape(self.num_classes, max_k)
+        where = "cuda" if device == "cuda" else "cpu"
+        # the rows, once: an onnxruntime value on the device, bound to every run (no copy per call)
+        self.w = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weight, dtype=np.float32), where, device_id)
+        self.b = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(bias, dtype=np.float32), where, device_id)
+        providers = providers_for(device, device_id)
+        opts = ort_session_options(threads, spin=False, arena=device == "cuda")
+
+        def session(model: bytes):
+            return ort.InferenceSession(model, sess_options=opts, providers=providers)
+
+        d, D = self.embed_dim, self.num_classes
+        self.sessions = {"softmax": session(softmax_graph(D, d, self.blocks, self.width)),
+                         "topk": session(topk_graph(D, d, self.blocks, self.width)),
+                         "logits": session(logits_graph(d))}
+        self.providers = list(self.sessions["softmax"].get_providers())
+        if device == "cuda" and "CUDAExecutionProvider" not in self.providers:
+            raise RuntimeError(f"the device head could not use CUDA (its sessions run on {self.providers})")
+
+    @property
+    def resident_bytes(self) -> int:
+        return 4 * self.num_classes * (self.embed_dim + 1)
+
+    def _run(self, kind: str, h: np.ndarray, extra: dict) -> list[np.ndarray]:
+        """One graph over h [M, d] (and its extra inputs), outputs back on the host."""
+        sess = self.sessions[kind]
+        io = sess.io_binding()
+        io.bind_cpu_input("h", np.ascontiguousarray(h, dtype=np.float32))
+        io.bind_ortvalue_input("w", self.w)
+        io.bind_ortvalue_input("b", self.b)
+        for name, value in extra.items():
+            io.bind_cpu_input(name, value)
+        for out in sess.get_outputs():
+            io.bind_output(out.name, "cpu")
+        sess.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()
+
+    def _groups(self, m: int) -> list[slice]:
+        """Rows taken together: at most GROUP_VALUES logits per run (the [rows, D] intermediate)."""
+        rows = max(1, GROUP_VALUES // (self.blocks * self.width))
+        return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
+
+    def run(self, h: np.ndarray, parts: head_scan.Parts) -> None:
+        by_kind: dict[type, list] = {}
+        for sl, acc in parts:
+            by_kind.setdefault(type(acc), []).append((sl, acc))
+        for kind, group in by_kind.items():
+            if kind is head_scan.SoftmaxStats:
+                self._softmax(h, group)
+            elif kind is head_scan.TopK:
+                self._topk(h, group)
+            elif kind is head_scan.AllLogits:
+                self._logits(h, group)
+            else:
+                raise TypeError(f"no device pass for {kind.__name__}")
+
+    @staticmethod
+    def _rows(h: np.ndarray, group: list) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """h's rows of every part of the group, stacked, and where each part's rows landed."""
+        spans, start = [], 0
+        for sl, _ in group:
+            n = len(range(*sl.indices(len(h))))
+            spans.append((start, start + n))
+            start += n
+        return np.concatenate([h[sl] for sl, _ in group]), spans
+
+    def _softmax(self, h: np.ndarray, group: list) -> None:
+        rows, spans = self._rows(h, group)
+        j = np.concatenate([np.broadcast_to(np.asarray(acc.j, dtype=np.int64), (b - a,)) for (a, b), (_, acc)
+                            in zip(spans, group)])
+        out = [np.empty(len(rows)), np.empty(len(rows)), np.empty(len(rows), np.int64), np.empty(len(rows), bool)]
+        for g in self._groups(len(rows)):
+            for o, r in zip(out, self._run("softmax", rows[g], {"j": j[g]})):
+                o[g] = r
+        lse, zj, top, bad = out
+        for (a, b), (_, acc) in zip(spans, group):
+            acc.m, acc.s = lse[a:b].astype(np.float64), np.ones(b - a)  # the normaliser: m + log(1)
+            acc.zj, acc.has_j, acc.top, acc.finite = zj[a:b].astype(np.float64), np.ones(b - a, bool), top[a:b], ~bad[a:b]
+
+    def _topk(self, h: np.ndarray, group: list) -> None:
+        rows, spans = self._rows(h, group)
+        k = min(max(acc.k for _, acc in group), self.num_classes)
+        values = np.empty((len(rows), k), np.float32)
+        ids = np.empty((len(rows), k), np.int64)
+        bad = np.empty(len(rows), bool)
+        for g in self._groups(len(rows)):
+            values[g], ids[g], bad[g] = self._run("topk", rows[g], {"k": np.array([k], np.int64)})
+        for (a, b), (_, acc) in zip(spans, group):
+            kk = min(acc.k, k)
+            acc.scores, acc.ids, acc.finite = values[a:b, :kk].copy(), ids[a:b, :kk].copy(), ~bad[a:b]
+
+    def _logits(self, h: np.ndarray, group: list) -> None:
+        for sl, acc in group:
+            part = h[sl]
+            for g in self._groups(len(part)):
+                (acc.out[g],) = self._run("logits", part[g], {})

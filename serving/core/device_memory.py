@@ -1,0 +1,73 @@
+"""Whether the head fits the GPU, asked before anything is uploaded: a head that does not fit is one
+line at load naming the bytes needed and free, never an out-of-memory error under load.
+
+Free memory comes from the CUDA driver (libcuda's cuMemGetInfo on the primary context, the one
+onnxruntime's CUDA provider uses), so no torch and no CUDA runtime library are needed to ask.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Optional
+
+from serving.core.device_head import GROUP_VALUES, block_shape
+
+WORK_COPIES = 4  # [rows, D] intermediates of one run alive at once (z, padded z, z - max, exp)
+CONTEXT_BYTES = 512 << 20  # the CUDA context, cuBLAS workspace and onnxruntime's arena slack
+
+
+class DeviceMemoryError(RuntimeError):
+    """The head does not fit the device's free memory."""
+
+
+def cuda_memory(device_id: int = 0) -> Optional[tuple[int, int]]:
+    """(free, total) bytes of GPU `device_id`, or None without a driver or device."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device_id) != 0:
+        return None
+    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+        return None
+    try:
+        if cuda.cuCtxPushCurrent_v2(ctx) != 0:
+            return None
+        ok = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        return (int(free.value), int(total.value)) if ok else None
+    finally:
+        cuda.cuDevicePrimaryCtxRelease_v2(dev)
+
+
+def needed_bytes(num_classes: int, embed_dim: int, max_batch: int, max_k: int) -> tuple[int, int]:
+    """(bytes of the float32 rows and biases, bytes of one pass's work space) of a device head."""
+    blocks, width = block_shape(num_classes, max_k)
+    values = min(GROUP_VALUES, max(1, max_batch) * blocks * width)
+    return 4 * num_classes * (embed_dim + 1), 4 * WORK_COPIES * values + CONTEXT_BYTES
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check_fits(where: str, num_classes: int, embed_dim: int, max_batch: int, max_k: int,
+               memory: Callable[[int], Optional[tuple[int, int]]] = cuda_memory, device_id: int = 0) -> None:
+    """DeviceMemoryError (one line) when a float32 head of num_classes x embed_dim would not fit the free
+    memory of GPU device_id; nothing on the CPU or when the driver cannot be asked."""
+    if where != "cuda":
+        return
+    found = memory(device_id)
+    if found is None:
+        return
+    free, total = found
+    rows, work = needed_bytes(num_classes, embed_dim, max_batch, max_k)
+    if rows + work <= free:
+        return
+    raise DeviceMemoryError(
+        f"the float32 head ({num_classes:,} x {embed_dim}) needs {_gb(rows + work)} on cuda:{device_id} "
+        f"({_gb(rows)} of rows + {_gb(work)} of work space) and {_gb(free)} of {_gb(total)} is free; keep the head "
+        f"in host memory with SLC_HEAD_PRECISION=int8 ({_gb(num_classes * embed_dim)}) or bf16 "
+        f"({_gb(2 * num_classes * embed_dim)}), whose passes run on the CPU, serve on the CPU (--device cpu), or "
+        "use a GPU with more free memory")

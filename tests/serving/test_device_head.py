@@ -1,0 +1,148 @@
+"""The device-resident head (serving/core/device_head.py) on the CPU provider, against float64 numpy:
+the two-stage log-sum-exp, argmax and top-k over padded blocks (D below, at and above a block's
+width; ties; non-finite rows), the server's answers with SLC_SOFTMAX_IMPL=device (softmax, exact
+top-k, all logits over KServe v2), the memory check that refuses a head too large for the GPU in
+one line, and a device error: 503 in the envelope, readiness 503 until a probe passes again.
+What needs CUDA is in tools/gpu_check.py (make gpu-check)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.core import device_head, head_scan
+from serving.core.device_memory import DeviceMemoryError, check_fits, needed_bytes
+from tests.serving.helpers import D
+
+
+def _head(num_classes: int, d: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((num_classes, d)).astype(np.float32), rng.standard_normal(num_classes).astype(np.float32)
+
+
+def _z64(h, w, b) -> np.ndarray:
+    return h.astype(np.float64) @ w.T.astype(np.float64) + b.astype(np.float64)
+
+
+def _lse64(z: np.ndarray) -> np.ndarray:
+    m = z.max(axis=1)
+    return m + np.log(np.exp(z - m[:, None]).sum(axis=1))
+
+
+@pytest.mark.parametrize("num_classes,max_k", [(1, 1), (7, 3), (1023, 5), (1024, 16), (1025, 1), (5000, 1000)])
+def test_softmax_topk_and_logits_equal_float64(num_classes, max_k):
+    w, b = _head(num_classes, 24, seed=num_classes)
+    h = np.random.default_rng(1).standard_normal((9, 24)).astype(np.float32)
+    head = device_head.DeviceHead(w, b, max_k=max_k)
+    assert head.blocks * head.width >= num_classes and head.width >= min(max_k, num_classes)
+    j = np.array([0, num_classes - 1, num_classes // 2])
+    soft, top, full = head_scan.SoftmaxStats(3, j), head_scan.TopK(3, min(max_k, num_classes)), head_scan.AllLogits(3, num_classes)
+    head.run(h, [(slice(0, 3), soft), (slice(3, 6), top), (slice(6, 9), full)])
+    z = _z64(h, w, b)
+    p, zj, is_top = soft.result()
+    np.testing.assert_allclose(p, np.exp(z[np.arange(3), j] - _lse64(z[:3])), rtol=2e-5, atol=1e-9)
+    np.testing.assert_allclose(zj, z[np.arange(3), j], rtol=1e-5, atol=1e-4)
+    assert is_top.tolist() == (z[:3].argmax(axis=1) == j).tolist() and soft.finite.all()
+    values, ids = top.result()
+    want = np.argsort(-z[3:6], axis=1, kind="stable")[:, :top.k]
+    assert ids.tolist() == want.tolist()
+    np.testing.assert_allclose(values, np.take_along_axis(z[3:6], want, axis=1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(full.result(), z[6:9], rtol=1e-5, atol=1e-4)
+
+
+def test_ties_go_to_the_smaller_id_across_blocks():
+    """Equal rows in two blocks (ids 5 and 2050): argmax and top-k both name the smaller id first."""
+    w, b = _head(3000, 8)
+    w[2050], b[2050] = w[5], b[5]
+    w[5] *= 50  # far above every other row for h = w[5] direction
+    w[2050] = w[5]
+    h = w[5:6] / np.linalg.norm(w[5])
+    head = device_head.DeviceHead(w, b, max_k=4)
+    assert head.blocks >= 2
+    soft, top = head_scan.SoftmaxStats(1, 2050), head_scan.TopK(1, 2)
+    head.run(np.concatenate([h, h]), [(slice(0, 1), soft), (slice(1, 2), top)])
+    assert soft.top.tolist() == [5] and not soft.result()[2][0]
+    assert top.result()[1].tolist() == [[5, 2050]]
+
+
+def test_rows_with_a_nan_or_an_infinity_are_flagged():
+    w, b = _head(2000, 8)
+    b[1500] = np.inf
+    h = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
+    h[0, 0] = np.nan
+    head = device_head.DeviceHead(w, b, max_k=3)
+    soft = head_scan.SoftmaxStats(3, 0)
+    head.run(h, [(slice(0, 3), soft)])
+    assert soft.finite.tolist() == [False, False, False]  # NaN in row 0; +inf in every row's column 1500
+    b[1500] = 0.0
+    head = device_head.DeviceHead(w, b, max_k=3)
+    top = head_scan.TopK(3, 2)
+    head.run(h, [(slice(0, 3), top)])
+    assert top.finite.tolist() == [False, True, True]
+
+
+def test_inputs_beyond_one_group_are_taken_in_groups(monkeypatch):
+    monkeypatch.setattr(device_head, "GROUP_VALUES", 3 * 2048)  # 3 rows of a 2,000-class head per run
+    w, b = _head(2000, 8)
+    h = np.random.default_rng(3).standard_normal((10, 8)).astype(np.float32)
+    head = device_head.DeviceHead(w, b, max_k=2)
+    assert head._groups(10) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]
+    soft, full = head_scan.SoftmaxStats(10, 7), head_scan.AllLogits(10, 2000)
+    head.run(np.concatenate([h, h]), [(slice(0, 10), soft), (slice(10, 20), full)])
+    z = _z64(h, w, b)
+    np.testing.assert_allclose(soft.result()[0], np.exp(z[:, 7] - _lse64(z)), rtol=2e-5, atol=1e-9)
+    np.testing.assert_allclose(full.result(), z, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ memory
+def test_a_head_too_large_for_the_gpu_is_one_line_naming_bytes_and_precisions():
+    rows, work = needed_bytes(10_000_000, 256, 64, 1000)
+    assert rows == 4 * 10_000_000 * 257
+    gb = 1_000_000_000
+    with pytest.raises(DeviceMemoryError) as err:
+        check_fits("cuda", 10_000_000, 256, 64, 1000, memory=lambda device_id: (8 * gb, 80 * gb))
+    msg = str(err.value)
+    assert "\n" not in msg and "10.3 GB of rows" in msg and "8.0 GB of 80.0 GB is free" in msg
+    assert "int8 (2.6 GB)" in msg and "bf16 (5.1 GB)" in msg
+    check_fits("cuda", 10_000_000, 256, 64, 1000, memory=lambda device_id: (rows + work, 80 * gb))  # just fits
+    check_fits("cpu", 10_000_000, 256, 64, 1000, memory=lambda device_id: (0, 0))  # the CPU: not asked
+    check_fits("cuda", 10_000_000, 256, 64, 1000, memory=lambda device_id: None)  # no driver to ask
+
+
+# ------------------------------------------------------------------------------ the server
+def test_the_server_serves_all_logits_from_the_device_head(client_factory, offline, inputs, bundle):
+    client = client_factory(softmax_impl="device")
+    info = client.get("/v1/model").json()
+    assert info["softmax_impl"] == "device" and info["head_device"]["resident"] == "cpu"
+    assert info["head_device"]["bytes"] == 4 * D * (bundle.embed_dim + 1) and info["head_device"]["healthy"]
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(inputs.shape),
+                        "data": inputs.ravel().tolist()}]}
+    r = client.post(f"/v2/models/{bundle.name}-full/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    np.testing.assert_allclose(np.array(out["data"]).reshape(out["shape"]), offline.logits(inputs), rtol=1e-5, atol=1e-4)
+
+
+def test_a_device_error_is_503_and_readiness_follows_the_device(client_factory, inputs):
+    client = client_factory(softmax_impl="device")
+    head_pass = client.app.state.slc.engine.head_pass
+    head = head_pass.device_head()
+    real, broken = head.run, {"on": True}
+
+    def run(h, parts):
+        if broken["on"]:
+            raise RuntimeError("CUDA failure 700: an illegal memory access was encountered\nmore")
+        return real(h, parts)
+
+    head.run = run
+    r = client.post("/v1/classes/3/softmax", json={"inputs": inputs.tolist()})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["code"] == "device_error" and "illegal memory access" in err["message"] and "\n" not in err["message"]
+    assert client.get("/v1/health/live").status_code == 200
+    ready = client.get("/v1/health/ready")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "device_error"
+    assert client.get("/v2/health/ready").status_code == 503
+    assert client.get("/v1/model").json()["head_device"]["healthy"] is False
+    broken["on"] = False  # the device works again: the probe of the next readiness check says so
+    assert client.get("/v1/health/ready").status_code == 200
+    assert client.post("/v1/classes/3/softmax", json={"inputs": inputs.tolist()}).status_code == 200

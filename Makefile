@@ -8,7 +8,7 @@ PORT ?=
 export PYTHONUNBUFFERED := 1
 comma := ,
 
-# An NVIDIA GPU the driver sees -> the gpu extra (onnxruntime-gpu, faiss-gpu); else the CPU builds.
+# An NVIDIA GPU the driver sees -> the gpu extra (onnxruntime-gpu, CUDA 13 like PyPI's torch); else the CPU builds.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
 
@@ -16,9 +16,11 @@ EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build on this machine's disk; the pin keeps pip from ever
-# resolving a CUDA build of several GB. The gpu extra's packages ship the same modules as the
-# CPU builds (onnxruntime, faiss), so with a GPU the CPU builds are removed after install.
+# torch is pinned (2.13.0; the CPU build on a machine without a GPU); the pin keeps pip from ever
+# resolving another. With a GPU, PyPI's torch 2.13.0 is a CUDA 13 build and onnxruntime-gpu 1.27+
+# is CUDA 13 too: one CUDA major (faiss stays the CPU build). onnxruntime-gpu ships the same module
+# as onnxruntime, so the CPU build is removed; the last line prints the providers a session really
+# gets (CUDAExecutionProvider only where the CUDA libraries load).
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (e.g. apt-get install python3.11-venv)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,10 +28,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]" "torch==2.13.0"
 ifneq ($(GPU),)
-	$(BIN)/pip uninstall -q -y onnxruntime faiss-cpu
-	$(BIN)/pip install -q --force-reinstall --no-deps "onnxruntime-gpu>=1.20,<1.27" "faiss-gpu>=1.9"
+	$(BIN)/pip uninstall -q -y onnxruntime
+	$(BIN)/pip install -q --force-reinstall --no-deps "onnxruntime-gpu>=1.27,<2"
 endif
-	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; print('setup ok: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__, onnxruntime.get_available_providers(), '| faiss', faiss.__version__)"
+	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; from serving.core.sessions import usable_providers; print('setup ok: torch', torch.__version__, 'cuda', torch.version.cuda, '| onnxruntime', onnxruntime.__version__, 'uses', usable_providers(), '| faiss', faiss.__version__)"
 	touch $(STAMP)
 
 serve: setup
@@ -46,9 +48,14 @@ test-all: setup
 	$(BIN)/python -m pytest -q -ra -m "not bench"
 
 # Where torch sees CUDA: glyphs-latin trained on cuda in bf16 against the CPU in fp32, exported, served
-# with --device cuda and checked against offline math (a table; exit 1 on a mismatch). Else one line, exit 0.
+# with --device cuda and checked against offline math (a table; exit 1 on a mismatch); then the serving
+# phase: slc bench device (D = 10^5, 10^6, 10^7 on the GPU against its floor and the CPU server,
+# docs/results/gpu-serving.md). Without CUDA: one line, exit 0.
+GPU_CLASSES ?= 100000,1000000,10000000
 gpu-check: setup
 	$(BIN)/python tools/gpu_check.py
+	@if $(BIN)/python -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then \
+		$(BIN)/slc bench device --classes $(GPU_CLASSES) --out docs/results; fi
 
 lint: setup
 	$(BIN)/ruff check --select F,E9 slc serving trainer models tests

@@ -192,3 +192,20 @@ class Runtime:
         sess = self.full
         (z,) = sess.run([sess.get_outputs()[0].name], {sess.get_inputs()[0].name: x})
         return z
+
+
+def usable_providers() -> list[str]:
+    """The providers a session really gets here (a one-node graph opened with CUDA first where this
+    onnxruntime lists it): make setup prints it, since a listed provider may fail to load its libraries."""
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Identity", ["x"], ["y"])
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    wanted = _providers_for("auto")
+    try:
+        return list(ort_session(model.SerializeToString(), providers=wanted).get_providers())
+    except Exception:  # noqa: BLE001 - CUDA listed but unusable: the CPU's
+        return list(ort_session(model.SerializeToString(), providers=CPU).get_providers())

@@ -423,3 +423,29 @@ def ab(base: Path, classes: list[int], dim: int, endpoints: list[str], rounds: i
     for D, eps in r["sizes"].items():
         click.echo(f"D={int(D):,}: " + ", ".join(f"{ep} {s['head_over_base'] or 0:.3f} ({s['verdict']})" for ep, s in eps.items()))
     click.echo(f"-> {out / (name + '.md')}")
+
+
+@click.command()
+@click.option("--classes", default="100000,1000000,10000000", show_default=True, callback=_classes, help="comma list of D")
+@click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
+@click.option("--duration", type=POSITIVE, default=2.0, show_default=True, help="measured seconds per endpoint")
+@click.option("--cpu-max-classes", type=click.IntRange(min=0), default=1_000_000, show_default=True,
+              help="also measure the CPU server (SLC_DEVICE=cpu) up to this D")
+@click.option("--out", default="docs/results", show_default=True, help="where gpu-serving.{json,md} go", **OUT)
+def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, out: Path) -> None:
+    """The server on a GPU against the device floor and the CPU server, as D grows: OUT/gpu-serving.{json,md}."""
+    import onnxruntime as ort
+
+    from tools.bench.device import device_markdown, run_device_bench
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise click.ClickException(f"no CUDAExecutionProvider in this onnxruntime ({ort.get_available_providers()}): "
+                                   "slc bench device needs onnxruntime-gpu and a GPU (make setup on a GPU machine)")
+    with tempfile.TemporaryDirectory(prefix="slc-device-") as tmp:
+        res = run_device_bench(classes, dim, duration, cpu_max_classes, Path(tmp))
+    command = (f"slc bench device --classes {','.join(map(str, classes))} --dim {dim} --duration {duration:g} "
+               f"--cpu-max-classes {cpu_max_classes}")
+    write_result(out, "gpu-serving", lambda: device_markdown(res, command), res, default=str)
+    md = device_markdown(res, command)
+    click.echo(md)
+    click.echo(f"{len(res['rows'])} sizes in {res['elapsed_s']:.0f} s -> {out / 'gpu-serving.md'}")

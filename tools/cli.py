@@ -96,6 +96,25 @@ def calibration_experiment(runs: tuple[Path, ...], out: Path) -> None:
     click.echo(f"calibration study of {len(runs)} run(s) -> {path}")
 
 
+@experiment.command("thresholds")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.99, show_default=True)
+@click.option("--name", default="threshold-transfer", show_default=True, help="OUT/NAME.{json,md}")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def thresholds_experiment(runs: tuple[Path, ...], target_precision: float, name: str, out: Path) -> None:
+    """Threshold rules fitted on one calibration face and judged on the other (and on the test face)."""
+    from tools.experiments.threshold_transfer import study, write
+
+    results = []
+    for run in runs:
+        if not (run / "checkpoint.pt").is_file():
+            raise click.BadParameter(f"{run} is not a run directory (no checkpoint.pt)", param_hint="RUNS")
+        results.append(study(run, target_precision))
+        click.echo(f"{run.name}: {len(results[-1]['rows'])} rows", err=True)
+    command = "slc experiment thresholds " + " ".join(str(r) for r in runs) + f" --target-precision {target_precision:g}"
+    click.echo(f"threshold transfer of {len(runs)} run(s) -> {write(results, out, command, name)}")
+
+
 @experiment.command("table1")
 @click.option("--dataset", default="mnist5k", show_default=True, **DATASET)
 @click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True)

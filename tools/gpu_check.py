@@ -6,9 +6,11 @@ Where it sees one:
    CPU in fp32 and on CUDA in bf16;
 2. their loss curves (history.csv) and test metrics (metrics.json) are compared within the
    tolerances below;
-3. the CUDA run is exported (`slc export`) and served (`slc serve --device cuda`); detect and
-   softmax answers over HTTP are compared with onnxruntime on the CPU running the bundle's
-   full.onnx, and GET /v1/model tells which execution providers the server really uses;
+3. the CUDA run is exported (`slc export`) and served (`slc serve --device cuda`) twice: as the
+   warm-up chooses, and with SLC_SOFTMAX_IMPL=device (every pass over the D rows on the GPU);
+   detect, softmax and exact top-k answers over HTTP are compared with onnxruntime on the CPU
+   running the bundle's full.onnx, and GET /v1/model tells which execution providers the server
+   really uses and where the head lives;
 4. a table of every check; exit 1 when any fails (the work directory is kept then).
 
 Tolerances, and why they are what they are: docs/results/gpu-check.md.
@@ -188,15 +190,34 @@ def check_softmax(post, b, x: np.ndarray, z: np.ndarray, tol: np.ndarray, classe
                  worst <= 1 and not bad)
 
 
-def serve(bundle: Path, work: Path, seed: int, device: str) -> list[Check]:
-    """The bundle served with --device DEVICE; its providers and its answers against offline math."""
+def check_topk(url: str, x: np.ndarray, z: np.ndarray, tol: np.ndarray, k: int = 5) -> Check:
+    """Exact top-k ids against the offline logits (where the k-th and (k+1)-th are apart by more than rounding)."""
+    import httpx
+
+    r = httpx.post(url + "/v1/topk", json={"inputs": x.tolist(), "k": k, "mode": "exact"}, timeout=120)
+    r.raise_for_status()
+    got = [[e["class_id"] for e in row] for row in r.json()["results"]]
+    srt = np.sort(z, axis=1)[:, ::-1]  # [N, D] descending
+    clear = (srt[:, :k][:, :-1] - srt[:, 1:k] > 2 * tol[:, None]).all(axis=1)
+    if z.shape[1] > k:
+        clear &= srt[:, k - 1] - srt[:, k] > 2 * tol
+    want = np.argsort(-z, axis=1, kind="stable")[:, :k].tolist()
+    wrong = [i for i in range(len(x)) if clear[i] and got[i] != want[i]]
+    return Check(f"top-{k} exact ids ({int(clear.sum())} inputs clear of rounding)", f"{len(wrong)} wrong", "0",
+                 not wrong)
+
+
+def serve(bundle: Path, work: Path, seed: int, device: str, **env: str) -> list[Check]:
+    """The bundle served with --device DEVICE (env: more SLC_* settings); its providers and its answers
+    against offline math. With SLC_SOFTMAX_IMPL=device: the head resident on the device too."""
     import httpx
 
     from serving.bundle import load_bundle
     from tests.serving.helpers import free_port, serve_process, wait_http_ready
 
     port = free_port()
-    proc = serve_process(bundle, work, port, "--device", device)
+    proc = serve_process(bundle, work / ("serve-" + "-".join(env.values() or ["default"])), port, "--device", device,
+                         **env)
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()  # a full pipe would stall it
     url = f"http://127.0.0.1:{port}"
@@ -210,6 +231,11 @@ def serve(bundle: Path, work: Path, seed: int, device: str) -> list[Check]:
         first = PROVIDER[device]
         checks = [Check("server providers in use", ", ".join(info["providers"]), f"{first} first",
                         info["providers"][:1] == [first] and info["device"] == device)]
+        if env.get("SLC_SOFTMAX_IMPL") == "device":
+            where = info.get("head_device", {})
+            checks.append(Check("head resident on the device", f"{info['softmax_impl']}, {where}",
+                                f"device, resident {device}",
+                                info["softmax_impl"] == "device" and where.get("resident") == device))
         b = load_bundle(bundle)
         x = probe_inputs(bundle, seed)
         z = offline_logits(bundle, x)  # [N, D]
@@ -223,7 +249,8 @@ def serve(bundle: Path, work: Path, seed: int, device: str) -> list[Check]:
             assert r.json()["class_id"] == j, (j, r.json()["class_id"])
             return r.json()
 
-        return checks + [check_detect(post, b, x, z, tol, classes), check_softmax(post, b, x, z, tol, classes)]
+        return checks + [check_detect(post, b, x, z, tol, classes), check_softmax(post, b, x, z, tol, classes),
+                         check_topk(url, x, z, tol)]
     finally:
         proc.terminate()
         try:
@@ -258,6 +285,7 @@ def gpu_checks(work: Path, seed: int, device: str) -> list[Check]:
     checks.append(Check(f"export the {device} run", f"exit {code}", "exit 0", code == 0))
     if code == 0 and checks[-2].ok:
         checks += serve(bundle, work, seed, device)
+        checks += serve(bundle, work, seed, device, SLC_SOFTMAX_IMPL="device")  # every pass over D on the device
     return checks
 
 

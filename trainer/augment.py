@@ -1,5 +1,9 @@
 """Seeded on-the-fly augmentation of image batches, on the training device.
 
+`style` (issue 37: faces the training fonts do not cover, brush strokes, scans): every image gets a
+stroke weight (thicker or thinner by a 3x3 max / min filter, or as drawn), a Gaussian blur of a
+random width (half of them), and a contrast; `geometry+style` applies both.
+
 `geometry`: every image is scaled by a factor drawn in [scale_min, scale_max] and shifted
 anywhere its content can go (a glyph filling a third of the image, or all of it, wherever it
 sits: what crops, scans and photos send), with a small rotation. One affine warp per batch
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-AUGMENTS = ("none", "geometry")
+AUGMENTS = ("none", "geometry", "style", "geometry+style")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,39 @@ class Geometry:
         return F.grid_sample(x, grid, mode="bilinear", padding_mode=mode, align_corners=False)
 
 
+@dataclass(frozen=True)
+class Style:
+    blur_max: float = 1.2  # sigma in pixels of the widest blur
+    dark_background: bool = True
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """x [B, C, H, W] raw pixels -> the same shape: stroke weight, blur and contrast drawn per image."""
+        b = x.shape[0]
+        u = torch.rand(b, 4, generator=generator).to(x.device)  # [B, 4]
+        grow = F.max_pool2d(x, 3, 1, 1)  # light strokes thicker on a dark background
+        shrink = -F.max_pool2d(-x, 3, 1, 1)
+        thick, thin = (grow, shrink) if self.dark_background else (shrink, grow)
+        pick = (u[:, 0] * 4).floor().view(b, 1, 1, 1)  # 0, 1: as drawn; 2: thicker; 3: thinner
+        x = torch.where(pick == 2, thick, torch.where(pick == 3, thin, x))
+        x = _blur(x, self.blur_max * u[:, 1] * (u[:, 2] < 0.5))  # half the images blurred
+        mean = x.mean(dim=(1, 2, 3), keepdim=True)
+        return (mean + (x - mean) * (0.7 + 0.3 * u[:, 3]).view(b, 1, 1, 1)).clamp(0, 255)
+
+
+def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x [B, C, H, W] blurred by a separable 5-tap Gaussian of its own sigma per image (0: unchanged)."""
+    b, c = x.shape[:2]
+    taps = torch.arange(-2, 3, dtype=x.dtype, device=x.device)  # [5]
+    s = sigma.to(x.dtype).clamp(min=1e-3).view(b, 1)
+    k = torch.exp(-0.5 * (taps / s) ** 2)  # [B, 5]
+    k = k / k.sum(dim=1, keepdim=True)
+    k = k.repeat_interleave(c, dim=0)  # [B*C, 5]: one kernel per (image, channel)
+    y = x.reshape(1, b * c, *x.shape[2:])
+    y = F.conv2d(F.pad(y, (2, 2, 0, 0), mode="replicate"), k.view(b * c, 1, 1, 5), groups=b * c)
+    y = F.conv2d(F.pad(y, (0, 0, 2, 2), mode="replicate"), k.view(b * c, 1, 5, 1), groups=b * c)
+    return y.reshape(x.shape)
+
+
 def build_augment(name: str, input_shape: tuple[int, ...], image: dict | None):
     """A callable (x [B, C, H, W], generator) -> x, or None; ValueError where it cannot apply."""
     if name in ("none", "", None):
@@ -55,7 +92,19 @@ def build_augment(name: str, input_shape: tuple[int, ...], image: dict | None):
     if len(input_shape) != 3 or image is None or image.get("layout", "CHW") != "CHW":
         raise ValueError(f"--augment {name} needs an image dataset laid out [C, H, W]; "
                          f"this one's examples are {tuple(input_shape)}")
-    return Geometry(dark_background=image.get("background", "dark") == "dark")
+    dark = image.get("background", "dark") == "dark"
+    parts = [Geometry(dark_background=dark) if p == "geometry" else Style(dark_background=dark) for p in name.split("+")]
+    return parts[0] if len(parts) == 1 else _Chain(tuple(parts))
+
+
+@dataclass(frozen=True)
+class _Chain:
+    parts: tuple
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x, generator)
+        return x
 
 
 def augment_generator(seed: int, step: int) -> torch.Generator:

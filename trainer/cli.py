@@ -316,7 +316,7 @@ def data() -> None:
 
 
 @data.command("glyphs")
-@click.argument("name", type=click.Choice(["glyphs-latin", "glyphs3755", "glyphs6763"]))
+@click.argument("name", type=click.Choice(["glyphs-latin", "glyphs3755", "glyphs3755-wide", "glyphs6763"]))
 @click.option("--force", is_flag=True, help="render again even when cached")
 def data_glyphs(name: str, force: bool) -> None:
     """Render glyph dataset NAME (characters from real fonts, split by typeface) into $SLC_HOME/data/glyphs."""

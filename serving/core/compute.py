@@ -280,8 +280,23 @@ class HeadPass:
             self._packed = None
         if self.name != "device":
             self._device = None
+        else:
+            drop_host_pages(self.bundle.weight)  # the warm-up's CPU passes read every row: not needed now
         if self.name not in ("ort_pair", "packed_pair") and self.precision == "float32":
             self._pair_bufs = None
+
+
+def drop_host_pages(rows: np.ndarray) -> None:
+    """Let go of the resident pages of memory-mapped rows (madvise DONTNEED; the file stays in the page
+    cache): with the head on the device, the host keeps only the pages detect reads, row by row."""
+    import mmap
+
+    m = getattr(rows, "_mmap", None) or getattr(getattr(rows, "base", None), "_mmap", None)
+    if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            m.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
 
 
 def pick_strategy(times: dict[str, dict[int, float]]) -> str:

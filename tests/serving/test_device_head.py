@@ -146,3 +146,22 @@ def test_a_device_error_is_503_and_readiness_follows_the_device(client_factory, 
     broken["on"] = False  # the device works again: the probe of the next readiness check says so
     assert client.get("/v1/health/ready").status_code == 200
     assert client.post("/v1/classes/3/softmax", json={"inputs": inputs.tolist()}).status_code == 200
+
+
+def test_the_host_lets_go_of_the_rows_once_they_live_on_the_device(tmp_path):
+    """drop_host_pages: the mapped rows' resident pages released (they stay readable from the file)."""
+    from serving.core.compute import drop_host_pages
+
+    def resident() -> int:  # this process's resident bytes
+        import os
+
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    np.save(tmp_path / "w.npy", np.full((16_384, 1024), 0.5, np.float32))  # 64 MiB
+    w = np.load(tmp_path / "w.npy", mmap_mode="r")
+    before = resident()
+    assert float(w.sum(dtype=np.float64)) == 0.5 * w.size
+    assert resident() - before > 48 << 20
+    drop_host_pages(w)
+    assert resident() - before < 16 << 20
+    assert float(w[123, 7]) == 0.5

@@ -98,7 +98,7 @@ def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, S
 
 
 DATASETS = ("digits", "mnist5k", "synthetic[:C=..,d=..,n=..,sep=..]", "strokes[:C=..,n=..,size=..]", "npz:PATH",
-            "imagefolder:DIR", "csv:FILE", "glyphs-latin", "glyphs3755",
+            "imagefolder:DIR", "csv:FILE", "glyphs-latin", "glyphs3755", "glyphs3755-wide",
             "glyphs6763")
 
 
@@ -110,7 +110,7 @@ def check_dataset_name(name: str) -> None:
     """ValueError naming the valid choices unless `name` names a dataset (nothing is loaded)."""
     if name in ("digits", "mnist5k", "glyphs-latin"):
         return
-    if name in ("glyphs3755", "glyphs6763"):
+    if name in ("glyphs3755", "glyphs3755-wide", "glyphs6763"):
         from trainer.data import glyphs
 
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,8 +144,36 @@ def _gb2312(name: str, level1_only: bool) -> GlyphSet:
                     raw={"test_small": "small", "test_tight": "tight"})
 
 
+def _noto(kind: str, weight: str, region: str = "SC") -> Face:
+    return Face(f"{_NOTO}Noto{kind}CJK-{weight}.ttc", f"Noto {kind} CJK {region}",
+                "fonts-noto-cjk" if weight in ("Regular", "Bold") else "fonts-noto-cjk-extra")
+
+
+_WQY = "/usr/share/fonts/truetype/wqy/"
+# glyphs3755-wide's training faces: every variant of the allowed packages (issue 37) except the
+# siblings of the calibration and test faces, so that both stay unseen: AR PL UKai's other regions
+# and AR PL KaitiM GB (gkai00mp: pixel correlation 0.87 with the test face, 0.31-0.32 for every
+# other face), AR PL UMing's other regions and AR PL SungtiL GB (gbsn00lp: 0.83 with UMing).
+WIDE_TRAIN = tuple(
+    [_noto("Sans", w) for w in ("Thin", "Light", "DemiLight", "Regular", "Medium", "Bold", "Black")]
+    + [_noto("Serif", w) for w in ("ExtraLight", "Light", "Regular", "Medium", "SemiBold", "Bold", "Black")]
+    + [_noto(kind, "Regular", region) for kind in ("Sans", "Serif") for region in ("JP", "KR", "TC", "HK")]
+    + [Face(f"{_NOTO}NotoSansCJK-{w}.ttc", "Noto Sans Mono CJK SC", "fonts-noto-cjk") for w in ("Regular", "Bold")]
+    + [Face(_WQY + "wqy-zenhei.ttc", "WenQuanYi Zen Hei", "fonts-wqy-zenhei"),
+       Face(_WQY + "wqy-zenhei.ttc", "WenQuanYi Zen Hei Sharp", "fonts-wqy-zenhei"),
+       Face(_WQY + "wqy-microhei.ttc", "WenQuanYi Micro Hei", "fonts-wqy-microhei")]
+    + [f for f in CJK_FACES["train"] if "wqy" not in f.file and "Noto" not in f.file])  # Droid, HanaMinA
+
+
+def _gb2312_wide() -> GlyphSet:
+    """glyphs3755 with 29 training faces at 2 renderings each (about glyphs3755's 7 x 8 per class):
+    the same characters, calibration and test faces."""
+    base = _gb2312("glyphs3755-wide", True)
+    return dataclasses.replace(base, faces={**base.faces, "train": WIDE_TRAIN}, augment={**base.augment, "train": 2})
+
+
 GLYPH_SETS = {"glyphs-latin": _latin, "glyphs3755": lambda: _gb2312("glyphs3755", True),
-              "glyphs6763": lambda: _gb2312("glyphs6763", False)}
+              "glyphs3755-wide": _gb2312_wide, "glyphs6763": lambda: _gb2312("glyphs6763", False)}
 
 
 def glyph_set(name: str) -> GlyphSet:

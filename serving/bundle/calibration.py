@@ -108,13 +108,28 @@ def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.n
         return None
 
 
+def calibration_limit(num_classes: int) -> int:
+    """The most bytes calibration.json may hold: about 200 bytes per class, a bound far above it."""
+    return (1 << 20) + 4096 * int(num_classes)
+
+
 def read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | None, list[str]]:
     """(calibration, arrays, problems); strict JSON, so every number in it is finite."""
     name = "calibration.json"
-    try:  # about 200 bytes per class; a bound far above it
-        cal = json_load(read_bounded(path / name, (1 << 20) + 4096 * int(manifest["num_classes"])))
+    try:
+        data = read_bounded(path / name, calibration_limit(manifest["num_classes"]))
     except FileNotFoundError:
         return None, None, [f"{name}: missing"]
+    except Exception as e:  # noqa: BLE001
+        return None, None, [f"{name}: not valid JSON ({e})"]
+    return parse_calibration(data, int(manifest["num_classes"]))
+
+
+def parse_calibration(data: bytes, num_classes: int) -> tuple[dict | None, dict | None, list[str]]:
+    """read_calibration's checks on the file's bytes (the server's reload reads them itself)."""
+    name = "calibration.json"
+    try:
+        cal = json_load(data)
     except Exception as e:  # noqa: BLE001
         return None, None, [f"{name}: not valid JSON ({e})"]
     problems = []
@@ -128,7 +143,7 @@ def read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | No
     if not (isinstance(g, dict) and is_number(g.get("threshold"))):
         problems.append(f"{name}: 'global' needs a finite threshold")
     try:
-        arrays = calibration_arrays(cal, int(manifest["num_classes"]))
+        arrays = calibration_arrays(cal, num_classes)
     except ValueError as e:
         problems.append(f"{name}: {e}")
         arrays = None
@@ -136,4 +151,3 @@ def read_calibration(path: Path, manifest: dict) -> tuple[dict | None, dict | No
         return None, arrays, problems
     cal["per_class"] = PerClassCalibration(arrays)  # the D dicts are freed here
     return cal, arrays, problems
-

@@ -6,6 +6,7 @@ call returns keeps the new version.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -66,6 +67,44 @@ def replace_dir(staged: Path | str, target: Path | str) -> Path:
     if target.exists():
         shutil.rmtree(target)
     os.replace(staged, target)
+    fsync_dir(target.parent)
+    return target
+
+
+def exchange_dirs(a: Path | str, b: Path | str) -> bool:
+    """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE): a reader of either
+    path sees the old directory or the new one, never neither. False where the system cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(str(a)), at_cwd, os.fsencode(str(b)), exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system or kernel without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def swap_dir(staged: Path | str, target: Path | str) -> Path:
+    """Move a fully written directory onto `target` (fsynced first). An existing `target` is exchanged
+    with it in one step where the system can (exchange_dirs), else renamed aside for the moment of
+    the second rename; the old directory is removed either way."""
+    staged, target = Path(staged), Path(target)
+    _fsync_tree(staged)
+    if not target.exists():
+        os.replace(staged, target)
+    elif exchange_dirs(staged, target):
+        shutil.rmtree(staged)  # the old directory, now under the staging name
+    else:
+        aside = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.replace(target, aside)
+        os.replace(staged, target)
+        shutil.rmtree(aside)
     fsync_dir(target.parent)
     return target
 

@@ -49,12 +49,19 @@ def read_manifest(path: Path) -> tuple[dict | None, bytes, list[str]]:
         data = read_bounded(mpath, MAX_MANIFEST_BYTES)
     except (OSError, ValueError) as e:
         return None, b"", [f"{MANIFEST}: cannot be read ({e})"]
+    manifest, problems = parse_manifest(data)
+    return manifest, data, problems
+
+
+def parse_manifest(data: bytes) -> tuple[dict | None, list[str]]:
+    """The manifest from its bytes and every problem of its header (read_manifest's checks; the
+    server's calibration reload reads the bytes itself, through a directory handle)."""
     try:
         manifest = json_load(data)
     except Exception as e:  # noqa: BLE001 - any parse failure is the file's fault
-        return None, data, [f"{MANIFEST}: not valid JSON ({e})"]
+        return None, [f"{MANIFEST}: not valid JSON ({e})"]
     if not isinstance(manifest, dict):
-        return None, data, [f"{MANIFEST}: not a JSON object"]
+        return None, [f"{MANIFEST}: not a JSON object"]
     problems = []
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         problems.append(f"{MANIFEST}: format must be {FORMAT!r} version {FORMAT_VERSION}, "
@@ -63,7 +70,7 @@ def read_manifest(path: Path) -> tuple[dict | None, bytes, list[str]]:
         if key not in manifest:
             problems.append(f"{MANIFEST}: missing key {key!r}")
     if problems:
-        return None, data, problems
+        return None, problems
     if SELF_HASH_KEY not in manifest:
         problems.append(f"{MANIFEST}: missing {SELF_HASH_KEY}")
     else:
@@ -88,7 +95,7 @@ def read_manifest(path: Path) -> tuple[dict | None, bytes, list[str]]:
                 problems.append(f"{MANIFEST}: {bad}")
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         problems.append(f"{MANIFEST}: bad header field ({e})")
-    return manifest, data, problems  # with problems, so the caller can still report the other files
+    return manifest, problems  # with problems, so the caller can still report the other files
 
 
 def check_files(path: Path, manifest: dict) -> list[str]:

@@ -13,8 +13,9 @@ Inputs arrive decoded (serving/codecs/); errors are serving/errors.py's, protoco
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ import orjson
 
 from serving.core import head_scan
 from serving.core.batcher import Batcher, Job, JobFailed
+from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
 from serving.errors import GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
 from serving.gallery import GalleryUnavailable, StorageFull
@@ -73,9 +75,11 @@ class Engine:
         # the per-class arrays as plain ndarray views (the head stays mapped): indexing a np.memmap
         # runs Python code per access, and detect reads five of them per request
         self._weight = np.asarray(bundle.weight)
-        self._bias, self._thresholds = np.asarray(bundle.bias), np.asarray(bundle.thresholds)
-        self._thresholds_finite = bool(np.isfinite(self._thresholds).all())  # else a class falls back to the global one
-        self._platt_a, self._platt_b = np.asarray(bundle.platt_a), np.asarray(bundle.platt_b)
+        self._bias = np.asarray(bundle.bias)
+        # thresholds, Platt parameters, global fallback: one object, swapped whole (reload_calibration);
+        # each query reads it once, so it decides with all old or all new values
+        self.calibration = Thresholds.of_bundle(bundle)
+        self._reload_lock = threading.Lock()
         self.head_pass = HeadPass(bundle, runtime, settings)  # the passes over all D classes
         # batches computed at once: a second lane only where there are threads to share (not on CUDA)
         lanes = settings.concurrent_batches if runtime.threads > 1 and not runtime.uses_cuda else 1
@@ -205,20 +209,40 @@ class Engine:
         return ClassRef(j, str(self.bundle.classes[j]))
 
     def threshold_of(self, j: int) -> float:
-        t = float(self._thresholds[j])
-        return t if math.isfinite(t) else float(self.bundle.global_threshold)
+        return self.calibration.of_class(j)
+
+    async def reload_calibration(self, expect_sha256: Optional[str] = None) -> dict:
+        """The calibration now in the served bundle's folder, checked against its manifest and the
+        loaded model, swapped in whole (serving/core/calibration.py); what changed."""
+        def work() -> dict:
+            with self._reload_lock:  # two reloads at once: one after the other
+                new, manifest, answer = reload_thresholds(self.bundle, self.calibration, expect_sha256)
+                if answer["reloaded"]:
+                    self.calibration = new  # the one step every later query sees
+                    self._record(new, manifest)
+                return answer
+
+        return await asyncio.to_thread(work)
+
+    def _record(self, new: Thresholds, manifest: dict) -> None:
+        """The bundle's own fields follow the swap (GET /v1/model; the gallery and the class index keep
+        the digest they were opened with: the backbone and head are unchanged)."""
+        b = self.bundle
+        b.manifest = {**manifest, "classes": b.classes}
+        b.calibration, b.thresholds, b.platt_a, b.platt_b = new.calibration, new.threshold, new.platt_a, new.platt_b
+        b.global_threshold, b.digest = new.global_threshold, new.digest
 
     def _timeout(self) -> float:
         return self.settings.request_timeout_s
 
     # ------------------------------------------------------------------ queries
     async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
-        j = cls.id
-        thr = self.threshold_of(j) if threshold is None else float(threshold)
+        j, cal = cls.id, self.calibration  # one calibration for the whole request
+        thr = cal.of_class(j) if threshold is None else float(threshold)
         # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
         w = np.array(self._weight[j], dtype=np.float64)
         b = float(self._bias[j])
-        pa, pb = float(self._platt_a[j]), float(self._platt_b[j])
+        pa, pb = float(cal.platt_a[j]), float(cal.platt_b[j])
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ w + b)  # [n]
@@ -271,9 +295,7 @@ class Engine:
         """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool)."""
         rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
         b = self._bias[ids].astype(np.float64)
-        thr = self._thresholds[ids].astype(np.float64)
-        if not self._thresholds_finite:
-            thr[~np.isfinite(thr)] = float(self.bundle.global_threshold)  # threshold_of's rule
+        thr = self.calibration.of_classes(ids)  # [N] threshold_of's rule
 
         def reduce(h: np.ndarray):  # h [N, d]
             z = finite_output(np.vecdot(h.astype(np.float64), rows) + b)

@@ -90,14 +90,15 @@ class ServerState:
 
     def model_info(self) -> dict:
         b, engine = self.bundle, self.engine
-        m = b.manifest
+        m, served = b.manifest, engine.calibration  # the calibration in use (swapped whole by a reload)
         summary = {k: m[k] for k in ("format", "format_version", "name", "version", "created", "input", "embed_dim",
                                      "num_classes", "loss", "backbone", "test_metrics", "calibration_metrics", "dataset",
-                                     "content_sha256") if k in m}
+                                     "content_sha256", "recalibration") if k in m}
         summary["classes_preview"] = list(b.classes[:10])
-        cal = b.calibration
-        thr = b.thresholds[np.isfinite(b.thresholds)]
+        cal = served.calibration
+        thr = served.threshold[np.isfinite(served.threshold)]
         calibration = {k: cal[k] for k in cal if k != "per_class"}
+        calibration["sha256"] = served.sha256
         calibration["per_class"] = {"count": len(cal.get("per_class", []))}
         if len(thr):
             calibration["per_class"].update(threshold_min=float(thr.min()), threshold_median=float(np.median(thr)),
@@ -110,7 +111,7 @@ class ServerState:
             "image": b.image,  # how an image body becomes one input; null: JSON only
             "embed_dim": b.embed_dim,
             "num_classes": b.num_classes,
-            "digest": b.digest,
+            "digest": served.digest,
             "manifest": summary,
             "calibration": calibration,
             "providers": list(self.runtime.providers),

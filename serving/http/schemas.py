@@ -169,6 +169,23 @@ class GalleryInfo(BaseModel):
     index_kind: str
 
 
+# ----------------------------------------------------------------------------- admin
+class CalibrationReloadRequest(_Body):
+    expect_sha256: Optional[str] = Field(None, pattern="^[0-9a-f]{64}$", description="reload only if the folder's "
+                                         "calibration.json has this sha256 (as `slc calibrate` prints it)")
+
+
+class CalibrationReloadResponse(BaseModel):
+    reloaded: bool = Field(description="false: the folder holds the calibration already served")
+    calibration_sha256: str
+    previous_sha256: str
+    digest: str = Field(description="sha256 of the manifest.json now served")
+    target: dict[str, Any]
+    method: Optional[dict[str, Any]] = None
+    classes_changed: int = Field(description="classes whose threshold differs from the one served before")
+    recalibration: Optional[dict[str, Any]] = Field(None, description="the manifest's note of the recalibration")
+
+
 # ----------------------------------------------------------------------------- model
 class ModelInfo(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -10,6 +10,7 @@ handler answers the other methods (GET, DELETE).
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from urllib.parse import unquote_plus
 from typing import Any, Callable, Optional
@@ -22,12 +23,12 @@ from starlette.responses import Response
 
 
 from serving.codecs import fast_json, image_decoder, images, strict_json as read
-from serving.errors import Forbidden, Unauthorized, UnsupportedMediaType
+from serving.errors import Forbidden, InvalidInput, Unauthorized, UnsupportedMediaType
 from serving.gallery import bodies
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route
-from serving.http.schemas import (ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
+from serving.http.schemas import (CalibrationReloadRequest, CalibrationReloadResponse, ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
                              SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
 
 
@@ -51,6 +52,8 @@ def _read_object(scope, body: bytes, optional: bool = False) -> dict:
 _QUERY_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
 _WRITE_ERRORS = error_responses(400, 401, 403, 408, 413, 415, 422, 429, 503, 504, 507)
 _SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
+_ADMIN_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 503)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 async def require_api_key(request: Request) -> None:
@@ -256,3 +259,19 @@ async def class_search(scope, body: bytes):
 @router.get("/gallery", response_model=GalleryInfo, responses=error_responses(429, 503), tags=["gallery"])
 async def gallery_info(engine=Depends(ready_engine)):
     return OrjsonResponse(await engine.gallery_info())
+
+
+@fast_route(router, "POST", "/admin/reload-calibration", name="reload_calibration", body=CalibrationReloadRequest,
+            body_default=None, response_model=CalibrationReloadResponse, responses=_ADMIN_ERRORS, tags=["admin"])
+async def reload_calibration(scope, body: bytes):
+    """Serve the calibration now in the bundle's folder (after `slc calibrate BUNDLE --in-place`): its
+    hash checked against the folder's manifest, the rest of the model checked unchanged, then swapped
+    in whole, so every query decides with all old or all new thresholds. A write: the API key."""
+    _require_key(scope)  # 401 before the body is read
+    engine = app_state(scope).ready_engine()
+    obj = _read_object(scope, body, optional=True)
+    read.check_keys(obj, ("expect_sha256",))
+    expect = obj.get("expect_sha256")
+    if expect is not None and not (type(expect) is str and _SHA256.fullmatch(expect)):
+        raise InvalidInput("expect_sha256 must be a sha256 as 64 lowercase hex digits", code="validation_error")
+    return 200, await engine.reload_calibration(expect)

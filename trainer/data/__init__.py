@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 Split = tuple[np.ndarray, np.ndarray]  # x float32 [N, *input_shape], y int64 [N]
 
@@ -90,6 +89,10 @@ def _load_npz(path: str) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
 
 
 def _stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Split, Split, Split]:
+    # imported here: listing a user's image files (trainer/data/imagefiles.py, also run by `slc calibrate` in a
+    # server-only install) imports this package and needs no scikit-learn
+    from sklearn.model_selection import train_test_split
+
     idx = np.arange(len(y))
     train_idx, rest_idx = train_test_split(idx, train_size=TRAIN_SHARE, stratify=y, random_state=seed)
     cal_share_of_rest = CALIBRATION_SHARE / (1.0 - TRAIN_SHARE)

@@ -1,0 +1,177 @@
+"""A bundle's calibration replaced (`slc calibrate`, docs/calibration.md), and read back by a running
+server (`POST /v1/admin/reload-calibration`, docs/api.md). The bundle format only: no trainer, no torch.
+
+Writing: a staging directory next to the output gets copies of the bundle's files (not hard links:
+onnx's checker refuses external data with several links, and a later in-place write into one
+bundle must not reach another), the calibration being replaced as calibration.previous.json, the
+new calibration.json, and a manifest hashing them all; the stage must pass `slc verify` before it
+takes the output's place (swap_dir: one rename exchange where Linux can, so a reader never finds
+the folder missing).
+
+Reading back: manifest and calibration through one directory handle, so a swap between the two
+reads cannot pair the manifest of one bundle with the calibration of another; everything but the
+calibration must be what the server loaded (else only a restart may serve it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving.bundle.calibration import calibration_limit, parse_calibration
+from serving.bundle.files import swap_dir
+from serving.bundle.format import MANIFEST, SELF_HASH_KEY, write_manifest
+from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
+
+CALIBRATION = "calibration.json"
+PREVIOUS = "calibration.previous.json"  # the calibration the current one replaced (one generation)
+CALIBRATION_FILES = (CALIBRATION, PREVIOUS)
+# manifest keys a recalibration rewrites; every other one must stay what the server loaded
+REWRITTEN = ("files", SELF_HASH_KEY, "calibration_target", "recalibration")
+
+
+class RecalibrationError(ValueError):
+    """The recalibrated bundle cannot be written; one line."""
+
+
+class BundleChanged(ValueError):
+    """The folder now holds another model than the one being served: only a restart may serve it."""
+
+
+class CalibrationInvalid(ValueError):
+    """The folder's calibration does not match its manifest or is not a calibration."""
+
+
+# ------------------------------------------------------------------------------ writing
+def check_out(source: Path, out: Path, in_place: bool) -> None:
+    """RecalibrationError (one line) for an output that must not be written, before any work."""
+    same = out.resolve() == source.resolve()
+    if same and not in_place:
+        raise RecalibrationError(f"--out {out} is the bundle itself; pass --in-place to replace it")
+    if in_place and not same:
+        raise RecalibrationError("give --in-place or --out, not both")
+    if source.resolve() in out.resolve().parents:
+        raise RecalibrationError(f"--out {out} is inside the bundle {source}")
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
+        raise RecalibrationError(f"{out} exists and is not a bundle; refusing to overwrite it")
+
+
+def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict) -> Path:
+    """Write the bundle `source` with `calibration` to `out` (`out == source`: replaced in place);
+    `note` goes into the manifest's `recalibration` entry. Verified before it takes `out`'s place."""
+    source, out = Path(source), Path(out)
+    in_place = out.resolve() == source.resolve()
+    check_out(source, out, in_place)
+    manifest = json.loads((source / MANIFEST).read_text())  # as written: the full class list
+    stage = out.parent / f".{out.name}.recalibrating-{os.getpid()}"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    try:
+        known = _carry(source, stage, manifest["files"])
+        (stage / CALIBRATION).write_text(json.dumps(calibration, indent=1, allow_nan=False) + "\n")
+        manifest = {**manifest, "calibration_target": calibration["target"],
+                    "recalibration": {**note, "previous_calibration": PREVIOUS}}
+        write_manifest(stage, manifest, known_hashes=known)
+        if problems := verify_bundle(stage):
+            raise RecalibrationError("the recalibrated bundle fails verification, nothing was written: "
+                                     + "; ".join(problems[:3]))
+        swap_dir(stage, out)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def _carry(source: Path, stage: Path, files: dict) -> dict[str, tuple[str, int]]:
+    """Every listed file but the calibrations copied into the stage, the current calibration as PREVIOUS;
+    their manifest hashes (not read again: verify reads them once, on the stage)."""
+    carry = shutil.copyfile
+    known = {}
+    for name, info in files.items():
+        if name in CALIBRATION_FILES:
+            continue
+        if "/" in name or "\\" in name or name in ("", ".", "..", MANIFEST):
+            raise RecalibrationError(f"{MANIFEST} lists a bad file name {name!r}")
+        carry(source / name, stage / name)
+        known[name] = (str(info["sha256"]), int(info["bytes"]))
+    carry(source / CALIBRATION, stage / PREVIOUS)
+    known[PREVIOUS] = (str(files[CALIBRATION]["sha256"]), int(files[CALIBRATION]["bytes"]))
+    return known
+
+
+# ------------------------------------------------------------------------------ reading back (the server)
+@dataclass
+class Snapshot:
+    """A bundle folder's manifest and calibration, read together."""
+
+    manifest: dict
+    manifest_bytes: bytes
+    calibration: dict  # per_class as a PerClassCalibration view
+    arrays: dict  # float32 [D] threshold, a, b, ...
+    sha256: str  # of calibration.json
+
+
+def read_snapshot(path: Path, loaded: dict, classes) -> Snapshot:
+    """The calibration now in the bundle folder `path`, checked against its manifest (hash, size,
+    content), whose model must be `loaded` (manifest) with class names `classes`.
+    BundleChanged / CalibrationInvalid, one line each."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        dfd = os.open(path, flags)
+    except OSError as exc:
+        raise CalibrationInvalid(f"the bundle folder {path} cannot be opened ({exc.strerror})") from None
+    try:
+        manifest_bytes = _read_at(dfd, MANIFEST, MAX_MANIFEST_BYTES)
+        manifest, problems = parse_manifest(manifest_bytes)
+        if problems:
+            raise CalibrationInvalid(problems[0])
+        if changed := model_changes(loaded, manifest, classes):
+            raise BundleChanged(f"the bundle folder {path} now holds another model ({', '.join(changed[:3])} "
+                                "changed): restart the server to serve it")
+        entry = manifest["files"].get(CALIBRATION) or {}
+        data = _read_at(dfd, CALIBRATION, calibration_limit(manifest["num_classes"]))
+    finally:
+        os.close(dfd)
+    digest = hashlib.sha256(data).hexdigest()
+    if entry.get("sha256") != digest or entry.get("bytes") != len(data):
+        raise CalibrationInvalid(f"{CALIBRATION}: sha256 {digest[:12]}… does not match {MANIFEST}")
+    calibration, arrays, problems = parse_calibration(data, int(manifest["num_classes"]))
+    if problems:
+        raise CalibrationInvalid(problems[0])
+    return Snapshot(manifest, manifest_bytes, calibration, arrays, digest)
+
+
+def model_changes(loaded: dict, new: dict, classes) -> list[str]:
+    """What differs between two manifests besides the calibration: files, manifest keys, class names."""
+    old_files, new_files = ({k: v for k, v in m["files"].items() if k not in CALIBRATION_FILES} for m in (loaded, new))
+    changed = [k for k in sorted(old_files.keys() | new_files.keys()) if old_files.get(k) != new_files.get(k)]
+    changed += [f"manifest key {k!r}" for k in sorted(loaded.keys() | new.keys())
+                if k not in REWRITTEN and k != "classes" and loaded.get(k) != new.get(k)]
+    names = new["classes"]
+    if len(names) != len(classes) or any(a != b for a, b in zip(names, classes)):
+        changed.append("class names")
+    return changed
+
+
+def _read_at(dfd: int, name: str, limit: int) -> bytes:
+    """A regular file's bytes, opened relative to the directory handle (no symlink, no FIFO wait)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(name, flags, dir_fd=dfd)
+    except OSError as exc:
+        raise CalibrationInvalid(f"{name}: cannot be opened ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CalibrationInvalid(f"{name}: not a regular file")
+        if st.st_size > limit:
+            raise CalibrationInvalid(f"{name}: {st.st_size} bytes is over the limit of {limit}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(st.st_size + 1)
+    finally:
+        os.close(fd)

@@ -1,0 +1,251 @@
+"""`slc calibrate BUNDLE --data imagefolder:DIR` (trainer/recalibrate.py, docs/calibration.md) on a
+small model trained and exported from PNG glyphs, recalibrated on PNGs of other typefaces for 8 of
+its 10 classes. Checked against independent truth: the written thresholds equal trainer/calibrate.py
+run directly on embeddings computed apart from the command (an onnxruntime session of our own:
+exactly; the run's torch module: within float tolerance), the 2 classes without images keep their
+previous entries exactly, `slc verify` accepts the bundle and catches a tampered calibration, an
+unknown class is one line and exit 2 before any image is decoded, and a server on the new bundle
+(or swapped in place through the admin route) answers detect with the new thresholds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from serving.bundle.image import load_image_file
+from slc.cli import main
+from tests.trainer.test_imagefolder import render_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEN = "ABCDEFGH"  # classes with recalibration images; I and J have none
+pytestmark = pytest.mark.integration  # trains, exports and serves a small model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def home(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("home")
+        mp.setenv("SLC_HOME", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """(run, bundle): an mlp trained on 10 glyph classes (80 PNGs) and exported at precision 0.9."""
+    from trainer.export import export_bundle
+    from trainer.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("trained")
+    folder = render_folder(root / "letters")
+    cfg = TrainConfig(dataset=f"imagefolder:{folder}", backbone="mlp", backbone_params={"hidden": 32},
+                      loss="batch_ce", epochs=15, lr=0.003, batch_size=16, seed=0)
+    run = train(cfg, root / "run", progress=False)
+    return run, export_bundle(run, root / "bundle", target_precision=0.9)
+
+
+def render(root: Path, classes: str = SEEN, per_class: int = 6, split: str = "") -> Path:
+    """root/[split/]CLASS/i.png from the calibration typefaces (never trained on), seeded."""
+    from trainer.data import glyphs
+
+    fonts = [f.load() for f in glyphs.glyph_set("glyphs-latin").faces["calibration"][:2]]
+    rng = np.random.default_rng(len(split) + 1)
+    for c in classes:
+        (root / split / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(glyphs.render(fonts[i % 2], c, rng)).save(root / split / c / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return render(tmp_path_factory.mktemp("recal") / "mine")
+
+
+@pytest.fixture(scope="module")
+def recalibrated(trained, images, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "bundle"
+    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{images}", "--out", str(out)])
+    return out
+
+
+def files_and_labels(folder: Path, classes: list[str]) -> tuple[list[Path], np.ndarray]:
+    """Independent listing: every PNG under folder/CLASS, its class id in the bundle."""
+    paths = sorted(folder.glob("*/*.png"))
+    return paths, np.array([classes.index(p.parent.name) for p in paths])
+
+
+def cal_of(bundle: Path) -> dict:
+    return json.loads((bundle / "calibration.json").read_text())
+
+
+def decisions(bundle: Path) -> dict:
+    """What a server decides with: the thresholds, Platt parameters and the global threshold."""
+    cal = cal_of(bundle)
+    return {"global": cal["global"]["threshold"],
+            "per_class": [(e["threshold"], e["platt"]["a"], e["platt"]["b"]) for e in cal["per_class"]]}
+
+
+def test_the_new_bundle_verifies_keeps_the_previous_calibration_and_tampering_is_caught(trained, recalibrated,
+                                                                                      capsys, tmp_path):
+    from serving.bundle import verify_bundle
+
+    source = trained[1]
+    assert verify_bundle(recalibrated) == []
+    assert (recalibrated / "calibration.previous.json").read_bytes() == (source / "calibration.json").read_bytes()
+    manifest = json.loads((recalibrated / "manifest.json").read_text())
+    assert manifest["files"]["calibration.previous.json"]["sha256"] == hashlib.sha256(
+        (source / "calibration.json").read_bytes()).hexdigest()
+    assert manifest["recalibration"]["images"] == 6 * len(SEEN) and manifest["recalibration"]["classes_kept"] == 2
+    main(["verify", str(recalibrated)])
+    assert capsys.readouterr().out.startswith("OK ")
+    tampered = Path(shutil.copytree(recalibrated, tmp_path / "tampered"))
+    cal = cal_of(tampered)
+    cal["per_class"][0]["threshold"] -= 1.0
+    (tampered / "calibration.json").write_text(json.dumps(cal, indent=1) + "\n")
+    assert any(p.startswith("calibration.json: sha256") for p in verify_bundle(tampered))
+    with pytest.raises(SystemExit) as exit_:
+        main(["verify", str(tampered)])
+    assert exit_.value.code == 1 and "FAIL calibration.json: sha256" in capsys.readouterr().err
+
+
+def test_the_thresholds_are_the_estimators_on_independently_computed_embeddings(trained, images, recalibrated):
+    """Truth 1: our own onnxruntime session on load_image_file arrays -> trainer.calibrate.calibrate:
+    equal. Truth 2: the run's torch module -> the same estimator: equal within float tolerance.
+    Classes I, J (no image): the previous entry, untouched."""
+    import onnxruntime as ort
+    import torch
+
+    from serving.bundle import load_bundle
+    from trainer.calibrate import calibrate
+    from trainer.train import load_run
+
+    run, source = trained
+    b, old, new = load_bundle(source), cal_of(source), cal_of(recalibrated)
+    paths, y = files_and_labels(images, list(b.classes))
+    x = np.stack([load_image_file(p, b.image) for p in paths])  # [N, 1, 32, 32]
+    W, bias = np.asarray(b.weight, np.float64), np.asarray(b.bias, np.float64)
+    sess = ort.InferenceSession(str(source / "backbone.onnx"), providers=["CPUExecutionProvider"])
+    h_ort = sess.run(None, {"input": x})[0]
+    with torch.no_grad():
+        h_torch = load_run(run)[0].embed(torch.from_numpy(x)).numpy()
+    seen = np.array([c in SEEN for c in b.classes])
+    got = np.array([e["threshold"] for e in new["per_class"]])
+    for h, exact in ((h_ort, True), (h_torch, False)):
+        want = calibrate(h.astype(np.float64) @ W.T + bias, y, old["target"], method=old["method"])
+        ref = np.array([e["threshold"] for e in want["per_class"]])
+        if exact:
+            np.testing.assert_array_equal(got[seen], ref[seen])
+            assert new["global"]["threshold"] == want["global"]["threshold"]
+        else:
+            np.testing.assert_allclose(got[seen], ref[seen], rtol=1e-4, atol=1e-4)
+    for j in np.flatnonzero(~seen):
+        assert new["per_class"][j] == {**old["per_class"][j], "kept": True}
+    assert new["target"] == old["target"] and new["method"] == old["method"] and new["examples"] == len(y)
+
+
+def test_an_unknown_class_is_one_line_and_exit_2_before_any_image_is_decoded(trained, tmp_path, capsys, monkeypatch):
+    import serving.bundle.image
+
+    folder = render(tmp_path / "mine", classes="ABZ", per_class=1)
+    (folder / "zz").mkdir()
+    Image.new("L", (32, 32)).save(folder / "zz" / "0.png")
+    monkeypatch.setattr(serving.bundle.image, "decode_image", lambda *a, **k: pytest.fail("an image was decoded"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "'Z', 'zz'" in err and "does not know" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--out", "{bundle}"], "pass --in-place"),
+    ([], "give --out NEW_BUNDLE, or --in-place"),
+    (["--out", "{tmp}/b", "--in-place"], "not both"),
+    (["--out", "{tmp}/notes"], "is not a bundle; refusing to overwrite it"),
+    (["--in-place", "--target-precision", "0.9", "--target-recall", "0.5"], "not both"),
+])
+def test_output_mistakes_are_one_line_and_exit_2(trained, images, tmp_path, capsys, argv, needle):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    args = [a.format(bundle=trained[1], tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", str(trained[1]), "--data", f"imagefolder:{images}", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_with_split_folders_val_is_fitted_test_measured_train_left_out(trained, tmp_path, capsys):
+    folder = tmp_path / "splits"
+    for split, n in (("train", 2), ("val", 3), ("test", 2)):
+        render(folder, per_class=n, split=split)
+    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    cal = cal_of(tmp_path / "b")
+    assert cal["examples"] == 3 * len(SEEN) and cal["test_examples"] == 2 * len(SEEN)
+    assert cal["recalibration"]["pooled"]["test"]["images"] == 2 * len(SEEN)
+    assert "16 train-split images left out" in out and "on the test images" in out
+
+
+def test_a_server_on_the_new_bundle_and_one_swapped_in_place_decide_with_the_new_thresholds(
+        trained, images, recalibrated, tmp_path):
+    """match == (logit >= new threshold) with the logit computed offline (tests/serving/helpers.Offline);
+    the in-place swap answers with the old thresholds until the admin route reloads them."""
+    from fastapi.testclient import TestClient
+
+    from serving.bundle import load_bundle
+    from serving.http.app import create_app
+    from tests.serving.helpers import Offline, assert_envelope, make_settings, wait_ready
+
+    b = load_bundle(recalibrated)
+    paths, _ = files_and_labels(images, list(b.classes))
+    x = np.stack([load_image_file(p, b.image) for p in paths])
+    z = Offline(b).logits(x)  # [N, D] float64
+    new = np.array([e["threshold"] for e in cal_of(recalibrated)["per_class"]], np.float32)
+    old = np.array([e["threshold"] for e in cal_of(trained[1])["per_class"]], np.float32)
+    live = Path(shutil.copytree(trained[1], tmp_path / "live"))
+
+    def check(client, thresholds):
+        for j in range(b.num_classes):
+            got = client.post(f"/v1/classes/{j}/detect", json={"inputs": x.reshape(len(x), -1).tolist()}).json()
+            assert got["threshold"] == float(thresholds[j])
+            assert [r["match"] for r in got["results"]] == (z[:, j] >= float(thresholds[j])).tolist()
+
+    with TestClient(create_app(make_settings(recalibrated, tmp_path / "a", max_inputs=64))) as client:
+        wait_ready(client.get)
+        check(client, new)
+    with TestClient(create_app(make_settings(live, tmp_path / "b", max_inputs=64, api_key="k"))) as client:
+        wait_ready(client.get)
+        main(["calibrate", str(live), "--data", f"imagefolder:{images}", "--in-place"])
+        assert decisions(live) == decisions(recalibrated)
+        check(client, old)
+        assert_envelope(client.post("/v1/admin/reload-calibration"), 401, "unauthorized")
+        check(client, old)
+        r = client.post("/v1/admin/reload-calibration", headers={"authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["reloaded"] is True, r.text
+        check(client, new)
+    assert not (new == old).all()
+
+
+def test_it_runs_where_torch_and_scikit_learn_cannot_be_imported(trained, images, recalibrated, tmp_path):
+    blocker = tmp_path / "blocker"
+    for name in ("torch", "sklearn"):
+        (blocker / name).mkdir(parents=True)
+        (blocker / name / "__init__.py").write_text(f"raise ModuleNotFoundError('no {name} here', name='{name}')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-m", "slc", "calibrate", str(trained[1]), "--data", f"imagefolder:{images}",
+                          "--out", str(tmp_path / "b")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr
+    assert "recalibrated 8 classes, kept 2, 48 images" in run.stdout
+    assert decisions(tmp_path / "b") == decisions(recalibrated)  # as in this process, where torch is importable

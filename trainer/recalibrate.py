@@ -1,0 +1,359 @@
+"""`slc calibrate BUNDLE --data imagefolder:DIR | csv:FILE`: a bundle's thresholds chosen again on the
+user's own labelled images (docs/calibration.md).
+
+numpy, onnxruntime and Pillow only (no torch, no scikit-learn), so it runs in a server-only install.
+In order: the bundle checked (manifest, head, calibration) and the options resolved (target and
+method default to the bundle's own); the files listed and every folder name matched to a class of
+the bundle, one line naming the unknown ones before any image is decoded; each image decoded by the
+server's own preprocessing (serving/bundle/image.py with the bundle's image spec) and embedded once
+by the bundle's backbone.onnx under onnxruntime; the thresholds fitted by the export's estimator
+(trainer/calibrate.py) on logits W·h + b of the head rows, class chunk by class chunk (never
+[N, D]); classes without an image keep their previous entry; the bundle written with the new
+calibration (serving/bundle/recalibration.py), verified before it replaces anything.
+
+Images: DIR/CLASS/... (or a CSV path,label) are all used. With splits (DIR/{train,val,test}/CLASS or
+a CSV split column) the thresholds are fitted on val (calibration) only, test is only measured,
+train is left out (the model has seen it).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+
+from serving.bundle.cliopts import POSITIVE, bundle_dir, out_dir
+from trainer.calibrate import DEFAULT_METHOD, METHODS, calibrate_chunks, check_method, chunk_classes
+
+SHOW_UNKNOWN = 5  # unknown class names given in the one line
+EMBED_BATCH = 64
+DRAWS, LEVEL = 1000, 0.95  # bootstrap of the pooled precision and recall
+KEPT_RULE = ("a class with no image in the recalibration data keeps its entry of the calibration this one "
+             "replaced (threshold, Platt parameters, rates), marked kept: true")
+
+
+@dataclass
+class Images:
+    """The files to decode, by role: fitted on (`fit`) and only measured (`test`)."""
+
+    root: Path
+    fit: list  # of imagefiles.Entry
+    test: list
+    left_out: int  # train-split files, not used
+
+
+@dataclass
+class Options:
+    target: dict
+    method: dict
+    skip_bad: bool
+
+
+# ------------------------------------------------------------------------------ before any decoding
+def open_source(bundle: Path) -> tuple[dict, dict]:
+    """(manifest, calibration as written) of a bundle that loads; UsageError (one line) otherwise."""
+    from serving.bundle.format import MANIFEST, json_load
+    from serving.bundle.verify import inspect_bundle
+
+    problems, _ = inspect_bundle(bundle, deep=False)
+    if problems:
+        raise click.UsageError(f"{bundle} does not load, so it is not recalibrated: {problems[0]}")
+    manifest = json_load((bundle / MANIFEST).read_bytes())
+    if not isinstance(manifest.get("image"), dict):
+        raise click.UsageError(f"{bundle} takes no images (its manifest has no image spec): recalibrate it "
+                               "with slc export on its run instead")
+    return manifest, json_load((bundle / "calibration.json").read_bytes())
+
+
+def resolve_options(calibration: dict, target_precision: float | None, target_recall: float | None,
+                    method_name: str | None, kappa: float | None, skip_bad: bool) -> Options:
+    """The bundle's target and method unless given (its kappa too, for shrink)."""
+    if target_precision is not None and target_recall is not None:
+        raise click.UsageError("give --target-precision or --target-recall, not both")
+    target = ({"precision": target_precision} if target_precision is not None else
+              {"recall": target_recall} if target_recall is not None else dict(calibration.get("target") or {}))
+    if list(target) not in (["precision"], ["recall"]):
+        raise click.UsageError(f"the bundle's target {target} is not a precision or recall: give --target-precision P")
+    old = calibration.get("method") or DEFAULT_METHOD
+    name = method_name or old.get("name", DEFAULT_METHOD["name"])
+    if kappa is None:
+        kappa = old.get("kappa", DEFAULT_METHOD["kappa"]) if old.get("name") == "shrink" else DEFAULT_METHOD["kappa"]
+    try:
+        method = check_method({"name": name, "kappa": kappa})
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    return Options(target, method, skip_bad)
+
+
+def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, np.ndarray, np.ndarray]:
+    """The files and their class ids in the bundle (fit, test); UsageError naming the first unknown
+    folder names or the unusable files, before any image is decoded."""
+    from trainer.data import imagefiles
+
+    try:
+        root, entries = imagefiles.list_entries(data)
+        entries, bad = imagefiles.check_files(data, root, entries)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        if not skip_bad:
+            raise click.UsageError(f"{data}: cannot read {bad[0][0]} ({bad[0][1]}){more}; fix or remove it, "
+                                   "or pass --skip-bad-images")
+        click.echo(f"warning: skipped {bad[0][0]} ({bad[0][1]}){more}: cannot be read", err=True)
+    index = {name: j for j, name in enumerate(classes)}
+    _refuse_unknown(data, {e.label for e in entries} - index.keys(), classes)
+    split = entries[0].split is not None if entries else False
+    fit = [e for e in entries if (e.split == "calibration" if split else True)]
+    test = [e for e in entries if split and e.split == "test"]
+    if not fit:
+        raise click.UsageError(f"{data}: no image to fit thresholds on"
+                               + (" (the val/calibration split is empty)" if split else ""))
+    fit_ids, test_ids = (np.array([index[e.label] for e in es], dtype=np.int64) for es in (fit, test))
+    return Images(root, fit, test, len(entries) - len(fit) - len(test)), fit_ids, test_ids
+
+
+def _refuse_unknown(data: str, unknown: set[str], classes: list[str]) -> None:
+    """One line naming the first few folder names that are not classes of the bundle, and a few of its classes."""
+    if not unknown:
+        return
+    names = sorted(unknown)
+
+    def few(items: list[str]) -> str:
+        return ", ".join(map(repr, items[:SHOW_UNKNOWN])) + (", ..." if len(items) > SHOW_UNKNOWN else "")
+
+    raise click.UsageError(f"{data}: {len(names)} class name(s) the bundle does not know: {few(names)} "
+                           f"(its classes: {few(classes)})")
+
+
+# ------------------------------------------------------------------------------ decoding, embedding
+def embed_files(bundle: Path, spec: dict, root: Path, entries: list, skip_bad: bool,
+                desc: str) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings [n, d] float32 of the decodable files, their positions in `entries`): each file
+    decoded as the server decodes an image body, then backbone.onnx in batches. ClickException
+    naming the first file that does not decode, unless skip_bad."""
+    from tqdm.auto import tqdm
+
+    from serving.bundle import ort_session
+    from serving.bundle.image import FILE_MAX_DECODED_BYTES, FILE_MAX_PIXELS, decode_image
+    from trainer.data.imagefiles import read_regular
+
+    sess = ort_session(bundle / "backbone.onnx", threads=os.cpu_count() or 1)
+    out, kept, batch, bad = [], [], [], []
+    with tqdm(total=len(entries), desc=desc, unit="img", leave=False) as bar:
+        for k, e in enumerate(entries):
+            try:
+                data = read_regular(root / e.rel)
+                batch.append(decode_image(io.BytesIO(data), spec, max_pixels=FILE_MAX_PIXELS,
+                                          max_bytes=FILE_MAX_DECODED_BYTES))
+                kept.append(k)
+            except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
+                bad.append(f"{e.rel} ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})")
+            if len(batch) == EMBED_BATCH or (k == len(entries) - 1 and batch):
+                out.append(sess.run(None, {"input": np.stack(batch).astype(np.float32, copy=False)})[0])
+                batch = []
+            bar.update(1)
+    if bad and not skip_bad:
+        raise click.ClickException(f"cannot decode {bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}; "
+                                   "fix or remove it, or pass --skip-bad-images")
+    if bad:
+        click.echo(f"warning: skipped {len(bad)} image(s) that do not decode, e.g. {bad[0]}", err=True)
+    d = sess.get_outputs()[0].shape[-1]
+    h = np.concatenate(out) if out else np.zeros((0, d if isinstance(d, int) else 0), np.float32)
+    return h, np.asarray(kept, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------ thresholds
+def head_chunks(h: np.ndarray, weight: np.ndarray, bias: np.ndarray, chunk: int):
+    """`Chunks` of logits W·h + b as the server's detect computes them (float64 of the float32 rows and
+    embeddings): `chunk` classes at a time, never [N, D]."""
+    from trainer.metrics import head_chunks as chunks
+
+    return chunks(np.asarray(h, dtype=np.float64), weight, bias, chunk)
+
+
+def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarray | None,
+        y_test: np.ndarray | None, opts: Options) -> tuple[dict, np.ndarray]:
+    """calibration.json content from the estimator, kept entries restored for classes without an
+    image; and the thresholds [D] the server will compare with (float32, as it stores them)."""
+    weight = np.load(bundle / "head_weight.npy", mmap_mode="r", allow_pickle=False)  # [D, d]
+    bias = np.load(bundle / "head_bias.npy", allow_pickle=False)  # [D]
+    D = len(weight)
+    chunk = chunk_classes(max(len(y), 0 if y_test is None else len(y_test)), D)
+    has_test = y_test is not None and len(y_test) > 0
+    cal = calibrate_chunks(head_chunks(h, weight, bias, chunk), y, D, opts.target,
+                           head_chunks(h_test, weight, bias, chunk) if has_test else None,
+                           y_test if has_test else None, method=opts.method, progress=True)
+    present = np.bincount(y, minlength=D) > 0  # [D]
+    for j in np.flatnonzero(~present):
+        cal["per_class"][j] = {**old["per_class"][j], "kept": True}
+    cal["split"] = "recalibration"
+    threshold = np.array([e["threshold"] for e in cal["per_class"]], dtype=np.float32)  # [D] as the server keeps it
+    return cal, threshold
+
+
+def per_image_counts(h: np.ndarray, y: np.ndarray, weight: np.ndarray, bias: np.ndarray,
+                     threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(true match [N] 0/1, false matches [N]) of each image at thresholds [D], as detect decides
+    (logit >= threshold), over class chunks."""
+    tp, fp = np.zeros(len(y), np.int64), np.zeros(len(y), np.int64)
+    chunk = chunk_classes(len(y), len(weight))
+    thr = np.where(np.isfinite(threshold), threshold, np.inf).astype(np.float64)
+    for first, z in head_chunks(h, weight, bias, chunk)():  # z [N, c]
+        match = z >= thr[first:first + z.shape[1]]  # [N, c]
+        local = y - first
+        mine = (local >= 0) & (local < z.shape[1])
+        own = np.zeros(len(y), bool)
+        own[mine] = match[np.flatnonzero(mine), local[mine]]
+        tp += own
+        fp += match.sum(axis=1) - own
+    return tp, fp
+
+
+def pooled(tp: np.ndarray, fp: np.ndarray, seed: int = 0) -> dict:
+    """Precision and recall over all (image, class) pairs, with a bootstrap interval over images
+    (DRAWS resamples, LEVEL): images are the independent units, an image's pairs are not."""
+    n, rng = len(tp), np.random.default_rng(seed)
+    block = max(1, (1 << 22) // max(n, 1))
+    prec, rec = [], []
+    for start in range(0, DRAWS, block):
+        idx = rng.integers(0, n, (min(block, DRAWS - start), n))  # [b, n]
+        t, f = tp[idx].sum(axis=1), fp[idx].sum(axis=1)
+        prec.append(np.where(t + f > 0, t / np.maximum(t + f, 1), 1.0))
+        rec.append(t / n)
+    q = [(1 - LEVEL) / 2, (1 + LEVEL) / 2]
+    t, f = int(tp.sum()), int(fp.sum())
+    return {"images": n, "matches": t + f, "true_matches": t,
+            "precision": t / (t + f) if t + f else 1.0, "precision_interval": np.quantile(np.concatenate(prec), q).tolist(),
+            "recall": t / n, "recall_interval": np.quantile(np.concatenate(rec), q).tolist(),
+            "interval": f"{LEVEL:.0%} bootstrap over images ({DRAWS} draws, seed {seed})"}
+
+
+# ------------------------------------------------------------------------------ the command
+def _data(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from trainer.data.imagefiles import check_name, is_image_dataset
+
+    if not is_image_dataset(value):
+        raise click.BadParameter(f"expected imagefolder:DIR or csv:FILE, got {value!r}", ctx, param)
+    try:
+        check_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
+def _output(bundle: Path, out: Path | None, in_place: bool) -> Path:
+    """Where to write: --out, or BUNDLE itself with --in-place; one line for anything else."""
+    from serving.bundle.recalibration import RecalibrationError, check_out
+
+    if out is None and not in_place:
+        raise click.UsageError("give --out NEW_BUNDLE, or --in-place to replace BUNDLE")
+    if out is not None and in_place:
+        raise click.UsageError("give --out or --in-place, not both")
+    target = bundle if in_place else out
+    try:
+        check_out(bundle, target, in_place)
+    except RecalibrationError as exc:
+        raise click.UsageError(str(exc)) from None
+    return target
+
+
+def _embed_all(bundle: Path, spec: dict, images: Images, y_fit: np.ndarray, y_test: np.ndarray,
+               skip_bad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Embeddings and labels of the decodable fit and test files."""
+    h, kept = embed_files(bundle, spec, images.root, images.fit, skip_bad, f"embedding {len(images.fit):,} images")
+    if len(kept) == 0:
+        raise click.ClickException("no image decodes: nothing to fit thresholds on")
+    if not images.test:
+        return h, y_fit[kept], None, None
+    h_test, kept_test = embed_files(bundle, spec, images.root, images.test, skip_bad,
+                                    f"embedding {len(images.test):,} test images")
+    return h, y_fit[kept], h_test, y_test[kept_test]
+
+
+def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshold: np.ndarray) -> dict:
+    """Pooled precision and recall with intervals at the new thresholds: on the fit images, and on
+    the test images when there are some."""
+    weight = np.load(bundle / "head_weight.npy", mmap_mode="r", allow_pickle=False)
+    bias = np.load(bundle / "head_bias.npy", allow_pickle=False)
+    report = {"fit": pooled(*per_image_counts(h, y, weight, bias, threshold))}
+    if y_test is not None and len(y_test):
+        report["test"] = pooled(*per_image_counts(h_test, y_test, weight, bias, threshold))
+    return report
+
+
+def _line(what: str, r: dict) -> str:
+    (pl, ph), (rl, rh) = r["precision_interval"], r["recall_interval"]
+    return (f"{what}: precision {r['precision']:.3f} [{pl:.3f}, {ph:.3f}], recall {r['recall']:.3f} "
+            f"[{rl:.3f}, {rh:.3f}] ({r['images']:,} images, {r['matches']:,} matches; {r['interval']})")
+
+
+@click.command("calibrate")
+@click.argument("bundle", type=click.Path(path_type=Path), callback=bundle_dir)
+@click.option("--data", required=True, callback=_data,
+              help="imagefolder:DIR or csv:FILE: labelled images whose folder names (label column) are class names "
+                   "of the bundle; with train/val/test splits, fitted on val, measured on test (docs/calibration.md)")
+@click.option("--out", type=click.Path(path_type=Path), callback=out_dir,
+              help="the recalibrated bundle to write: a new folder, or a bundle it replaces (not BUNDLE itself)")
+@click.option("--in-place", is_flag=True, help="replace BUNDLE itself, in one atomic swap (a running server then "
+              "takes the new thresholds with POST /v1/admin/reload-calibration)")
+@click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="[default: the bundle's target]")
+@click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="a recall target instead of a precision one")
+@click.option("--threshold-method", type=click.Choice(METHODS), help="[default: the bundle's method]")
+@click.option("--kappa", type=POSITIVE, help="shrink's pseudo-count [default: the bundle's, else 4]")
+@click.option("--skip-bad-images", is_flag=True, help="leave out files that cannot be read or decoded (one warning)")
+def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_precision: float | None,
+              target_recall: float | None, threshold_method: str | None, kappa: float | None,
+              skip_bad_images: bool) -> None:
+    """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
+    from serving.bundle.recalibration import PREVIOUS, RecalibrationError, write_recalibrated
+    from trainer.data.imagefiles import absolute_name
+
+    t0 = time.perf_counter()
+    target = _output(bundle, out, in_place)
+    manifest, old = open_source(bundle)
+    opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images)
+    images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
+    h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
+    cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts)
+    report = _report(bundle, h, y, h_test, y_test, threshold)
+    D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
+    note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": absolute_name(data),
+            "images": len(y), "test_images": 0 if y_test is None else len(y_test),
+            "classes_recalibrated": fitted, "classes_kept": D - fitted}
+    cal["recalibration"] = {**note, "kept_rule": KEPT_RULE, "pooled": report, "previous_calibration": PREVIOUS}
+    try:
+        write_recalibrated(bundle, cal, target, note)
+    except RecalibrationError as exc:
+        raise click.ClickException(str(exc)) from None
+    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0)
+
+
+def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
+             seconds: float) -> None:
+    import hashlib
+
+    sha = hashlib.sha256((target / "calibration.json").read_bytes()).hexdigest()
+    method = opts.method["name"] + (f" (kappa {opts.method['kappa']:g})" if "kappa" in opts.method else "")
+    (kind, value), = opts.target.items()
+    if images.left_out:
+        click.echo(f"{data}: {images.left_out:,} train-split images left out (the model has seen them)")
+    if note["classes_kept"]:
+        click.echo(f"{note['classes_kept']:,} of the bundle's classes have no image: their previous thresholds "
+                   "are kept (calibration.json marks them kept: true)")
+    click.echo(f"target {kind} {value:g}, method {method}, pooled over classes")
+    click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"]))
+    if "test" in report:
+        click.echo(_line("on the test images (unseen by the choice)", report["test"]))
+    restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target == bundle
+               else f"slc serve {target}")
+    click.echo(f"recalibrated {note['classes_recalibrated']:,} classes, kept {note['classes_kept']:,}, "
+               f"{note['images'] + note['test_images']:,} images, {seconds:.1f} s -> {target} verified "
+               f"(calibration.json sha256 {sha}; previous in calibration.previous.json); next: {restart}")

@@ -18,6 +18,7 @@ class Kind(str, Enum):
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
+    CONFLICT = "conflict"  # the request contradicts what exists (a name taken by a trained class)
     TIMEOUT = "timeout"  # the request itself did not arrive in time
     TOO_LARGE = "too_large"
     UNSUPPORTED_MEDIA = "unsupported_media"
@@ -61,6 +62,10 @@ class Forbidden(SlcError):
 
 class NotFound(SlcError):
     kind, code = Kind.NOT_FOUND, "not_found"
+
+
+class Conflict(SlcError):
+    kind, code = Kind.CONFLICT, "conflict"
 
 
 class RequestTimeout(SlcError):

@@ -243,6 +243,7 @@ class DeviceHead:
         rows, spans = self._rows(h, group)
         j = np.concatenate([np.broadcast_to(np.asarray(acc.j, dtype=np.int64), (b - a,)) for (a, b), (_, acc)
                             in zip(spans, group)])
+        j = np.where(j < self.num_classes, j, 0)  # an enrolled class: its logit comes with the enrolled rows' chunk
         out = [np.empty(len(rows)), np.empty(len(rows)), np.empty(len(rows), np.int64), np.empty(len(rows), bool)]
         for g in self._groups(len(rows)):
             for o, r in zip(out, self._run("softmax", rows[g], {"j": j[g]})):
@@ -267,5 +268,5 @@ class DeviceHead:
     def _logits(self, h: np.ndarray, group: list) -> None:
         for sl, acc in group:
             part = h[sl]
-            for g in self._groups(len(part)):
-                (acc.out[g],) = self._run("logits", part[g], {})
+            for g in self._groups(len(part)):  # the first D columns: enrolled classes' columns follow
+                (acc.out[g, :self.num_classes],) = self._run("logits", part[g], {})

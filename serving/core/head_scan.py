@@ -362,6 +362,14 @@ class SoftmaxStats:
         """After a pass on a quantized head: the logit of j exact (float64 on the float32 rows), so
         the probability is that exact logit over the pass's normaliser. h [n, d]."""
         j = np.broadcast_to(self.j, (len(h),))
+        mine = j < len(weight)  # rows whose class is past the head (enrolled) keep the logit of their own chunk
+        if not mine.all():
+            zj = self.zj.copy()
+            rows = np.flatnonzero(mine)
+            zj[rows] = np.einsum("nd,nd->n", np.asarray(h[rows], dtype=np.float64),
+                                 np.asarray(weight[j[rows]], dtype=np.float64)) + np.asarray(bias[j[rows]], dtype=np.float64)
+            self.zj = zj
+            return
         self.zj = np.einsum("nd,nd->n", np.asarray(h, dtype=np.float64), np.asarray(weight[j], dtype=np.float64)) \
             + np.asarray(bias[j], dtype=np.float64)
 
@@ -444,6 +452,17 @@ class TopK:
             return self.scores, self.ids
         order = np.lexsort((self.ids, -self.scores), axis=1)
         return np.take_along_axis(self.scores, order, 1), np.take_along_axis(self.ids, order, 1)
+
+
+class Shifted:
+    """An accumulator fed the logits of rows appended past the head (the enrolled classes,
+    serving/core/enrolled.py): chunk columns 0.. of those rows are classes `offset`.. of the accumulator."""
+
+    def __init__(self, acc: Accumulator, offset: int):
+        self.acc, self.offset = acc, offset
+
+    def update(self, z: np.ndarray, start: int) -> None:
+        self.acc.update(z, start + self.offset)
 
 
 class AllLogits:

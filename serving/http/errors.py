@@ -21,6 +21,7 @@ from serving.errors import Kind, SlcError
 log = logging.getLogger(__name__)
 
 HTTP_STATUS = {Kind.BAD_REQUEST: 400, Kind.UNAUTHENTICATED: 401, Kind.FORBIDDEN: 403, Kind.NOT_FOUND: 404,
+               Kind.CONFLICT: 409,
                Kind.TIMEOUT: 408, Kind.TOO_LARGE: 413, Kind.UNSUPPORTED_MEDIA: 415, Kind.INVALID: 422,
                Kind.OVERLOADED: 429, Kind.UNAVAILABLE: 503, Kind.DEADLINE: 504, Kind.STORAGE_FULL: 507,
                Kind.INTERNAL: 500}
@@ -56,7 +57,7 @@ def envelope(status: int, code: str, message: str, headers: Optional[dict] = Non
     return OrjsonResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
                408: "request_timeout", 413: "payload_too_large", 415: "unsupported_media_type",
                422: "invalid_input", 429: "overloaded",
                503: "not_ready", 504: "deadline_exceeded", 507: "insufficient_storage"}

@@ -82,3 +82,40 @@ def triton(bundle_dir: Path, out: Path, max_batch: int, delay_us: int) -> None:
 
     models = write_triton_repository(bundle_dir, out, max_batch, delay_us)
     click.echo(f"triton repository {out}: {', '.join(models)}  -> tritonserver --model-repository {out}")
+
+
+@bundle.command()
+@click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--from", "source", required=True, metavar="DATA_DIR|URL",
+              help="where the server kept its enrolled classes: its --data-dir (SQLite), or its --gallery-url "
+                   "(postgresql://...)")
+@click.option("--out", required=True, help="the new bundle directory (replaced; not BUNDLE)", **OUT)
+def fold(bundle_dir: Path, source: str, out: Path) -> None:
+    """A new bundle with the enrolled classes of BUNDLE as ordinary rows (docs/api.md "Enroll a class")."""
+    from serving.bundle.fold import FoldedClass, fold_bundle
+    from serving.bundle.loader import load_bundle
+    from serving.gallery import DB_NAME
+    from serving.gallery.enrolled import open_enrolled_store
+
+    is_url = source.startswith(("postgres://", "postgresql://"))
+    if not is_url and not (Path(source) / DB_NAME).is_file():
+        raise click.BadParameter(f"{source} holds no {DB_NAME} (give the server's --data-dir, or its "
+                                 "postgresql:// gallery URL)", param_hint="--from")
+    original = load_bundle(bundle_dir, verify=False)
+    digest, trained = original.digest, original.num_classes
+    store = open_enrolled_store(source if is_url else None, Path(source), digest)
+    try:
+        records = [r for r in store.changes(0) if not r.deleted]
+    finally:
+        store.close()
+    classes = [FoldedClass(r.name, r.slot, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples, r.rule)
+               for r in records]
+    if not classes:
+        raise click.ClickException(f"{source} holds no enrolled classes of {bundle_dir} (digest {digest[:12]}…); "
+                                   "nothing to fold")
+    try:
+        fold_bundle(bundle_dir, classes, out)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"bundle {out}: {len(classes)} enrolled classes folded into {bundle_dir}'s head as ids "
+               f"{trained}..{trained + len(classes) - 1}  -> slc verify {out}; slc serve {out}")

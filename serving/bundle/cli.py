@@ -34,15 +34,19 @@ def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple
               help="clustered: rows share directions, like trained heads; gaussian: i.i.d., the worst case for an index")
 @click.option("--head-precision", "precisions", default="", help="also write quantized heads: int8, bf16 or both "
               "(comma list; docs/bundle-format.md)")
+@click.option("--negatives", type=click.IntRange(min=0), default=0, show_default=True,
+              help="also write this many calibration negatives (random inputs' embeddings, labelled by their top class)")
 @click.option("--out", required=True, help="bundle directory (replaced)", **OUT)
-def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, out: Path) -> None:
+def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, negatives: int,
+              out: Path) -> None:
     """A bundle with a random backbone and D random class rows, for scale work."""
     from serving.bundle.quantize import add_heads
     from serving.bundle.synthetic import build_synthetic_bundle
 
     wanted = _precisions(None, None, precisions) if precisions else ()
     t0 = time.perf_counter()
-    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows)
+    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows,
+                           negatives=negatives)
     if wanted:
         add_heads(out, wanted, progress=True)
     head_mb = classes * (dim + 1) * 4 / 2**20

@@ -356,7 +356,8 @@ def test_every_error_kind_has_an_http_status_and_a_grpc_code():
 
 @pytest.mark.parametrize("kind, status, code", [("OVERLOADED", 429, "RESOURCE_EXHAUSTED"), ("UNAVAILABLE", 503, "UNAVAILABLE"),
                                                 ("DEADLINE", 504, "DEADLINE_EXCEEDED"), ("INVALID", 422, "INVALID_ARGUMENT"),
-                                                ("NOT_FOUND", 404, "NOT_FOUND"), ("FORBIDDEN", 403, "PERMISSION_DENIED")])
+                                                ("NOT_FOUND", 404, "NOT_FOUND"), ("FORBIDDEN", 403, "PERMISSION_DENIED"),
+                                                ("CONFLICT", 409, "ALREADY_EXISTS")])
 def test_a_kind_maps_to_the_status_its_protocol_documents(kind, status, code):
     pytest.importorskip("grpc", reason="pip install 'slc[grpc]'")
     from serving.errors import Kind

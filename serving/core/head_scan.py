@@ -316,6 +316,8 @@ class SoftmaxStats:
         self.has_j = np.zeros(n, dtype=bool)  # rows whose class j was in a chunk this accumulator saw
         self.top = np.zeros(n, dtype=np.int64)
         self.finite = np.ones(n, dtype=bool)
+        self.zmax: Optional[np.ndarray] = None  # the top logit when m is not the running max (a device pass sets
+        # m to the whole row's log-sum-exp; the enrolled rows' chunk then compares its logits with zmax)
 
     def update(self, z: np.ndarray, start: int) -> None:
         n, c = z.shape
@@ -330,8 +332,11 @@ class SoftmaxStats:
         am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
         cmax = z[np.arange(n), am].astype(np.float64)
         self.finite &= np.isfinite(cmax) & np.isfinite(z.min(axis=1))  # NaN, +inf show in the max; -inf in the min
-        better = (cmax > self.m) | ((cmax == self.m) & (am + start < self.top))  # ties: the smaller id, in any chunk order
+        ref = self.m if self.zmax is None else self.zmax
+        better = (cmax > ref) | ((cmax == ref) & (am + start < self.top))  # ties: the smaller id, in any chunk order
         self.top[better] = am[better] + start
+        if self.zmax is not None:
+            self.zmax = np.maximum(self.zmax, cmax)
         m_new = np.maximum(self.m, cmax)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # rows already marked not finite
             lse = self.logsumexp(z, am)  # [n] float64; z overwritten (the chunk buffer's rows of this job)

@@ -270,3 +270,32 @@ def _check_negatives_threshold(got: dict, z_pos, z_neg, weight) -> None:
     else:
         assert got["rule"] == "imprint+negatives"
         assert got["threshold"] == pytest.approx(want, rel=1e-6, abs=1e-6)  # the server's row is float32
+
+
+def test_a_quantized_pass_goes_on_over_the_enrolled_rows(tmp_path, inputs):
+    """SLC_HEAD_PRECISION=int8: the trained rows' pass on the int8 head (its top-k and the asked logit
+    re-scored on the float32 rows), then the enrolled rows in float32."""
+    from fastapi.testclient import TestClient
+
+    from serving.bundle import load_bundle
+    from serving.bundle.quantize import add_heads
+    from serving.bundle.synthetic import build_synthetic_bundle
+    from serving.main import build
+    from tests.serving.helpers import Offline, make_settings, wait_ready
+
+    path = build_synthetic_bundle(classes=D, dim=16, input_dim=INPUT_DIM, seed=0, out=tmp_path / "q")
+    add_heads(path, ("int8",))
+    offline = Offline(load_bundle(path))
+    with TestClient(build(make_settings(path, tmp_path, head_precision="int8"))[0]) as client:
+        wait_ready(client.get)
+        x = examples(7)
+        cid = enroll(client, "quant", x).json()["class_id"]
+        ext = Extended(offline, [(cid, *imprint(offline, x))])
+        z = ext.logits(inputs)
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        sm = client.post("/v1/classes/quant/softmax", json={"inputs": inputs.tolist()}).json()["results"]
+        np.testing.assert_allclose([r["logit"] for r in sm], z[:, -1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose([r["probability"] for r in sm], p[:, -1], rtol=2e-2)  # int8 normaliser
+        top = client.post("/v1/topk", json={"inputs": inputs.tolist(), "k": 5}).json()
+        _check_topk(top, z, ext, {cid: "quant"}, 5)

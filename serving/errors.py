@@ -18,7 +18,7 @@ class Kind(str, Enum):
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
-    CONFLICT = "conflict"  # the request is sound, the state it needs is not there (e.g. a bundle folder changed)
+    CONFLICT = "conflict"  # the request contradicts the state it needs (a name taken by a trained class, a bundle folder changed)
     TIMEOUT = "timeout"  # the request itself did not arrive in time
     TOO_LARGE = "too_large"
     UNSUPPORTED_MEDIA = "unsupported_media"

@@ -82,6 +82,18 @@ class Settings(BaseSettings):
         "gallery routes)"))
     gallery_queue_size: int = Field(64, ge=1, description=(
         "gallery calls waiting or running at once; more get 429 with Retry-After"))
+    max_enrolled_classes: int = Field(100_000, ge=0, description=(
+        "enrolled classes (PUT /v1/classes/{name}) a bundle may have at once, over every replica; creating one more "
+        "is answered 507 enrolled_limit and nothing is written (replacing one is always allowed)"))
+    enrolled_sync_s: float = Field(0.5, gt=0, le=60, description=(
+        "how often a server asks the store for enrollments made by other processes (a second replica on the "
+        "same SQLite data_dir or PostgreSQL): another replica's enrolled class is served here within this time "
+        "(plus the time of one read); this process's own enrollments are served as soon as they are answered"))
+    enroll_threshold: Literal["global", "negatives"] = Field("global", description=(
+        "the threshold of an enrolled class: global = the bundle's global calibrated threshold (calibration.json "
+        "`global`; PoLS logits are comparable across classes); negatives = the lowest logit at which the class "
+        "reaches the bundle's target precision against its calibration negatives (calibration_embeddings.npy), "
+        "the examples standing in for the positives; bundles without negatives keep the global threshold"))
     max_metadata_bytes: int = Field(1024 * 1024, ge=2, description=(
         "an item's metadata as compact JSON (as the server stores and answers it) at most this long; 422 beyond"))
     max_metadata_values: int = Field(131072, ge=1, description=(

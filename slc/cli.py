@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "data": ("trainer.cli:data", "Datasets that are built, not downloaded (glyphs rendered from fonts)."),
     "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),
     "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
-    "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work) and Triton model repositories."),
+    "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work), enrolled classes folded in, Triton model repositories."),
     "loadtest": ("tools.loadtest.cli:loadtest", "Load a running server; writes report.json, report.md, latency.png."),
     "bench": (None, "Benchmarks written to docs/results (scale, routes, index, losses, ...)."),
 }

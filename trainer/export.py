@@ -35,6 +35,7 @@ from serving.bundle import (
     GRAPH_IO, MANIFEST, NpyStream, base_manifest, graph_problems, ort_session, replace_dir, verify_bundle,
     write_manifest,
 )
+from serving.bundle.negatives import write_negatives
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from serving.bundle.quantize import write_heads
 from trainer.calibrate import calibrate_chunks, chunk_classes
@@ -235,9 +236,11 @@ def _write_head(stage: Path, weight: np.ndarray, bias: np.ndarray) -> None:
         stream.close()
 
 
-def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None) -> dict:
+def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None) -> tuple[dict, dict]:
     """Thresholds chosen on the calibration split's logits as the server's detect computes them
-    (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]."""
+    (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]. Also a
+    sample of those embeddings with their labels (serving/bundle/negatives.py: an enrolled class's
+    negatives); returns (calibration, the manifest's `negatives`)."""
     from trainer.metrics import head_chunks
 
     weight, bias = r.head  # [D, d], [D]
@@ -249,7 +252,7 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            r.y_test if has_test else None, method=method, progress=True)
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
-    return cal
+    return cal, write_negatives(stage, h_cal, r.y_cal)
 
 
 def _write_samples(r: _Run, stage: Path, D: int) -> None:
@@ -312,9 +315,10 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     try:
         parity_report = _export_graphs(r, stage, D, external=weight.nbytes > EXTERNAL_DATA_BYTES)
         _write_head(stage, weight, bias)
-        cal = _write_calibration(r, stage, target, method)
+        cal, negatives = _write_calibration(r, stage, target, method)
         _write_samples(r, stage, D)
         manifest = _manifest(r, stage, classes, d, cal, parity_report)
+        manifest["negatives"] = negatives
         if head_precisions:
             manifest["heads"] = write_heads(stage, weight, tuple(head_precisions))
         write_manifest(stage, manifest)

@@ -34,15 +34,19 @@ def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple
               help="clustered: rows share directions, like trained heads; gaussian: i.i.d., the worst case for an index")
 @click.option("--head-precision", "precisions", default="", help="also write quantized heads: int8, bf16 or both "
               "(comma list; docs/bundle-format.md)")
+@click.option("--negatives", type=click.IntRange(min=0), default=0, show_default=True,
+              help="also write this many calibration negatives (random inputs' embeddings, labelled by their top class)")
 @click.option("--out", required=True, help="bundle directory (replaced)", **OUT)
-def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, out: Path) -> None:
+def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, negatives: int,
+              out: Path) -> None:
     """A bundle with a random backbone and D random class rows, for scale work."""
     from serving.bundle.quantize import add_heads
     from serving.bundle.synthetic import build_synthetic_bundle
 
     wanted = _precisions(None, None, precisions) if precisions else ()
     t0 = time.perf_counter()
-    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows)
+    build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows,
+                           negatives=negatives)
     if wanted:
         add_heads(out, wanted, progress=True)
     head_mb = classes * (dim + 1) * 4 / 2**20
@@ -82,3 +86,40 @@ def triton(bundle_dir: Path, out: Path, max_batch: int, delay_us: int) -> None:
 
     models = write_triton_repository(bundle_dir, out, max_batch, delay_us)
     click.echo(f"triton repository {out}: {', '.join(models)}  -> tritonserver --model-repository {out}")
+
+
+@bundle.command()
+@click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
+@click.option("--from", "source", required=True, metavar="DATA_DIR|URL",
+              help="where the server kept its enrolled classes: its --data-dir (SQLite), or its --gallery-url "
+                   "(postgresql://...)")
+@click.option("--out", required=True, help="the new bundle directory (replaced; not BUNDLE)", **OUT)
+def fold(bundle_dir: Path, source: str, out: Path) -> None:
+    """A new bundle with the enrolled classes of BUNDLE as ordinary rows (docs/api.md "Enroll a class")."""
+    from serving.bundle.fold import FoldedClass, fold_bundle
+    from serving.bundle.loader import load_bundle
+    from serving.gallery import DB_NAME
+    from serving.gallery.enrolled import open_enrolled_store
+
+    is_url = source.startswith(("postgres://", "postgresql://"))
+    if not is_url and not (Path(source) / DB_NAME).is_file():
+        raise click.BadParameter(f"{source} holds no {DB_NAME} (give the server's --data-dir, or its "
+                                 "postgresql:// gallery URL)", param_hint="--from")
+    original = load_bundle(bundle_dir, verify=False)
+    digest, trained = original.digest, original.num_classes
+    store = open_enrolled_store(source if is_url else None, Path(source), digest)
+    try:
+        records = [r for r in store.changes(0) if not r.deleted]
+    finally:
+        store.close()
+    classes = [FoldedClass(r.name, r.slot, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples, r.rule)
+               for r in records]
+    if not classes:
+        raise click.ClickException(f"{source} holds no enrolled classes of {bundle_dir} (digest {digest[:12]}…); "
+                                   "nothing to fold")
+    try:
+        fold_bundle(bundle_dir, classes, out)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"bundle {out}: {len(classes)} enrolled classes folded into {bundle_dir}'s head as ids "
+               f"{trained}..{trained + len(classes) - 1}  -> slc verify {out}; slc serve {out}")

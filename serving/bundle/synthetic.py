@@ -196,9 +196,10 @@ def _write_head(out: Path, rng: np.random.Generator, D: int, d: int, rows: str, 
 
 
 def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle",
-                           rows: str = "clustered", image: dict | None = None) -> Path:
+                           rows: str = "clustered", image: dict | None = None, negatives: int = 0) -> Path:
     """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`;
-    `image` (a manifest image spec with layout flat) lets it take image bodies too."""
+    `image` (a manifest image spec with layout flat) lets it take image bodies too; `negatives`:
+    that many calibration negatives (embeddings of random inputs, labelled by their top class)."""
     D, d = int(classes), int(dim)
     if image is not None and (bad := check_image_spec(image, (int(input_dim),))):
         raise ValueError(bad)
@@ -218,6 +219,7 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
     write_graphs(out, params, input_dim, d, D, offsets["weight"], offsets["bias"])
     samples.save(out / "samples.npz")
     _write_calibration(out / "calibration.json", threshold, sd)
+    extra = {"negatives": _write_negatives(out, rng, params, input_dim, negatives)} if negatives else {}
     manifest = base_manifest(
         f"synthetic-D{D}-d{d}-s{seed}", [input_dim], d, [str(j) for j in range(D)],
         loss={"name": "none", "params": {}, "pols": False},
@@ -225,9 +227,25 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
         training={"synthetic": True, "seed": int(seed), "rows": rows}, test_metrics=None,
         external_data={"full.onnx": ["head_weight.npy", "head_bias.npy"],
                        "single.onnx": ["head_weight.npy", "head_bias.npy"]},
-        **({"image": image} if image is not None else {}))
+        **({"image": image} if image is not None else {}), **extra)
     write_manifest(out, manifest, known_hashes=known)
     return out
+
+
+def _write_negatives(out: Path, rng: np.random.Generator, params: dict, input_dim: int, n: int) -> dict:
+    """Calibration negatives (serving/bundle/negatives.py): backbone embeddings of random inputs, each
+    labelled by its top class over the written head (chunk by chunk)."""
+    from serving.bundle.negatives import write_negatives
+
+    h = backbone_numpy(params, rng.standard_normal((n, input_dim))).astype(np.float32)  # [n, d]
+    weight, bias = np.load(out / "head_weight.npy", mmap_mode="r"), np.load(out / "head_bias.npy", mmap_mode="r")
+    best, label = np.full(n, -np.inf), np.zeros(n, dtype=np.int64)
+    for start in range(0, len(weight), ROW_CHUNK):
+        z = h.astype(np.float64) @ np.asarray(weight[start:start + ROW_CHUNK], np.float64).T + bias[start:start + ROW_CHUNK]
+        am = z.argmax(axis=1)
+        better = z[np.arange(n), am] > best
+        best[better], label[better] = z[np.arange(n), am][better], am[better] + start
+    return write_negatives(out, h, label, split="synthetic", limit=n)
 
 
 def _write_calibration(path: Path, threshold: np.ndarray, sd: np.ndarray) -> None:

@@ -3,7 +3,8 @@ hash), sha256 and size of every listed file (streamed), head shapes, calibration
 one entry per class), onnx.checker with full_check on each graph by path (external data is
 never loaded by the checker), I/O names and a plain Gather in single.onnx, and samples.npz
 re-run through all three graphs with onnxruntime, plus the single logits recomputed from the
-.npy rows. Every problem is one line naming its file. No torch here, ever.
+.npy rows, and the calibration negatives when present (serving/bundle/negatives.py). Every problem
+is one line naming its file. No torch here, ever.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from serving.bundle.format import MANIFEST, REQUIRED_FILES, SELF_HASH_KEY, FORMA
 from serving.bundle.files import not_regular, read_bounded
 from serving.bundle.quantize import check_heads, open_heads
 from serving.bundle.graphs import check_graphs
+from serving.bundle.negatives import check_negatives
 from serving.bundle.npy import open_head
 from serving.bundle.session import ort_session
 
@@ -226,6 +228,7 @@ def inspect_bundle(path: Path, deep: bool) -> tuple[list[str], dict]:
             problems += check_heads(weight, heads)
         calibration, arrays, cal_problems = read_calibration(path, manifest)
         problems += cal_problems
+        problems += check_negatives(path, manifest, deep)
         parts.update(weight=weight, bias=bias, calibration=calibration, arrays=arrays)
         if deep:
             problems += check_graphs(path, manifest)

@@ -4,7 +4,7 @@ each request answers with comes back (issue 36; docs/configuration.md "The head 
 With `--device cuda` the float32 rows are uploaded once, at load, as onnxruntime values on the GPU,
 and three small ONNX graphs built here read them through IO binding (no copy per call):
 
-  softmax   h [M, d], w [D, d], b [D], j [M] -> lse [M], zj [M], top [M], bad [M]
+  softmax   h [M, d], w [D, d], b [D], j [M] -> lse [M], zj [M], top [M], bad [M], zmax [M]
   topk      h, w, b, k [1]                    -> values [M, K], ids [M, K], bad [M]
   logits    h, w, b                           -> z [M, D]
 
@@ -78,7 +78,7 @@ def _common(num_classes: int, blocks: int, width: int) -> tuple[list, list]:
 
 def softmax_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
     """lse [M] (two-stage log-sum-exp), zj [M] (the logit of each row's class j), top [M] (the argmax,
-    ties to the smaller id), bad [M]."""
+    ties to the smaller id), bad [M], zmax [M] (the top logit: what enrolled rows fed after it compare with)."""
     from onnx import TensorProto, helper
 
     nodes, inits = _common(num_classes, blocks, width)
@@ -111,12 +111,14 @@ def softmax_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
         helper.make_node("Mul", ["best", "width"], ["base"]),
         helper.make_node("Add", ["base", "col"], ["top1"]),
         helper.make_node("Squeeze", ["top1", "axis1"], ["top"]),
+        helper.make_node("ReduceMax", ["m"], ["zmax"], axes=[1], keepdims=0),  # [M]: the top logit
     ]
     inits.append(helper.make_tensor("axis2", TensorProto.INT64, [1], [2]))
     outputs = [helper.make_tensor_value_info("lse", TensorProto.FLOAT, ["M"]),
                helper.make_tensor_value_info("zj", TensorProto.FLOAT, ["M"]),
                helper.make_tensor_value_info("top", TensorProto.INT64, ["M"]),
-               helper.make_tensor_value_info("bad", TensorProto.BOOL, ["M"])]
+               helper.make_tensor_value_info("bad", TensorProto.BOOL, ["M"]),
+               helper.make_tensor_value_info("zmax", TensorProto.FLOAT, ["M"])]
     j = helper.make_tensor_value_info("j", TensorProto.INT64, ["M"])
     return _graph("device_softmax", [j], outputs, nodes, d, inits)
 
@@ -243,13 +245,16 @@ class DeviceHead:
         rows, spans = self._rows(h, group)
         j = np.concatenate([np.broadcast_to(np.asarray(acc.j, dtype=np.int64), (b - a,)) for (a, b), (_, acc)
                             in zip(spans, group)])
-        out = [np.empty(len(rows)), np.empty(len(rows)), np.empty(len(rows), np.int64), np.empty(len(rows), bool)]
+        j = np.where(j < self.num_classes, j, 0)  # an enrolled class: its logit comes with the enrolled rows' chunk
+        out = [np.empty(len(rows)), np.empty(len(rows)), np.empty(len(rows), np.int64), np.empty(len(rows), bool),
+               np.empty(len(rows))]
         for g in self._groups(len(rows)):
             for o, r in zip(out, self._run("softmax", rows[g], {"j": j[g]})):
                 o[g] = r
-        lse, zj, top, bad = out
+        lse, zj, top, bad, zmax = out
         for (a, b), (_, acc) in zip(spans, group):
             acc.m, acc.s = lse[a:b].astype(np.float64), np.ones(b - a)  # the normaliser: m + log(1)
+            acc.zmax = zmax[a:b].astype(np.float64)
             acc.zj, acc.has_j, acc.top, acc.finite = zj[a:b].astype(np.float64), np.ones(b - a, bool), top[a:b], ~bad[a:b]
 
     def _topk(self, h: np.ndarray, group: list) -> None:
@@ -267,5 +272,5 @@ class DeviceHead:
     def _logits(self, h: np.ndarray, group: list) -> None:
         for sl, acc in group:
             part = h[sl]
-            for g in self._groups(len(part)):
-                (acc.out[g],) = self._run("logits", part[g], {})
+            for g in self._groups(len(part)):  # the first D columns: enrolled classes' columns follow
+                (acc.out[g, :self.num_classes],) = self._run("logits", part[g], {})

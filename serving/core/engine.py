@@ -7,6 +7,9 @@ softmax  the honest baseline: all D logits per input, in ONE pass over the head 
          streamed over the chunks (serving/core/head_scan.py).
 topk     exact: the same pass keeping the k best; index: the faiss ClassIndex over the rows.
 gallery  embed items and store them; search a class: its row and threshold against the gallery.
+enroll   embed a new class's examples, its row by serving/core/enrollment.py's rule, stored and served
+         beside the trained rows (serving/core/enrolled.py): every query above reads the enrolled
+         snapshot it started with, the passes over all classes feed it one more chunk of logits.
 
 Every numeric step runs in the batcher's worker thread (a job's `reduce`), never on the loop.
 Inputs arrive decoded (serving/codecs/); errors are serving/errors.py's, protocol-free.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,7 +30,9 @@ from serving.core import head_scan
 from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
-from serving.errors import GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
+from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
+from serving.core.enrollment import check_name
+from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
 from serving.gallery import GalleryUnavailable, StorageFull
 from serving.gallery.executor import GalleryExecutor
 
@@ -56,15 +62,25 @@ def require_finite(finite: np.ndarray) -> None:
                            code="non_finite_output")
 
 
+_DECIMAL_ID = re.compile(r"-?[0-9]{1,18}")  # a class path that reads as an id (serving/bundle/loader.py's rule)
+
+
 @dataclass
 class ClassRef:
+    """A resolved class: trained (pos None) or enrolled (its position in `enrolled`, the snapshot it was found in)."""
+
     id: int
     name: str
+    enrolled: Optional[Enrolled] = None
+    pos: Optional[int] = None
 
 
 class Engine:
-    def __init__(self, bundle, runtime, settings, index, gallery, metrics=None):
+    def __init__(self, bundle, runtime, settings, index, gallery, metrics=None,
+                 enrolled: Optional[EnrolledClasses] = None):
         self.bundle = bundle
+        self.enrolled = enrolled
+        self._no_enrolled = empty_snapshot(int(bundle.num_classes), int(bundle.embed_dim))
         self.runtime = runtime
         self.settings = settings
         self.index = index
@@ -134,9 +150,11 @@ class Engine:
         x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
         offsets = np.cumsum([0] + [j.n for j in jobs])
         scans = [i for i, j in enumerate(jobs) if j.kind == "logits"]
-        need_h = self.head_pass.needs_embedding or len(scans) < len(jobs)
+        extra = [i for i in scans if _snapshot_of(jobs[i]).n]  # passes that go on over enrolled rows
+        need_h = self.head_pass.needs_embedding or len(scans) < len(jobs) or bool(extra)
         h = self.runtime.embed(x, one_thread=shared) if need_h else None  # [M, d]
         accumulated = self._scan_head(jobs, scans, offsets, x, h)
+        self._scan_enrolled(jobs, extra, offsets, h, accumulated)
         found = self._index_search(jobs, offsets, h)
         results = []
         for i, job in enumerate(jobs):
@@ -172,6 +190,23 @@ class Engine:
             self.head_pass.run(x if every else x[rows], None, parts)
         return accumulated
 
+    def _scan_enrolled(self, jobs: list[Job], extra: list[int], offsets: np.ndarray, h: Optional[np.ndarray],
+                       accumulated: dict[int, Any]) -> None:
+        """After the pass over the D trained rows: the same accumulators fed the logits of the enrolled
+        rows E [n_e, d] as classes D.., one chunked GEMM per snapshot (a job reads the snapshot it
+        started with; head_scan.Shifted)."""
+        by_snapshot: dict[int, list[int]] = {}
+        for i in extra:
+            by_snapshot.setdefault(id(_snapshot_of(jobs[i])), []).append(i)
+        for group in by_snapshot.values():
+            snap = _snapshot_of(jobs[group[0]])
+            rows = np.concatenate([h[offsets[i]:offsets[i + 1]] for i in group])  # [m, d]
+            parts, start = [], 0
+            for i in group:
+                parts.append((slice(start, start + jobs[i].n), head_scan.Shifted(accumulated[i], self.num_classes)))
+                start += jobs[i].n
+            head_scan.scan(snap.weight, snap.bias, rows, parts)
+
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:
         """ONE class-index search over the embeddings of every "index" job in the batch, split per job.
 
@@ -194,19 +229,34 @@ class Engine:
             logits[bad] = np.nan  # its job's reduce answers 422 non_finite_output
         found, start = {}, 0
         for i in index_jobs:
-            found[i] = (logits[start:start + jobs[i].n], ids[start:start + jobs[i].n])
+            rows = slice(start, start + jobs[i].n)
+            snap = getattr(jobs[i].reduce, "enrolled", None)
+            found[i] = (logits[rows], ids[rows]) if snap is None or not snap.n else \
+                _merge_enrolled(snap, hq[rows], logits[rows], ids[rows], getattr(jobs[i].reduce, "k", 1))
             start += jobs[i].n
         return found
 
     # ------------------------------------------------------------------ inputs and classes
+    def snapshot(self) -> Enrolled:
+        """The enrolled classes a request answers with (read once per request)."""
+        return self.enrolled.snapshot if self.enrolled is not None else self._no_enrolled
+
     def resolve_class(self, ref: str) -> ClassRef:
-        """A class name from the manifest, else an integer id (Bundle.class_id's rule); NotFound otherwise."""
+        """A class name from the manifest, else an integer id (Bundle.class_id's rule), else an enrolled
+        class's name or id (D + slot); NotFound otherwise."""
+        snap = self.snapshot()
         try:
             j = self.bundle.class_id(ref)
+            return ClassRef(j, str(self.bundle.classes[j]))
         except KeyError:
-            raise NotFound(f"unknown class {ref!r} (a class name, or an id 0..{self.num_classes - 1})",
-                           code="unknown_class") from None
-        return ClassRef(j, str(self.bundle.classes[j]))
+            pass
+        pos = snap.find(ref) if snap.n else None
+        if pos is None and snap.n and _DECIMAL_ID.fullmatch(ref):
+            pos = snap.position_of_id(int(ref))
+        if pos is None:
+            raise NotFound(f"unknown class {ref!r} (a class name, an id 0..{self.num_classes - 1}, or an enrolled "
+                           f"class's name or id)", code="unknown_class")
+        return ClassRef(int(snap.ids_of_positions(pos)), snap.name(pos), snap, pos)
 
     def threshold_of(self, j: int) -> float:
         return self.calibration.of_class(j)
@@ -232,17 +282,27 @@ class Engine:
         b.calibration, b.thresholds, b.platt_a, b.platt_b = new.calibration, new.threshold, new.platt_a, new.platt_b
         b.global_threshold, b.digest = new.global_threshold, new.digest
 
+    def row_of(self, cls: ClassRef) -> tuple[np.ndarray, float, float, float, float]:
+        """(row [d] float64, bias, threshold, platt a, platt b) of a trained or enrolled class."""
+        if cls.enrolled is not None:
+            w, b, thr, pa, pb, _ = cls.enrolled.row(cls.pos)
+            return np.array(w, dtype=np.float64), b, thr, pa, pb
+        j, cal = cls.id, self.calibration  # one calibration for the whole request
+        # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
+        return (np.array(self._weight[j], dtype=np.float64), float(self._bias[j]), cal.of_class(j),
+                float(cal.platt_a[j]), float(cal.platt_b[j]))
+
+    def _column(self, cls: ClassRef) -> int:
+        """The class's column in a pass: its id when trained, D + its position among the enrolled ones."""
+        return cls.id if cls.enrolled is None else self.num_classes + cls.pos
+
     def _timeout(self) -> float:
         return self.settings.request_timeout_s
 
     # ------------------------------------------------------------------ queries
     async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
-        j, cal = cls.id, self.calibration  # one calibration for the whole request
-        thr = cal.of_class(j) if threshold is None else float(threshold)
-        # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
-        w = np.array(self._weight[j], dtype=np.float64)
-        b = float(self._bias[j])
-        pa, pb = float(cal.platt_a[j]), float(cal.platt_b[j])
+        w, b, thr, pa, pb = self.row_of(cls)
+        thr = thr if threshold is None else float(threshold)
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ w + b)  # [n]
@@ -250,52 +310,65 @@ class Engine:
             return [{"logit": zi, "match": zi >= thr, "probability": pi} for zi, pi in zip(z.tolist(), p.tolist())]
 
         results = await self.batcher.submit(x, "embed", reduce, self._timeout())
-        return {"class_id": j, "class_name": cls.name, "threshold": thr, "results": results}
+        return {"class_id": cls.id, "class_name": cls.name, "threshold": thr, "results": results}
 
     async def softmax(self, cls: ClassRef, x: np.ndarray) -> dict:
-        j = cls.id
+        col, snap = self._column(cls), cls.enrolled or self.snapshot()
 
-        def reduce(acc: head_scan.SoftmaxStats) -> list[dict]:  # streamed over all D logits
+        def reduce(acc: head_scan.SoftmaxStats) -> list[dict]:  # streamed over all D + n_e logits
             require_finite(acc.finite)
             p, zj, top1 = acc.result()
             return [{"probability": pi, "logit": zi, "is_top1": ti}
                     for pi, zi, ti in zip(p.tolist(), zj.tolist(), top1.tolist())]
 
-        results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                            accumulator=lambda n: head_scan.SoftmaxStats(n, j, self.head_pass.logsumexp), patience=self.scan_patience)
-        return {"class_id": j, "class_name": cls.name, "results": results}
+        results = await self.batcher.submit(
+            x, "logits", reduce, self._timeout(), patience=self.scan_patience,
+            accumulator=_tagged(lambda n: head_scan.SoftmaxStats(n, col, self.head_pass.logsumexp), snap))
+        return {"class_id": cls.id, "class_name": cls.name, "results": results}
 
     async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:
-        k = min(k, self.num_classes)
-        names = self.bundle.classes
+        snap = self.snapshot()
+        k = min(k, self.num_classes + snap.n)
+        names, D = self.bundle.classes, self.num_classes
 
-        def entries(ids: np.ndarray, logits: np.ndarray) -> list[list[dict]]:
-            return [[{"class_id": int(c), "class_name": str(names[c]), "logit": float(v)}
-                     for c, v in zip(row_ids, row_z) if c >= 0] for row_ids, row_z in zip(ids, logits)]
+        def entries(ids: np.ndarray, logits: np.ndarray) -> list[list[dict]]:  # ids: class ids (D + slot when enrolled)
+            return [[{"class_id": int(c), "class_name": str(names[c]) if c < D else snap.name(snap.position_of_id(c)),
+                      "logit": float(v)} for c, v in zip(row_ids, row_z) if c >= 0]
+                    for row_ids, row_z in zip(ids, logits)]
 
         if mode == "exact" or self.index is None or self.index.reads_every_row:  # exact index: the same pass
-            def reduce(acc: head_scan.TopK):  # streamed over all D logits
+            def reduce(acc: head_scan.TopK):  # streamed over all D + n_e logits
                 require_finite(acc.finite)
-                logits, ids = acc.result()
-                return entries(ids, logits)
+                logits, cols = acc.result()
+                return entries(_ids_of_columns(snap, cols), logits)
 
-            results = await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                                accumulator=lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra),
-                                                patience=self.scan_patience)
+            results = await self.batcher.submit(
+                x, "logits", reduce, self._timeout(), patience=self.scan_patience,
+                accumulator=_tagged(lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra), snap))
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
                 return entries(ids[:, :k], finite_output(logits[:, :k]))
 
-            reduce.k = k  # _index_search searches the whole batch with the largest k
+            reduce.k, reduce.enrolled = k, snap  # _index_search: the whole batch with the largest k, then the enrolled rows
             results = await self.batcher.submit(x, "index", reduce, self._timeout())
         return {"k": k, "mode": mode, "results": results}
 
-    async def single_logits(self, x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool)."""
-        rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
-        b = self._bias[ids].astype(np.float64)
-        thr = self.calibration.of_classes(ids)  # [N] threshold_of's rule
+    def class_exists(self, class_id: int, snap: Enrolled) -> bool:
+        """Whether `class_id` names a trained class or an enrolled one of `snap`."""
+        return 0 <= class_id < self.num_classes or (class_id >= self.num_classes and snap.position_of_id(class_id) is not None)
+
+    async def single_logits(self, x: np.ndarray, ids: np.ndarray, snap: Optional[Enrolled] = None
+                            ) -> tuple[np.ndarray, np.ndarray]:
+        """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool).
+        ids: trained ids, or enrolled ids of `snap` (checked by the caller with class_exists)."""
+        trained = ids < self.num_classes
+        if trained.all():
+            rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
+            b = self._bias[ids].astype(np.float64)
+            thr = self.calibration.of_classes(ids)  # [N] threshold_of's rule
+        else:
+            rows, b, thr = self._mixed_rows(ids, trained, snap if snap is not None else self.snapshot())
 
         def reduce(h: np.ndarray):  # h [N, d]
             z = finite_output(np.vecdot(h.astype(np.float64), rows) + b)
@@ -303,15 +376,71 @@ class Engine:
 
         return await self.batcher.submit(x, "embed", reduce, self._timeout())
 
+    def _mixed_rows(self, ids: np.ndarray, trained: np.ndarray, snap: Enrolled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows [N, d], bias [N], threshold [N]) float64 for ids of trained and enrolled classes."""
+        rows = np.empty((len(ids), self.bundle.embed_dim))
+        b, thr = np.empty(len(ids)), np.empty(len(ids))
+        t = np.flatnonzero(trained)
+        rows[t], b[t], thr[t] = self._weight[ids[t]], self._bias[ids[t]], self.calibration.of_classes(ids[t])
+        e = np.flatnonzero(~trained)
+        pos = np.array([snap.position_of_id(int(c)) for c in ids[e]], dtype=np.int64)
+        rows[e], b[e], thr[e] = snap.weight[pos], snap.bias[pos], snap.values(1)[pos]
+        return rows, b, thr
+
     async def all_logits(self, x: np.ndarray) -> np.ndarray:
-        """KServe `<name>-full`: logits [N, D] float32, written chunk by chunk into the answer."""
+        """KServe `<name>-full`: logits [N, D + n_e] float32 (the enrolled classes' columns after the D
+        trained ones, in id order), written chunk by chunk into the answer."""
+        snap = self.snapshot()
+
         def reduce(acc: head_scan.AllLogits) -> np.ndarray:
             require_finite(acc.finite)
             return acc.result()
 
-        return await self.batcher.submit(x, "logits", reduce, self._timeout(),
-                                         accumulator=lambda n: head_scan.AllLogits(n, self.num_classes),
-                                         patience=self.scan_patience)
+        return await self.batcher.submit(x, "logits", reduce, self._timeout(), patience=self.scan_patience,
+                                         accumulator=_tagged(lambda n: head_scan.AllLogits(n, self.num_classes + snap.n), snap))
+
+    # ------------------------------------------------------------------ enrolled classes
+    async def enroll(self, name: str, x: np.ndarray) -> tuple[dict, bool]:
+        """Create or replace the class `name` from the examples x [n, *input_shape]: (its answer, created).
+        Answered once the class is committed to the store and in this process's snapshot."""
+        try:
+            self.bundle.class_id(name)
+            raise Conflict(f"{name!r} names a class of the bundle; an enrolled class needs a new name", code="class_exists")
+        except KeyError:
+            pass
+        check_name(name)
+        h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32), self._timeout())
+        row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
+        try:
+            return await self._gallery(self.enrolled.put, name, row)
+        except LimitReached as exc:
+            raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
+
+    async def unenroll(self, ref: str) -> int:
+        """Delete an enrolled class by name or id; its id. Trained classes are part of the bundle: 409."""
+        try:
+            self.bundle.class_id(ref)
+            raise Conflict(f"{ref!r} is a class of the bundle, which cannot be deleted (only enrolled classes can)",
+                           code="trained_class")
+        except KeyError:
+            pass
+        cls = self.resolve_class(ref)  # 404 unknown_class
+        class_id = await self._gallery(self.enrolled.delete, cls.name, nothing="nothing was deleted")
+        if class_id is None:  # deleted meanwhile (another request, another replica)
+            raise NotFound(f"unknown class {ref!r}", code="unknown_class")
+        return class_id
+
+    async def enrolled_classes(self) -> dict:
+        snap = self.snapshot()
+        return {"count": snap.n, "limit": self.settings.max_enrolled_classes,
+                "classes": [snap.describe(i) for i in range(snap.n)]}
+
+    def enrolled_info(self) -> dict:
+        """GET /v1/model's `classes`: trained and enrolled counts, and how enrollment works here."""
+        snap = self.snapshot()
+        return {"trained": self.num_classes, "enrolled": snap.n, "total": self.num_classes + snap.n,
+                "enrolled_limit": self.settings.max_enrolled_classes, "enroll_rule": "imprint",
+                "enroll_threshold": self.settings.enroll_threshold, "sync_s": self.settings.enrolled_sync_s}
 
     # ------------------------------------------------------------------ gallery
     async def off_loop(self, fn, *args):
@@ -353,12 +482,13 @@ class Engine:
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> bytes:
         """The search's JSON answer, built off the loop from the items' stored metadata texts."""
         j = cls.id
-        thr = self.threshold_of(j) if threshold is None else float(threshold)
-        w = np.array(self._weight[j], dtype=np.float32)  # [d]
+        w64, b, thr, _, _ = self.row_of(cls)
+        thr = thr if threshold is None else float(threshold)
+        w = w64.astype(np.float32)  # [d]
         gallery = self.gallery
 
         def answer() -> bytes:
-            hits = gallery.search_raw(w, float(self._bias[j]), thr, limit)
+            hits = gallery.search_raw(w, b, thr, limit)
             head = orjson.dumps({"class_id": j, "class_name": cls.name, "threshold": thr})[:-1]
             results = b",".join(b"".join((b'{"id":', orjson.dumps(i), b',"logit":', orjson.dumps(z),
                                           b',"metadata":', m.encode(), b"}")) for i, z, m in hits)
@@ -370,3 +500,45 @@ class Engine:
         gallery = self.gallery
         count = await self._gallery("count")
         return {"count": int(count), "index_kind": str(gallery.index_kind)}
+
+
+def _tagged(factory, snap: Enrolled):
+    """An accumulator factory whose accumulators remember the snapshot their request started with."""
+    def make(n: int):
+        return factory(n)
+
+    make.enrolled = snap  # read by _compute before the accumulators exist
+    return make
+
+
+_NONE = empty_snapshot(0, 0)
+
+
+def _snapshot_of(job: Job) -> Enrolled:
+    """The enrolled snapshot of a pass job (none for jobs that do not read one)."""
+    return getattr(job.accumulator, "enrolled", None) or _NONE
+
+
+def _ids_of_columns(snap: Enrolled, cols: np.ndarray) -> np.ndarray:
+    """Class ids of a pass's columns [n, k]: trained columns are ids, column D + i is the i-th enrolled class."""
+    D = snap.num_trained
+    if not snap.n or not (cols >= D).any():
+        return cols
+    return np.where(cols >= D, snap.ids_of_positions(np.clip(cols - D, 0, snap.n - 1)), cols)
+
+
+def _merge_enrolled(snap: Enrolled, h: np.ndarray, logits: np.ndarray, ids: np.ndarray, k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The class index's top-K of the trained rows merged with an exact scan of the enrolled rows
+    (n_e is small beside D): h [m, d], logits / ids [m, K] -> [m, K'] best first, float64 logits rounded."""
+    from serving.core.class_index import exact_topk, rescore
+
+    bad = ~np.isfinite(logits).all(axis=1)
+    _, cand = exact_topk(snap.weight, snap.bias, h, min(k + 16, snap.n))  # positions [m, R]
+    z = rescore(snap.weight, snap.bias, h, cand)  # [m, R] exact, float32
+    all_z = np.concatenate([np.asarray(logits, dtype=np.float32), z], axis=1)
+    all_ids = np.concatenate([ids, snap.ids_of_positions(cand)], axis=1)
+    order = np.lexsort((all_ids, -all_z), axis=1)[:, :max(k, 1)]
+    out_z, out_ids = np.take_along_axis(all_z, order, 1), np.take_along_axis(all_ids, order, 1)
+    out_z[bad] = np.nan  # its job's reduce answers 422 non_finite_output
+    return out_z, out_ids

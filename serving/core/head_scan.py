@@ -316,6 +316,8 @@ class SoftmaxStats:
         self.has_j = np.zeros(n, dtype=bool)  # rows whose class j was in a chunk this accumulator saw
         self.top = np.zeros(n, dtype=np.int64)
         self.finite = np.ones(n, dtype=bool)
+        self.zmax: Optional[np.ndarray] = None  # the top logit when m is not the running max (a device pass sets
+        # m to the whole row's log-sum-exp; the enrolled rows' chunk then compares its logits with zmax)
 
     def update(self, z: np.ndarray, start: int) -> None:
         n, c = z.shape
@@ -330,8 +332,11 @@ class SoftmaxStats:
         am = z.argmax(axis=1)  # [n]; NaN counts as the max, so it shows in cmax
         cmax = z[np.arange(n), am].astype(np.float64)
         self.finite &= np.isfinite(cmax) & np.isfinite(z.min(axis=1))  # NaN, +inf show in the max; -inf in the min
-        better = (cmax > self.m) | ((cmax == self.m) & (am + start < self.top))  # ties: the smaller id, in any chunk order
+        ref = self.m if self.zmax is None else self.zmax
+        better = (cmax > ref) | ((cmax == ref) & (am + start < self.top))  # ties: the smaller id, in any chunk order
         self.top[better] = am[better] + start
+        if self.zmax is not None:
+            self.zmax = np.maximum(self.zmax, cmax)
         m_new = np.maximum(self.m, cmax)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # rows already marked not finite
             lse = self.logsumexp(z, am)  # [n] float64; z overwritten (the chunk buffer's rows of this job)
@@ -362,6 +367,14 @@ class SoftmaxStats:
         """After a pass on a quantized head: the logit of j exact (float64 on the float32 rows), so
         the probability is that exact logit over the pass's normaliser. h [n, d]."""
         j = np.broadcast_to(self.j, (len(h),))
+        mine = j < len(weight)  # rows whose class is past the head (enrolled) keep the logit of their own chunk
+        if not mine.all():
+            zj = self.zj.copy()
+            rows = np.flatnonzero(mine)
+            zj[rows] = np.einsum("nd,nd->n", np.asarray(h[rows], dtype=np.float64),
+                                 np.asarray(weight[j[rows]], dtype=np.float64)) + np.asarray(bias[j[rows]], dtype=np.float64)
+            self.zj = zj
+            return
         self.zj = np.einsum("nd,nd->n", np.asarray(h, dtype=np.float64), np.asarray(weight[j], dtype=np.float64)) \
             + np.asarray(bias[j], dtype=np.float64)
 
@@ -444,6 +457,17 @@ class TopK:
             return self.scores, self.ids
         order = np.lexsort((self.ids, -self.scores), axis=1)
         return np.take_along_axis(self.scores, order, 1), np.take_along_axis(self.ids, order, 1)
+
+
+class Shifted:
+    """An accumulator fed the logits of rows appended past the head (the enrolled classes,
+    serving/core/enrolled.py): chunk columns 0.. of those rows are classes `offset`.. of the accumulator."""
+
+    def __init__(self, acc: Accumulator, offset: int):
+        self.acc, self.offset = acc, offset
+
+    def update(self, z: np.ndarray, start: int) -> None:
+        self.acc.update(z, start + self.offset)
 
 
 class AllLogits:

@@ -41,6 +41,7 @@ class ServerState:
         self.runtime = None
         self.index = None
         self.gallery = None
+        self.enrolled = None  # serving/core/enrolled.py: the enrolled classes and their store
         self.ready = False
         self.draining = False
         self.load_error: Optional[str] = None
@@ -123,6 +124,7 @@ class ServerState:
                                            for n, t in engine.head_pass.timing_by_batch.items()},
             "index": self.index.info(),
             "gallery": {"index_kind": self.gallery.index_kind},
+            "classes": engine.enrolled_info(),
             "batching": {"max_batch": s.max_batch, "max_delay_ms": s.max_delay_ms, "queue_size_inputs": s.queue_size,
                          "request_timeout_s": s.request_timeout_s, "max_inputs": s.max_inputs,
                          "intra_op_threads": s.intra_op_threads, "inline_max_ms": s.inline_max_ms,
@@ -160,6 +162,22 @@ async def _open_stores(state: ServerState) -> None:
                                           None if s.class_index == "auto" else s.class_index)
     state.gallery = await asyncio.to_thread(open_gallery, s.gallery_url, s.data_dir, bundle.digest,
                                             bundle.embed_dim, device, s.gallery_max_bytes)
+    state.enrolled = await asyncio.to_thread(_open_enrolled, s, bundle)
+
+
+def _open_enrolled(s: Settings, bundle):
+    """The enrolled classes of this bundle's digest, replayed from the gallery's store."""
+    from serving.core.enrolled import EnrolledClasses
+    from serving.gallery.enrolled import open_enrolled_store
+
+    store = open_enrolled_store(s.gallery_url, s.data_dir, bundle.digest, s.gallery_max_bytes)
+    enrolled = EnrolledClasses(store, bundle, s)
+    others = store.other_bundles()
+    if enrolled.snapshot.n or others:
+        log.info("enrolled classes: %d of this bundle served%s", enrolled.snapshot.n,
+                 f"; {others} of other bundles are not (serve their bundle, or fold them into it: slc bundle fold)"
+                 if others else "")
+    return enrolled
 
 
 async def load(state: ServerState) -> None:
@@ -174,7 +192,8 @@ async def load(state: ServerState) -> None:
         if bundle.image is not None:  # image bodies: decode processes, starting while the rest loads
             image_decoder.pool_for(s)
         await _open_stores(state)
-        engine = Engine(bundle, state.runtime, s, index=state.index, gallery=state.gallery, metrics=state.metrics)
+        engine = Engine(bundle, state.runtime, s, index=state.index, gallery=state.gallery, metrics=state.metrics,
+                        enrolled=state.enrolled)
         engine.start()
         state.engine = engine
         await asyncio.to_thread(_reembed_gallery, state.gallery, engine)
@@ -184,6 +203,7 @@ async def load(state: ServerState) -> None:
         await asyncio.to_thread(release_memory)
         if bundle.image is not None:
             await image_decoder.start(s)
+        state.enrolled.start_following()  # other processes' enrollments, every enrolled_sync_s
         state.set_ready(True)
         log.info("ready: %s (D=%d, d=%d, input %s) providers=%s softmax=%s index=%s",
                  bundle.name, bundle.num_classes, bundle.embed_dim, list(bundle.input_shape), state.runtime.providers,
@@ -256,6 +276,8 @@ class Lifecycle:
         from serving.codecs import image_decoder
 
         image_decoder.stop(state.settings)  # kills the decode processes
+        if state.enrolled is not None:
+            await asyncio.to_thread(state.enrolled.close)
         if state.gallery is not None:
             await asyncio.to_thread(state.gallery.close)
         log.info("stopped")

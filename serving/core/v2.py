@@ -4,7 +4,10 @@ decoded input tensors.
 
   `<name>`       inputs `input` FP32 [N, ...] and `class_id` INT64 [N] -> `logit` FP32 [N], `match` BOOL [N]
                  (one row of the head per input, the class's calibrated threshold)
-  `<name>-full`  input `input` -> `logits` FP32 [N, D]
+  `<name>-full`  input `input` -> `logits` FP32 [N, D + n_e]
+                 (the D trained classes, then the n_e enrolled ones in id order: docs/api.md)
+
+Class ids of enrolled classes (D + slot) are accepted by `<name>` like trained ones.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def model_metadata_of(engine, kind: str) -> dict:
                 "outputs": [{"name": "logit", "datatype": "FP32", "shape": [-1]},
                             {"name": "match", "datatype": "BOOL", "shape": [-1]}]}
     return {"name": f"{name}-full", "versions": [VERSION], "platform": "onnxruntime_onnx", "inputs": [x],
-            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, engine.num_classes]}]}
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, engine.num_classes + engine.snapshot().n]}]}
 
 
 
@@ -72,10 +75,12 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
         raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
     flat = cid_arr.reshape(-1)
     ids = flat.tolist()  # Python ints (N <= max_inputs): no wrap-around of the tensor's own dtype
-    bad = [i for i in ids if not 0 <= i < engine.num_classes]
+    snap = engine.snapshot()  # the enrolled classes this request answers with
+    bad = [i for i in ids if not engine.class_exists(i, snap)]
     if bad:
-        raise NotFound(f"unknown class id {bad[0]} (ids are 0..{engine.num_classes - 1})", code="unknown_class")
-    logit, match = await engine.single_logits(x, flat.astype(np.int64))
+        raise NotFound(f"unknown class id {bad[0]} (ids are 0..{engine.num_classes - 1}, and D + slot of the "
+                       f"{snap.n} enrolled classes)", code="unknown_class")
+    logit, match = await engine.single_logits(x, flat.astype(np.int64), snap)
     return {"logit": ("FP32", logit), "match": ("BOOL", match)}
 
 

@@ -10,12 +10,13 @@ from serving.http.schemas import ErrorEnvelope
 def error_responses(*codes: int) -> dict:
     text = {400: "malformed JSON", 401: "missing or wrong API key",
             403: "no API key is set on a host others can reach (writes refused)", 404: "unknown class, item or route",
-            408: "the body did not arrive in time", 409: "the bundle folder holds another model or a calibration "
-            "that does not match its manifest (nothing reloaded)", 413: "body over the limit",
+            408: "the body did not arrive in time", 409: "the name is taken by a class of the bundle (class_exists), a "
+            "trained class cannot be deleted, or the bundle folder holds another model or a calibration that does not "
+            "match its manifest (nothing reloaded)", 413: "body over the limit",
             415: "the body is not declared as application/json",
             422: "schema or shape violation, NaN/inf, too many inputs", 429: "queue full (Retry-After)",
             503: "not ready, or shutting down", 504: "deadline passed (queue and compute)",
-            507: "the gallery could not commit: disk or quota full"}
+            507: "the store could not commit: disk or quota full, or the enrolled classes' limit (enrolled_limit)"}
     return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
 
 

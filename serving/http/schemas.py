@@ -186,6 +186,34 @@ class CalibrationReloadResponse(BaseModel):
     recalibration: Optional[dict[str, Any]] = Field(None, description="the manifest's note of the recalibration")
 
 
+# ----------------------------------------------------------------------------- enrolled classes
+class EnrollRequest(_Body):
+    inputs: Inputs
+
+
+class Platt(BaseModel):
+    a: float
+    b: float
+
+
+class EnrolledClass(BaseModel):
+    class_id: int = Field(description="D + slot: stable, never given to another class")
+    class_name: str
+    threshold: float = Field(description="detect's default threshold for the class")
+    bias: float
+    norm: float = Field(description="|row|: the median norm of the trained rows, by the imprinting rule")
+    platt: Platt
+    examples: int = Field(description="examples the row was computed from")
+    rule: str = Field(description="the rule and the threshold's rule, e.g. imprint+global")
+    created: float = Field(description="seconds since the epoch when this version was written")
+
+
+class EnrolledList(BaseModel):
+    count: int
+    limit: int
+    classes: list[EnrolledClass]
+
+
 # ----------------------------------------------------------------------------- model
 class ModelInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -235,7 +263,7 @@ def describe_model_inputs(openapi: dict, input_shape: tuple[int, ...], max_input
     one = example_schema(tuple(input_shape))
     inputs = {"type": "array", "items": one, "minItems": 1, "maxItems": max_inputs,
               "description": f"1..{max_inputs} examples, each {list(input_shape)} or flat"}
-    for name in ("DetectRequest", "SoftmaxRequest", "TopkRequest"):
+    for name in ("DetectRequest", "SoftmaxRequest", "TopkRequest", "EnrollRequest"):
         if name in schemas:
             schemas[name]["properties"]["inputs"] = inputs
     if "TopkRequest" in schemas:

@@ -28,8 +28,11 @@ from serving.gallery import bodies
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route
-from serving.http.schemas import (CalibrationReloadRequest, CalibrationReloadResponse, ClassSearchRequest, ClassSearchResponse, DetectRequest, DetectResponse, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest, GalleryUpsertResponse, Health, ModelInfo,
-                             SoftmaxRequest, SoftmaxResponse, TopkRequest, TopkResponse)
+from serving.http.schemas import (CalibrationReloadRequest, CalibrationReloadResponse, ClassSearchRequest,
+                             ClassSearchResponse, DetectRequest, DetectResponse, EnrolledClass, EnrolledList,
+                             EnrollRequest, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest,
+                             GalleryUpsertResponse, Health, ModelInfo, SoftmaxRequest, SoftmaxResponse, TopkRequest,
+                             TopkResponse)
 
 
 def _is_json(scope) -> bool:
@@ -54,6 +57,7 @@ _WRITE_ERRORS = error_responses(400, 401, 403, 408, 413, 415, 422, 429, 503, 504
 _SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
 _ADMIN_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 503)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_ENROLL_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 429, 503, 504, 507)
 
 
 async def require_api_key(request: Request) -> None:
@@ -275,3 +279,31 @@ async def reload_calibration(scope, body: bytes):
     if expect is not None and not (type(expect) is str and _SHA256.fullmatch(expect)):
         raise InvalidInput("expect_sha256 must be a sha256 as 64 lowercase hex digits", code="validation_error")
     return 200, await engine.reload_calibration(expect)
+
+
+# ----------------------------------------------------------------------------- enrolled classes (issue 38)
+@fast_route(router, "PUT", "/classes/{class}", name="enroll", body=EnrollRequest, status_code=201,
+            response_model=EnrolledClass, responses=_ENROLL_ERRORS, tags=["classes"])
+async def enroll(scope, body: bytes):
+    """Create (201) or replace (200) a class from examples: JSON {inputs} like detect, or one image
+    body. Its row is computed by the server's enrollment rule; answered once committed."""
+    _require_key(scope)  # 401 before the body is parsed
+    name = scope["path_params"]["class"]
+    engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
+    answer, created = await engine.enroll(name, x)
+    return (201 if created else 200), answer
+
+
+@router.delete("/classes/{class_ref}", status_code=204, responses=error_responses(401, 403, 404, 409, 429, 503, 507),
+               dependencies=[Depends(require_api_key)], tags=["classes"])
+async def unenroll(class_ref: str, engine=Depends(ready_engine)):
+    """Delete an enrolled class (by name or id); its id is never given to another class."""
+    await engine.unenroll(class_ref)
+    return Response(status_code=204)
+
+
+@router.get("/classes", response_model=EnrolledList, responses=error_responses(503), tags=["classes"])
+async def enrolled_classes(engine=Depends(ready_engine)):
+    """The enrolled classes, in id order (the order of their columns in `<name>-full`)."""
+    return OrjsonResponse(await engine.enrolled_classes())
+

@@ -129,7 +129,8 @@ def exported(request, tmp_path_factory):
 @pytest.mark.slow
 def test_round_trip_verifies_and_describes_the_run(exported):
     loss, run, bundle, splits = exported
-    assert sorted(p.name for p in bundle.iterdir()) == sorted(list(REQUIRED_FILES) + ["manifest.json"])
+    negatives = ["calibration_embeddings.npy", "calibration_labels.npy"]
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(list(REQUIRED_FILES) + negatives + ["manifest.json"])
     assert verify_bundle(bundle) == []
     b = load_bundle(bundle)
     manifest = b.manifest
@@ -186,6 +187,24 @@ def test_calibration_holds_on_the_calibration_split(exported):
             assert rates["recall"][j] == pytest.approx(stated["recall"], abs=1e-9)
             if key is None and e["reached"]:
                 assert rates["precision"][j] >= 0.95
+
+
+@pytest.mark.slow
+def test_negatives_are_the_calibration_splits_embeddings(exported, tmp_path):
+    """calibration_embeddings.npy: backbone.onnx on the calibration split (all of it, digits has fewer
+    than 20,000), with its labels; hashed, checked by verify, a wrong label named."""
+    _, _, bundle, splits = exported
+    x, y = splits.calibration
+    h = session(bundle / "backbone.onnx").run(None, {"input": np.asarray(x, dtype=np.float32)})[0]
+    np.testing.assert_allclose(np.load(bundle / "calibration_embeddings.npy"), h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.load(bundle / "calibration_labels.npy"), y)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["negatives"]["count"] == len(y) and "calibration_labels.npy" in manifest["files"]
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle, bad)
+    np.save(bad / "calibration_labels.npy", np.full(len(y), 10, dtype=np.int64))
+    write_manifest(bad, json.loads((bad / "manifest.json").read_text()))
+    assert verify_bundle(bad) == ["calibration_labels.npy: labels must be class ids 0..9"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,263 @@
+"""Enrolled classes served beside the trained ones (issue 38; docs/api.md "Enroll a class").
+
+`Enrolled` is an immutable snapshot of every enrolled class: rows E [n_e, d], biases, thresholds,
+Platt a/b, names and slots (class id = D + slot; slots never reused, so no id moves when another
+class is deleted). The engine reads `EnrolledClasses.snapshot` once per request and answers with
+that snapshot alone: a write swaps in a new one (one reference assignment) and never waits for,
+nor stalls, a request in flight.
+
+Copy-on-write: a new slot (the common write) appends its row to the shared buffers, beyond every
+older snapshot's view (`rows[:n]`), so an enrollment costs O(d), not O(n_e · d); a replaced or
+deleted class rebuilds the buffers once.
+
+`EnrolledClasses` keeps the snapshot in step with the store (serving/gallery/enrolled.py): after
+each of its own writes (read-your-writes) and every `sync_s` seconds for the writes of other
+processes (a second replica on the same SQLite file or PostgreSQL), by the store's seq counter.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from serving.core import enrollment
+from serving.gallery.enrolled import EnrolledRecord, EnrolledStore, LimitReached  # noqa: F401 (LimitReached: re-exported)
+
+log = logging.getLogger(__name__)
+
+
+class _Buffers:
+    """Append-only storage several snapshots share; each reads only its first n entries."""
+
+    def __init__(self, d: int, capacity: int = 16):
+        self.rows = np.zeros((capacity, d), dtype=np.float32)
+        self.values = np.zeros((capacity, 5), dtype=np.float64)  # bias, threshold, platt_a, platt_b, examples
+        self.slots = np.zeros(capacity, dtype=np.int64)
+        self.names: list[str] = []
+        self.info: list[dict] = []  # rule, created: per class, for listings
+        self.position: dict[str, int] = {}  # name -> position
+        self.used = 0
+
+    def append(self, rec: EnrolledRecord) -> None:
+        if self.used == len(self.slots):  # grow: a new array; older snapshots keep their views of the old one
+            cap = 2 * len(self.slots)
+            self.rows = _grown(self.rows, cap)
+            self.values = _grown(self.values, cap)
+            self.slots = _grown(self.slots, cap)
+        i = self.used
+        self.rows[i] = rec.row
+        self.values[i] = (rec.bias, rec.threshold, rec.platt_a, rec.platt_b, rec.examples)
+        self.slots[i] = rec.slot
+        self.names.append(rec.name)
+        self.info.append({"rule": rec.rule, "created": rec.created})
+        self.position[rec.name] = i
+        self.used += 1
+
+
+def _grown(a: np.ndarray, cap: int) -> np.ndarray:
+    out = np.zeros((cap,) + a.shape[1:], dtype=a.dtype)
+    out[:len(a)] = a
+    return out
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    """The enrolled classes one request answers with (n of them, in slot order)."""
+
+    num_trained: int
+    n: int
+    seq: int
+    _buf: _Buffers = field(repr=False)
+
+    @property
+    def weight(self) -> np.ndarray:  # [n, d] float32
+        return self._buf.rows[:self.n]
+
+    @property
+    def bias(self) -> np.ndarray:  # [n] float32
+        return self._buf.values[:self.n, 0].astype(np.float32)
+
+    @property
+    def slots(self) -> np.ndarray:  # [n] int64, ascending
+        return self._buf.slots[:self.n]
+
+    @property
+    def ids(self) -> np.ndarray:  # [n] int64: D + slot
+        return self.num_trained + self.slots
+
+    def name(self, pos: int) -> str:
+        return self._buf.names[pos]
+
+    def find(self, name: str) -> Optional[int]:
+        """The position of the class `name`, or None."""
+        pos = self._buf.position.get(name)
+        return pos if pos is not None and pos < self.n and self._buf.names[pos] == name else None
+
+    def position_of_id(self, class_id: int) -> Optional[int]:
+        """The position of the class with id D + slot, or None."""
+        slot = int(class_id) - self.num_trained
+        slots = self.slots
+        pos = int(np.searchsorted(slots, slot))
+        return pos if pos < self.n and slots[pos] == slot else None
+
+    def row(self, pos: int) -> tuple[np.ndarray, float, float, float, float, int]:
+        """(row [d] float32, bias, threshold, platt_a, platt_b, examples) of the class at `pos`."""
+        bias, threshold, pa, pb, examples = self._buf.values[pos]
+        return self._buf.rows[pos], float(np.float32(bias)), float(threshold), float(pa), float(pb), int(examples)
+
+    def values(self, column: int) -> np.ndarray:
+        """[n] float64 of one column: 0 bias, 1 threshold, 2 platt_a, 3 platt_b, 4 examples."""
+        return self._buf.values[:self.n, column]
+
+    def ids_of_positions(self, positions: np.ndarray) -> np.ndarray:
+        """Class ids of positions (any shape)."""
+        return self.num_trained + self.slots[positions]
+
+    def describe(self, pos: int) -> dict:
+        row, bias, threshold, pa, pb, examples = self.row(pos)
+        info = self._buf.info[pos]
+        return {"class_id": int(self.num_trained + self.slots[pos]), "class_name": self.name(pos),
+                "threshold": threshold, "bias": bias, "norm": float(np.linalg.norm(row.astype(np.float64))),
+                "platt": {"a": pa, "b": pb}, "examples": examples, "rule": info["rule"], "created": info["created"]}
+
+
+def empty_snapshot(num_trained: int, d: int) -> Enrolled:
+    return Enrolled(num_trained, 0, 0, _Buffers(d))
+
+
+def _snapshot(num_trained: int, d: int, live: dict[int, EnrolledRecord], seq: int) -> Enrolled:
+    """A fresh snapshot (new buffers) of the live records {slot: record}."""
+    buf = _Buffers(d, max(16, len(live)))
+    for slot in sorted(live):
+        buf.append(live[slot])
+    return Enrolled(num_trained, buf.used, seq, buf)
+
+
+class EnrolledClasses:
+    """The snapshot, the store behind it, and the rule's borrowed statistics of the trained head."""
+
+    def __init__(self, store: EnrolledStore, bundle, settings):
+        self.store, self.bundle, self.settings = store, bundle, settings
+        self.num_trained, self.embed_dim = int(bundle.num_classes), int(bundle.embed_dim)
+        self._live: dict[int, EnrolledRecord] = {}  # slot -> record (the truth the snapshot is built from)
+        self.snapshot = empty_snapshot(self.num_trained, self.embed_dim)
+        self._lock = threading.Lock()  # catch-ups and writes of this process, one at a time
+        self._stats: Optional[enrollment.HeadStats] = None
+        self._negatives: Optional[np.ndarray] = None
+        self._stop = threading.Event()
+        self._follower: Optional[threading.Thread] = None
+        self.catch_up()
+
+    # ------------------------------------------------------------------ keeping in step
+    def catch_up(self) -> None:
+        """Apply every write committed after the snapshot's seq (idempotent), then swap the snapshot."""
+        with self._lock:
+            records = self.store.changes(self.snapshot.seq)
+            if records:
+                self._apply(records)
+
+    def _apply(self, records: list[EnrolledRecord]) -> None:
+        """New slots appended to the shared buffers when that is all they are; otherwise a rebuild. Under the lock."""
+        old = self.snapshot
+        seq = max(old.seq, max(r.seq for r in records))
+        last_slot = int(old.slots[-1]) if old.n else -1
+        fresh = [r for r in records if not r.deleted and r.slot not in self._live]
+        appends_only = (len(fresh) == len(records) and old.n == old._buf.used
+                        and all(r.slot > last_slot for r in fresh) and self._valid(fresh))
+        for r in records:
+            if r.deleted:
+                self._live.pop(r.slot, None)
+            elif self._valid([r]):
+                self._live[r.slot] = r
+        if appends_only:
+            for r in sorted(fresh, key=lambda r: r.slot):
+                old._buf.append(r)
+            self.snapshot = Enrolled(self.num_trained, old._buf.used, seq, old._buf)
+        else:
+            self.snapshot = _snapshot(self.num_trained, self.embed_dim, self._live, seq)
+
+    def _valid(self, records: list[EnrolledRecord]) -> bool:
+        """Rows of this bundle's width (a store is keyed by digest, so anything else is a damaged row)."""
+        ok = all(r.row is not None and r.row.shape == (self.embed_dim,) for r in records)
+        if not ok:
+            log.error("enrolled classes: a stored row does not have %d values; it is ignored", self.embed_dim)
+        return ok
+
+    def start_following(self) -> None:
+        """Poll the store every sync_s seconds for other processes' writes (a daemon thread)."""
+        if self._follower is None:
+            self._follower = threading.Thread(target=self._follow, name="enrolled-follower", daemon=True)
+            self._follower.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.settings.enrolled_sync_s):
+            try:
+                if self.store.seq() != self.snapshot.seq:
+                    self.catch_up()
+            except Exception as exc:  # noqa: BLE001 - a store away for a while: keep serving the snapshot, retry
+                log.warning("enrolled classes: cannot follow the store (%s); retrying", str(exc).splitlines()[0][:200])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=5)
+        self.store.close()
+
+    # ------------------------------------------------------------------ the rule's inputs
+    def stats(self) -> enrollment.HeadStats:
+        """The trained head's medians (computed once: a pass over the rows)."""
+        if self._stats is None:
+            b = self.bundle
+            self._stats = enrollment.head_stats(b.weight, b.bias, b.platt_a, b.platt_b, b.global_threshold,
+                                                b.calibration.get("target"))
+        return self._stats
+
+    def negatives(self) -> Optional[np.ndarray]:
+        """The bundle's calibration negatives [N, d] (calibration_embeddings.npy), or None without them."""
+        if self._negatives is None:
+            path = Path(self.bundle.path) / "calibration_embeddings.npy"
+            if not path.is_file():
+                return None
+            self._negatives = np.load(path, mmap_mode="r", allow_pickle=False)
+        return self._negatives
+
+    def compute(self, h: np.ndarray) -> enrollment.ClassRow:
+        """The rule (serving/core/enrollment.py) on the examples' embeddings h [n, d]."""
+        stats = self.stats()
+        row = enrollment.imprint(h, stats)
+        if self.settings.enroll_threshold == "negatives" and (neg := self.negatives()) is not None:
+            t = enrollment.negatives_threshold(row, h, np.asarray(neg, dtype=np.float32), self.num_trained,
+                                               stats.target_precision)
+            if t is not None:
+                from dataclasses import replace
+
+                row = replace(row, threshold=t, threshold_rule="negatives")
+        return row
+
+    # ------------------------------------------------------------------ writes (blocking: the gallery's executor)
+    def put(self, name: str, row: enrollment.ClassRow) -> tuple[dict, bool]:
+        """Store the class and answer from the snapshot that holds it: (its description, created)."""
+        with self._lock:
+            written = self.store.put(name, row.row, row.bias, row.threshold, row.platt_a, row.platt_b, row.examples,
+                                     f"{enrollment.RULE}+{row.threshold_rule}", self.settings.max_enrolled_classes)
+            self._apply(self.store.changes(self.snapshot.seq))
+            snap = self.snapshot
+        pos = snap.position_of_id(self.num_trained + written.slot)
+        return snap.describe(pos), written.created
+
+    def delete(self, name: str) -> Optional[int]:
+        """Delete the class `name`: its id, or None when no such class is enrolled."""
+        with self._lock:
+            slot = self.store.delete(name)
+            records = self.store.changes(self.snapshot.seq)
+            if records:
+                self._apply(records)
+        return None if slot is None else self.num_trained + slot
+
+    def listing(self) -> list[dict]:
+        snap = self.snapshot
+        return [snap.describe(i) for i in range(snap.n)]

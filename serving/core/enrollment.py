@@ -1,0 +1,144 @@
+"""The rule that turns a few examples into a class row (issue 38): no protocol, no store, no state,
+so that measurement can swap it for another (docs/api.md "Enroll a class").
+
+Baseline, "imprinting" (Qi, Brown & Lowe 2018, "Low-shot learning with imprinted weights"):
+
+  e_i   = h_i / |h_i|                       each example's embedding, normalised   [n, d]
+  m     = mean_i e_i                         their mean                             [d]
+  w     = s · m / |m|,  s = median_j |W_j|  the row: the mean's direction at the norm of a typical trained row
+  b     = median_j b_j                       the bias of a typical trained class
+  a, c  = median_j a_j, median_j c_j         Platt a / b of a typical trained class
+  t     = the bundle's global threshold (calibration.json `global`): PoLS logits are comparable
+          across classes, so one threshold serves a new class as it serves the trained ones;
+          or, with threshold="negatives" and a bundle that carries calibration negatives
+          (calibration_embeddings.npy), `negatives_threshold` below.
+
+An example whose embedding has norm 0, a non-finite embedding, or a mean of norm 0 (examples
+that cancel out) gives no direction: one 422 each (InvalidInput).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from serving.errors import InvalidInput
+
+RULE = "imprint"  # the name the answers and the store carry
+THRESHOLD_RULES = ("global", "negatives")
+NORM_CHUNK = 65_536  # rows per chunk when the trained norms are measured (the head stays mapped)
+MAX_NAME_CHARS = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_INTEGER = re.compile(r"-?[0-9]{1,18}")  # what a class path reads as an id (serving/bundle/loader.py)
+
+
+def check_name(name: str) -> str:
+    """A name every route can address: 1..256 characters, no control character, no "/" (a path
+    segment), and not an integer, which would read as a class id."""
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
+        raise InvalidInput(f"a class name has 1 to {MAX_NAME_CHARS} characters", code="invalid_class_name")
+    if (bad := _CONTROL.search(name)) or "/" in name:
+        found = bad.group() if bad else "/"
+        raise InvalidInput(f"a class name must not contain {found!r}: it must fit in a URL path segment",
+                           code="invalid_class_name")
+    if _INTEGER.fullmatch(name):
+        raise InvalidInput(f"a class name must not be an integer ({name!r} reads as a class id)",
+                           code="invalid_class_name")
+    return name
+
+
+@dataclass(frozen=True)
+class HeadStats:
+    """What the rule borrows from the trained head: medians over the D classes and the global threshold."""
+
+    row_norm: float
+    bias: float
+    platt_a: float
+    platt_b: float
+    threshold: float
+    target_precision: float  # calibration.json target (0.99 when it names none): the negatives rule aims at it
+
+
+@dataclass(frozen=True)
+class ClassRow:
+    """One enrolled class: its row and everything detect needs beside it."""
+
+    row: np.ndarray  # [d] float32
+    bias: float
+    threshold: float
+    platt_a: float
+    platt_b: float
+    examples: int
+    threshold_rule: str  # how the threshold was chosen ("global" or "negatives")
+
+    @property
+    def norm(self) -> float:
+        return float(np.linalg.norm(self.row.astype(np.float64)))
+
+
+def head_stats(weight: np.ndarray, bias: np.ndarray, platt_a: np.ndarray, platt_b: np.ndarray,
+               global_threshold: float, target: Optional[dict] = None) -> HeadStats:
+    """The trained head's medians, the rows read in chunks (weight [D, d] may be memory-mapped)."""
+    norms = np.concatenate([np.linalg.norm(np.asarray(weight[i:i + NORM_CHUNK], dtype=np.float64), axis=1)
+                            for i in range(0, weight.shape[0], NORM_CHUNK)])  # [D]
+    precision = (target or {}).get("precision", 0.99)
+    return HeadStats(row_norm=float(np.median(norms)), bias=_median(bias), platt_a=_median(platt_a),
+                     platt_b=_median(platt_b), threshold=float(global_threshold),
+                     target_precision=float(precision) if isinstance(precision, (int, float)) else 0.99)
+
+
+def _median(values: np.ndarray) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(np.median(v)) if v.size else 0.0
+
+
+def imprint(h: np.ndarray, stats: HeadStats) -> ClassRow:
+    """The class row of examples with embeddings h [n, d] (module docstring); 422 when they give no direction."""
+    h = np.asarray(h, dtype=np.float64)
+    if h.ndim != 2 or h.shape[0] < 1:
+        raise InvalidInput("enrolling a class needs at least one example", code="no_examples")
+    if not np.isfinite(h).all():
+        raise InvalidInput("the model's embedding of these examples is not finite (inputs too large for the network)",
+                           code="non_finite_output")
+    norms = np.linalg.norm(h, axis=1)  # [n]
+    if (zero := np.flatnonzero(norms == 0)).size:
+        raise InvalidInput(f"example {int(zero[0])} has an embedding of norm 0: it gives the class no direction",
+                           code="degenerate_examples")
+    mean = (h / norms[:, None]).mean(axis=0)  # [d]
+    size = float(np.linalg.norm(mean))
+    if not size > 1e-12 or not math.isfinite(size):
+        raise InvalidInput("the examples' normalised embeddings average to zero: they give the class no direction",
+                           code="degenerate_examples")
+    row = (stats.row_norm / size * mean).astype(np.float32)
+    return ClassRow(row=row, bias=stats.bias, threshold=stats.threshold, platt_a=stats.platt_a,
+                    platt_b=stats.platt_b, examples=int(h.shape[0]), threshold_rule="global")
+
+
+def negatives_threshold(row: ClassRow, h_pos: np.ndarray, h_neg: np.ndarray, num_trained: int,
+                        target_precision: float) -> Optional[float]:
+    """A per-class threshold from the bundle's calibration negatives h_neg [N, d] (embeddings of the
+    calibration split, none of them of the new class) and the examples h_pos [n, d].
+
+    The examples stand in for the class's positives, weighted so that together they count as an
+    average class's share of the sample (N / D, the number of positives a trained class has there);
+    the threshold is the lowest logit t at which the weighted precision TP(t) / (TP(t) + FP(t)) reaches
+    the target. None when no t does (the caller keeps the global threshold). The examples built the
+    row, so this precision is optimistic: a measurement, not this rule, says how far."""
+    w, b = row.row.astype(np.float64), float(row.bias)
+    z_pos = np.asarray(h_pos, dtype=np.float64) @ w + b  # [n]
+    z_neg = np.asarray(h_neg, dtype=np.float64) @ w + b  # [N]
+    weight = max(len(z_neg) / max(num_trained, 1), 1.0) / len(z_pos)  # each example's share of a class
+    candidates = np.unique(np.concatenate([z_pos, z_neg]))  # ascending
+    neg_sorted = np.sort(z_neg)
+    tp = weight * (len(z_pos) - np.searchsorted(np.sort(z_pos), candidates, side="left"))  # logits >= t
+    fp = len(z_neg) - np.searchsorted(neg_sorted, candidates, side="left")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        precision = tp / (tp + fp)
+    ok = np.flatnonzero((tp > 0) & (precision >= target_precision))
+    if not ok.size:
+        return None
+    return float(candidates[ok[0]])

@@ -134,6 +134,25 @@ def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out:
                f"{r['before']['precision']:.3f} -> {r['after']['precision']:.3f} -> {path}")
 
 
+@experiment.command("enroll")
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), required=True, help="where the bundle goes")
+@click.option("--name", default="enroll-glyphs3755", show_default=True, help="OUT/NAME.{json,md}")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def enroll_experiment(run: Path, work: Path, name: str, out: Path) -> None:
+    """GB2312's 3,008 level-2 characters enrolled from 1, 2 and 5 renderings, measured on the test face."""
+    from tools.experiments.enroll_glyphs import markdown, study
+    from tools.report import write_result
+
+    if not (run / "checkpoint.pt").is_file():
+        raise click.BadParameter(f"{run} is not a run directory (no checkpoint.pt)", param_hint="RUN")
+    r = study(run, work)
+    path = write_result(out, name, lambda: markdown(r, f"slc experiment enroll {run} --work {work}"), r)[0]
+    five = r["after"]["5"]
+    click.echo(f"5-shot: enrolled recall {five['enrolled']['recall']:.3f} (trained {five['trained']['recall']:.3f}), "
+               f"pooled precision {five['enrolled']['pooled_precision']:.3f} -> {path}")
+
+
 @experiment.command("table1")
 @click.option("--dataset", default="mnist5k", show_default=True, **DATASET)
 @click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True)

@@ -96,9 +96,13 @@ def _model_options() -> list:
 def _optimisation_options() -> list:
     """How it is fitted: epochs, optimizer, schedule, budget and the head's sampling or sharding."""
     return [
-        click.option("--epochs", type=click.IntRange(min=1), default=20, show_default=True),
+        click.option("--epochs", type=click.IntRange(min=1),
+                     help="[default: 20, more when that makes fewer than 150 steps (docs/training.md: Defaults on "
+                          "small data)]"),
         click.option("--lr", type=POSITIVE, default=0.01, show_default=True),
-        click.option("--batch-size", type=click.IntRange(min=2), default=128, show_default=True),
+        click.option("--batch-size", type=click.IntRange(min=2),
+                     help="the global batch [default: 128, less on small data: the largest power of two from 16 "
+                          "to 128 giving 8 batches an epoch]"),
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True),
         click.option("--schedule", type=click.Choice(SCHEDULES), default="cosine", show_default=True),
         click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
@@ -140,8 +144,9 @@ def _runtime_options() -> list:
 def _validation_options() -> list:
     """Validation, early stopping, checkpoints and logs of the run."""
     return [
-        click.option("--val-every", type=click.IntRange(min=0), default=1, show_default=True,
-                     help="validate on the calibration split every N epochs (0: never)"),
+        click.option("--val-every", type=click.IntRange(min=0),
+                     help="validate on the calibration split every N epochs (0: never) [default: 1; past 20 "
+                          "epochs, ceil(epochs/20)]"),
         click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
                      help="early stopping: stop after N validations without a better accuracy (0: off)"),
         click.option("--restore-best/--no-restore-best", default=True, show_default=True,
@@ -195,8 +200,7 @@ def _train_config(out: Optional[Path], resume: Optional[Path], options: dict):
         if out is not None and Path(out).resolve() != resume.resolve():
             raise click.UsageError("--resume continues the run in place: leave out --out")
         try:
-            epochs_given = click.get_current_context().get_parameter_source("epochs").name != "DEFAULT"
-            return resume_config(resume, options["epochs"] if epochs_given else None), resume
+            return resume_config(resume, options["epochs"]), resume
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--resume") from None
     if options["dataset"] is None or out is None:
@@ -220,6 +224,21 @@ def _summary(out: Path, seconds: float) -> None:
         click.echo(f"trained {out} in {seconds:.0f} s{best}: test accuracy {test['accuracy']:.4f}, "
                    f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}; curves {out / 'curves.png'}"
                    f"  -> next: slc export {out} --out BUNDLE")
+        if warning := _short_run(out):
+            click.echo(warning)
+
+
+def _short_run(out: Path) -> str | None:
+    """trainer/defaults.py's too-short warning from the run's steps and validations (history.csv)."""
+    import csv
+
+    from trainer.defaults import short_run_warning
+
+    config, cal = json.loads((out / "config.json").read_text()), []
+    if (out / "history.csv").is_file():
+        with open(out / "history.csv", newline="") as f:
+            cal = [float(r["cal_accuracy"]) for r in csv.DictReader(f) if r["kind"] == "epoch" and r["cal_accuracy"]]
+    return short_run_warning(int(config.get("step", config["steps"])), cal, bool(config.get("stopped_early")))
 
 
 def _check_params(cfg) -> None:

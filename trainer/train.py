@@ -24,7 +24,8 @@ DistributedDataParallel, and batch losses gather the global batch themselves
 (trainer.distributed). Only rank 0 validates and writes.
 
 The last incomplete batch of each epoch is dropped: batch losses and BatchNorm both need
-a full batch of examples to mean what they say.
+a full batch of examples to mean what they say. The batch, epochs and validation cadence a user
+leaves unset follow the training split's size (trainer/defaults.py), so that remainder stays small.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from trainer.augment import augment_generator, build_augment
 from trainer.checkpoint import atomic_save, checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.data import Splits, load_dataset
 from trainer.data.imagefiles import dataset_path
+from trainer.defaults import resolve_defaults
 from trainer.device import autocast, check_precision, grad_scaler, process_group_backend, resolve_device
 from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadcast_parameters, sum_gradients
 from trainer.history import History, plot_curves
@@ -70,9 +72,9 @@ class TrainConfig:
     backbone_params: dict = field(default_factory=dict)
     loss: str = "batch_ce"
     loss_params: dict = field(default_factory=dict)
-    epochs: int = 20
+    epochs: int | None = None  # None: 20, more on small data (trainer/defaults.py)
     lr: float = 0.01
-    batch_size: int = 128
+    batch_size: int | None = None  # None: 128, less on small data (trainer/defaults.py)
     optimizer: str = "adam"  # adam | sgd (momentum 0.9)
     schedule: str = "cosine"  # cosine (per step, to 0) | constant
     weight_decay: float = 0.0
@@ -88,7 +90,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the network
     workers: int = 0  # DataLoader worker processes
     augment: str = "none"  # none | geometry (trainer/augment.py), image datasets only
-    val_every: int = 1  # validate on the calibration split every N epochs; 0 = never (metrics at the end only)
+    val_every: int | None = None  # validate every N epochs; 0 = never; None: 1, or about 20 a run (trainer/defaults.py)
     patience: int = 0  # early stopping: stop after N validations without a better accuracy; 0 = off
     restore_best: bool = True  # the run's checkpoint.pt holds the best validated weights, not the last
     checkpoint_every: int = 0  # training-state checkpoint every N steps (and at every epoch end); 0 = epoch ends
@@ -432,8 +434,9 @@ def _restore(path: Path, model, optimizer, schedule, scaler, sampler) -> _Progre
 
 
 def _validate(model: SLCNet, splits: Splits, progress: _Progress, epoch: int, history: History, out: Path,
-              cfg: TrainConfig, echo) -> None:
-    """Calibration-split metrics after an epoch; the best weights kept in RUN/best.pt."""
+              cfg: TrainConfig, echo, check_chance: bool = False) -> None:
+    """Calibration-split metrics after an epoch; the best weights kept in RUN/best.pt; with
+    `check_chance`, a warning when the accuracy is still chance."""
     t0 = time.perf_counter()
     m = model_metrics(model, *splits.calibration)
     history.log_epoch(progress.step, epoch, **{f"cal_{k}": m[k] for k in
@@ -445,8 +448,9 @@ def _validate(model: SLCNet, splits: Splits, progress: _Progress, epoch: int, hi
     else:
         progress.stale += 1
     chance = 1.0 / splits.num_classes
-    if epoch == 0 and m["accuracy"] < 2 * chance:
-        echo(f"warning: calibration accuracy {m['accuracy']:.4f} after the first epoch is chance (1/{splits.num_classes}):"
+    if check_chance and m["accuracy"] < 2 * chance:
+        echo(f"warning: calibration accuracy {m['accuracy']:.4f} after epoch {epoch + 1} ({progress.step} steps) is chance "
+             f"(1/{splits.num_classes}):"
              f" {cfg.loss} with lr {cfg.lr:g} has not started learning; try another --lr or --warmup-steps "
              f"(docs/losses.md, docs/training.md)")
     if cfg.patience and progress.stale >= cfg.patience:
@@ -479,6 +483,7 @@ class _Session:
     history: History
     state: _Progress
     resolved: dict
+    chance_epoch: int = 0  # the validation that warns when the accuracy is still chance
 
     def save(self) -> None:
         """A training-state checkpoint of the step just completed, and the history up to it."""
@@ -522,6 +527,7 @@ def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite:
     augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])
     y_train = torch.tensor(np.asarray(splits.train[1], dtype=np.int64))  # [N]
     n_train, num_classes = len(y_train), splits.num_classes
+    cfg, defaults = resolve_defaults(cfg, n_train, world)
     model, loss_fn, sampler = _build(cfg, splits, num_classes, n_train, resume)
     net = _place(cfg, model, num_classes, device, world)
 
@@ -545,12 +551,37 @@ def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite:
                 "embed_dim": int(model.backbone.embed_dim), "loss_pols": bool(getattr(loss_fn, "pols", False)),
                 "steps": total_steps, "steps_per_epoch": steps_per_epoch, "world_size": world,
                 "warmup_steps_resolved": warmup_steps(cfg, total_steps), "device_resolved": str(device),
+                "defaults": _defaults_record(out, defaults, resume, total_steps, steps_per_epoch),
                 "versions": _versions(), "status": "running"}
     if rank == 0:
         _write_json(out / "config.json", resolved)
         _write_json(out / "data.json", data_info)
     return _Session(cfg, out, rank, world, device, splits, y_train, model, net, loss_fn, sampler, augment, optimizer,
-                    schedule, scaler, batch, steps_per_epoch, total_steps, ckpt_dir, history, state, resolved)
+                    schedule, scaler, batch, steps_per_epoch, total_steps, ckpt_dir, history, state, resolved,
+                    chance_check_epoch(steps_per_epoch, cfg.val_every, total_steps))
+
+
+def _defaults_record(out: Path, record: dict, resume: bool, total_steps: int, steps_per_epoch: int) -> dict:
+    """What trainer/defaults.py resolved, with the steps it gave; a resumed run keeps its first
+    record (its checkpoint's config holds the resolved values, which read as given)."""
+    if resume and (out / "config.json").is_file():
+        old = json.loads((out / "config.json").read_text()).get("defaults")
+        if old is not None:
+            return {**old, "steps": total_steps}
+    return {**record, "steps": total_steps, "steps_per_epoch": steps_per_epoch}
+
+
+CHANCE_CHECK_STEPS = 50
+
+
+def chance_check_epoch(steps_per_epoch: int, val_every: int, total_steps: int) -> int:
+    """The first validated epoch ending at least 50 steps (or the whole run) in: the first epoch on
+    larger data; later on small data, whose first epoch is a few warmup steps."""
+    if not val_every:
+        return -1
+    need = min(CHANCE_CHECK_STEPS, total_steps)
+    epochs = max(1, math.ceil(need / max(1, steps_per_epoch)))  # epochs to run for `need` steps
+    return math.ceil(epochs / val_every) * val_every - 1
 
 
 def _run_epoch(s: _Session, epoch: int, fwd: _Forward, bar, stop: _StopRequest, stop_at_step: int | None) -> None:
@@ -603,7 +634,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, *, resume: bool = 
             _run_epoch(s, epoch, fwd, bar, stop, stop_at_step)
             epoch_done = state.step in ((epoch + 1) * s.steps_per_epoch, s.total_steps)
             if epoch_done and s.rank == 0 and not cfg.head_shard and cfg.val_every and (epoch + 1) % cfg.val_every == 0:
-                _validate(s.model, s.splits, state, epoch, s.history, out, cfg, tqdm.write)
+                _validate(s.model, s.splits, state, epoch, s.history, out, cfg, tqdm.write, epoch == s.chance_epoch)
                 s.net.train()
             state.stopped_early = _agree(state.stopped_early, s.world, s.device)
             interrupted = stop.requested or state.step == stop_at_step

@@ -7,7 +7,7 @@ face (a brush face) is then judged with every rule fitted on both calibration fa
 record. A third fit models users' shifts: the calibration images with a seeded stroke weight,
 blur and contrast (trainer/augment.py `style`), pooled with the clean ones.
 
-Rules (tools/experiments/calibration_study.py's method_thresholds): per_class (column j alone),
+Rules (trainer/calibrate.py's estimators, as `slc export` uses them): per_class (column j alone),
 global (one threshold for all classes: PoLS's promise that single logits are comparable), and
 shrink k=κ (per class pulled toward the global one by a pseudo-count κ).
 
@@ -22,10 +22,45 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.experiments.calibration_study import judge, method_thresholds
 from tools.report import md_table, write_result
+from trainer.calibrate import PooledThreshold, _chunk_positive, _counts_at, chunk_classes, class_thresholds
 
 SHIFT_SEED = 12345
+KAPPAS = (1.0, 4.0, 16.0)
+
+
+def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
+    """{rule: thresholds [D]} fitted on logits z [N, D] with labels y [N], class chunk by class chunk
+    (trainer/calibrate.py's estimators: never an [N, D] temporary beyond the chunk's)."""
+    num_classes = z.shape[1]
+    pooled = PooledThreshold(z[np.arange(len(y)), y])
+    parts = []
+    for first in range(0, num_classes, chunk_classes(len(y), num_classes)):
+        zc = np.asarray(z[:, first:first + chunk_classes(len(y), num_classes)], dtype=np.float64)  # [N, c]
+        parts.append(class_thresholds(zc, _chunk_positive(y, first, zc.shape[1]), target))
+        pooled.add(zc)
+    per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    g = float(pooled.choose(target)["threshold"][0])
+    n = per["positives"].astype(np.float64)
+    out = {"per_class": per["threshold"], "global": np.full(num_classes, g)}
+    for kappa in KAPPAS:
+        out[f"shrink k={kappa:g}"] = (n * per["threshold"] + kappa * g) / (n + kappa)
+    return out
+
+
+def judge(z: np.ndarray, y: np.ndarray, thresholds: np.ndarray) -> dict:
+    """Detect at `thresholds` [D] on logits z [N, D]: per-class mean recall and precision (a class with
+    no match: precision 1), pooled precision over every decision, matches."""
+    num_classes, step = z.shape[1], chunk_classes(len(y), z.shape[1])
+    counts = [_counts_at(np.asarray(z[:, f:f + step], dtype=np.float64), _chunk_positive(y, f, min(step, num_classes - f)),
+                         thresholds[f:f + step]) for f in range(0, num_classes, step)]
+    tp, matches, positives = (np.concatenate(c) for c in zip(*counts))
+    precision = np.where(matches > 0, tp / np.maximum(matches, 1), 1.0)
+    recall = np.where(positives > 0, tp / np.maximum(positives, 1), 0.0)
+    has = positives > 0  # classes the judged split holds
+    return {"mean_recall": float(recall[has].mean()), "mean_precision": float(precision.mean()),
+            "pooled_precision": float(tp.sum() / matches.sum()) if matches.sum() else 1.0,
+            "matches": int(matches.sum())}
 
 
 def _faces(dataset: str, split: str, n: int) -> tuple[np.ndarray, list[str]]:
@@ -57,8 +92,8 @@ def _shifted(x: np.ndarray, image: dict) -> np.ndarray:
 
 def _rows(fit_z: np.ndarray, fit_y: np.ndarray, judge_z: np.ndarray, judge_y: np.ndarray, target: float,
           fitted: str, judged: str) -> list[dict]:
-    return [{"fitted_on": fitted, "judged_on": judged, "method": name, **judge(judge_z, judge_y, t, target)}
-            for name, t in method_thresholds(fit_z, fit_y, {"precision": target}).items()]
+    return [{"fitted_on": fitted, "judged_on": judged, "method": name, **judge(judge_z, judge_y, t)}
+            for name, t in fit(fit_z, fit_y, {"precision": target}).items()]
 
 
 def study(run: Path, target: float = 0.99) -> dict:
@@ -69,15 +104,15 @@ def study(run: Path, target: float = 0.99) -> dict:
     model, config, data_info = load_run(run)
     splits = load_run_data(data_info, progress=False)
     (x_cal, y_cal), (x_test, y_test) = splits.calibration, splits.test
-    z_cal = run_logits(model, x_cal).astype(np.float64)  # [N, D]
-    z_test = run_logits(model, x_test).astype(np.float64)
+    z_cal = run_logits(model, x_cal)  # [N, D] float32 (fit and judge widen chunk by chunk)
+    z_test = run_logits(model, x_test)
     face, names = _faces(data_info["dataset"], "calibration", len(y_cal))
     rows = []
     for k, held in enumerate(names):  # hold one calibration face out: fit on the others, judge on it
         fit, out = face != k, face == k
         rows += _rows(z_cal[fit], y_cal[fit], z_cal[out], y_cal[out], target, f"calibration minus {held}", held)
     rows += _rows(z_cal, y_cal, z_test, y_test, target, "calibration", "test")
-    z_shift = run_logits(model, _shifted(x_cal, splits.image)).astype(np.float64)
+    z_shift = run_logits(model, _shifted(x_cal, splits.image))
     rows += _rows(np.concatenate([z_cal, z_shift]), np.concatenate([y_cal, y_cal]), z_test, y_test, target,
                   "calibration + shifted", "test")
     for k, held in enumerate(names):  # the shift's own transfer: clean + shifted of one face, judged on the other

@@ -89,6 +89,12 @@ class Settings(BaseSettings):
         "how often a server asks the store for enrollments made by other processes (a second replica on the "
         "same SQLite data_dir or PostgreSQL): another replica's enrolled class is served here within this time "
         "(plus the time of one read); this process's own enrollments are served as soon as they are answered"))
+    enroll_rule: Literal["auto", "imprint", "standardised"] = Field("auto", description=(
+        "how an enrolled class's row is made from its examples' embeddings (serving/core/enrollment.py): imprint = "
+        "their normalised mean at the trained rows' median norm, the median trained bias; standardised = the same "
+        "direction centred on the calibration negatives' mean, scaled and shifted so that its logits on the "
+        "negatives spread as a typical trained class's do (docs/results/enroll-glyphs3755.md); auto = standardised "
+        "where the bundle carries calibration negatives, else imprint"))
     enroll_threshold: Literal["global", "negatives"] = Field("global", description=(
         "the threshold of an enrolled class: global = the bundle's global calibrated threshold (calibration.json "
         "`global`; PoLS logits are comparable across classes); negatives = the lowest logit at which the class "

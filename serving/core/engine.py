@@ -435,11 +435,17 @@ class Engine:
         return {"count": snap.n, "limit": self.settings.max_enrolled_classes,
                 "classes": [snap.describe(i) for i in range(snap.n)]}
 
+    def _enroll_rule(self) -> str:
+        try:
+            return self.enrolled.rule() if self.enrolled is not None else "imprint"
+        except SlcError as exc:
+            return f"unavailable: {exc.message}"
+
     def enrolled_info(self) -> dict:
         """GET /v1/model's `classes`: trained and enrolled counts, and how enrollment works here."""
         snap = self.snapshot()
         return {"trained": self.num_classes, "enrolled": snap.n, "total": self.num_classes + snap.n,
-                "enrolled_limit": self.settings.max_enrolled_classes, "enroll_rule": "imprint",
+                "enrolled_limit": self.settings.max_enrolled_classes, "enroll_rule": self._enroll_rule(),
                 "enroll_threshold": self.settings.enroll_threshold, "sync_s": self.settings.enrolled_sync_s}
 
     # ------------------------------------------------------------------ gallery

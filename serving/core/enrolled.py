@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 
 from serving.core import enrollment
+from serving.errors import InvalidInput
 from serving.gallery.enrolled import EnrolledRecord, EnrolledStore, LimitReached  # noqa: F401 (LimitReached: re-exported)
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class EnrolledClasses:
         self._lock = threading.Lock()  # catch-ups and writes of this process, one at a time
         self._stats: Optional[enrollment.HeadStats] = None
         self._negatives: Optional[np.ndarray] = None
+        self._neg_stats: Optional[enrollment.NegativeStats] = None
         self._stop = threading.Event()
         self._follower: Optional[threading.Thread] = None
         self.catch_up()
@@ -225,10 +227,30 @@ class EnrolledClasses:
             self._negatives = np.load(path, mmap_mode="r", allow_pickle=False)
         return self._negatives
 
+    def rule(self) -> str:
+        """The row rule in use: SLC_ENROLL_RULE, `auto` resolved by whether the bundle carries negatives."""
+        wanted = self.settings.enroll_rule
+        if wanted == "auto":
+            return "standardised" if self.negatives() is not None else "imprint"
+        if wanted == "standardised" and self.negatives() is None:
+            raise InvalidInput("SLC_ENROLL_RULE=standardised needs a bundle with calibration negatives "
+                               "(re-export it: slc export writes calibration_embeddings.npy)", code="no_negatives")
+        return wanted
+
+    def negative_stats(self) -> enrollment.NegativeStats:
+        """The trained head's logits on the negatives (computed once, over a sample of classes)."""
+        if self._neg_stats is None:
+            labels = np.load(Path(self.bundle.path) / "calibration_labels.npy", allow_pickle=False)
+            self._neg_stats = enrollment.negative_stats(self.bundle.weight, self.bundle.bias, self.negatives(), labels)
+        return self._neg_stats
+
     def compute(self, h: np.ndarray) -> enrollment.ClassRow:
         """The rule (serving/core/enrollment.py) on the examples' embeddings h [n, d]."""
         stats = self.stats()
-        row = enrollment.imprint(h, stats)
+        if self.rule() == "standardised":
+            row = enrollment.standardised(h, stats, self.negative_stats(), np.asarray(self.negatives()))
+        else:
+            row = enrollment.imprint(h, stats)
         if self.settings.enroll_threshold == "negatives" and (neg := self.negatives()) is not None:
             t = enrollment.negatives_threshold(row, h, np.asarray(neg, dtype=np.float32), self.num_trained,
                                                stats.target_precision)
@@ -243,7 +265,7 @@ class EnrolledClasses:
         """Store the class and answer from the snapshot that holds it: (its description, created)."""
         with self._lock:
             written = self.store.put(name, row.row, row.bias, row.threshold, row.platt_a, row.platt_b, row.examples,
-                                     f"{enrollment.RULE}+{row.threshold_rule}", self.settings.max_enrolled_classes)
+                                     f"{self.rule()}+{row.threshold_rule}", self.settings.max_enrolled_classes)
             self._apply(self.store.changes(self.snapshot.seq))
             snap = self.snapshot
         pos = snap.position_of_id(self.num_trained + written.slot)

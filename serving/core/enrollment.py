@@ -142,3 +142,56 @@ def negatives_threshold(row: ClassRow, h_pos: np.ndarray, h_neg: np.ndarray, num
     if not ok.size:
         return None
     return float(candidates[ok[0]])
+
+
+# ------------------------------------------------------------------ standardised imprinting (measured default)
+STAT_CLASSES = 512  # trained classes sampled for the typical negative-logit distribution
+
+
+@dataclass(frozen=True)
+class NegativeStats:
+    """What a new row is scaled to, from the bundle's calibration negatives: their mean embedding, and
+    the median over trained classes of the mean and spread of a class's logits on images not of it."""
+
+    mean: np.ndarray  # [d] float64
+    logit_mean: float
+    logit_std: float
+
+
+def negative_stats(weight: np.ndarray, bias: np.ndarray, h_neg: np.ndarray, y_neg: np.ndarray,
+                   classes: int = STAT_CLASSES, seed: int = 0) -> NegativeStats:
+    """NegativeStats over a seeded sample of the trained classes (weight [D, d] may be memory-mapped)."""
+    h = np.asarray(h_neg, dtype=np.float64)  # [N, d]
+    y = np.asarray(y_neg)
+    pick = np.sort(np.random.default_rng(seed).choice(len(bias), size=min(classes, len(bias)), replace=False))
+    z = h @ np.asarray(weight[pick], dtype=np.float64).T + np.asarray(bias[pick], dtype=np.float64)  # [N, C]
+    other = y[:, None] != pick[None, :]  # [N, C]: images not of the class
+    means = np.array([z[other[:, c], c].mean() for c in range(len(pick))])
+    stds = np.array([z[other[:, c], c].std() for c in range(len(pick))])
+    return NegativeStats(h.mean(axis=0), float(np.median(means)), float(np.median(stds)))
+
+
+def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.ndarray) -> ClassRow:
+    """Imprinting about the negatives' mean, scaled to a trained class's logits: the direction is
+    the mean of the examples' normalised embeddings *centred* on the negatives' mean (embeddings
+    after a ReLU share a direction: uncentred, a new row scores every image high), and the scale and
+    bias make the new class's logits on the negatives as a typical trained class's are there (their
+    median mean and spread), so the bundle's global threshold means for it what it means for them."""
+    centred = imprint(np.asarray(h, dtype=np.float64) - neg.mean, stats)  # direction only (norm set below)
+    u = centred.row.astype(np.float64) / np.linalg.norm(centred.row)  # [d] unit
+    p = (np.asarray(h_neg, dtype=np.float64) - neg.mean) @ u  # [N] the negatives along it
+    spread = float(p.std())
+    if not spread > 0:
+        raise InvalidInput("the examples' direction does not separate anything in the model's space",
+                           code="degenerate_examples")
+    scale = neg.logit_std / spread
+    row = scale * u  # [d]
+    bias = neg.logit_mean - scale * float(p.mean()) - float(row @ neg.mean)
+    return ClassRow(row=row.astype(np.float32), bias=bias, threshold=stats.threshold, platt_a=stats.platt_a,
+                    platt_b=stats.platt_b, examples=centred.examples, threshold_rule="global")
+
+
+def enroll_row(h: np.ndarray, stats: HeadStats, negatives: Optional[tuple[NegativeStats, np.ndarray]] = None
+               ) -> ClassRow:
+    """The default rule: standardised imprinting where the bundle carries negatives, else plain imprinting."""
+    return imprint(h, stats) if negatives is None else standardised(h, stats, negatives[0], negatives[1])

@@ -243,7 +243,7 @@ def test_per_class_threshold_from_the_bundle_negatives(tmp_path, app_factory):
     offline = Offline(load_bundle(path))
     near = examples(11, n=1) + 0.01 * examples(12, n=4)  # one direction: examples above every negative
     spread = examples(13, n=4)  # random directions: the negatives reach the examples, the target is missed
-    with TestClient(build(make_settings(path, tmp_path, enroll_threshold="negatives"))[0]) as client:
+    with TestClient(build(make_settings(path, tmp_path, enroll_threshold="negatives", enroll_rule="imprint"))[0]) as client:
         wait_ready(client.get)
         answers = [enroll(client, name, x).json() for name, x in (("near", near), ("spread", spread))]
     rules = []
@@ -299,3 +299,45 @@ def test_a_quantized_pass_goes_on_over_the_enrolled_rows(tmp_path, inputs):
         np.testing.assert_allclose([r["probability"] for r in sm], p[:, -1], rtol=2e-2)  # int8 normaliser
         top = client.post("/v1/topk", json={"inputs": inputs.tolist(), "k": 5}).json()
         _check_topk(top, z, ext, {cid: "quant"}, 5)
+
+
+def test_standardised_rule_on_a_bundle_with_negatives(tmp_path):
+    """The default rule where the bundle carries calibration negatives: the examples' direction centred
+    on the negatives' mean, and the new class's logits on the negatives spread as a typical trained
+    class's do (the medians of their mean and std), all checked by brute force over the bundle."""
+    from fastapi.testclient import TestClient
+
+    from serving.bundle import load_bundle
+    from serving.bundle.synthetic import build_synthetic_bundle
+    from serving.main import build
+    from tests.serving.helpers import Offline, make_settings, wait_ready
+
+    path = build_synthetic_bundle(classes=D, dim=16, input_dim=INPUT_DIM, seed=0, out=tmp_path / "neg", negatives=400)
+    b = load_bundle(path)
+    offline = Offline(b)
+    h_neg = np.load(path / "calibration_embeddings.npy").astype(np.float64)
+    y_neg = np.load(path / "calibration_labels.npy")
+    x = examples(21, n=3)
+    with TestClient(build(make_settings(path, tmp_path))[0]) as client:
+        wait_ready(client.get)
+        assert client.get("/v1/model").json()["classes"]["enroll_rule"] == "standardised"
+        got = enroll(client, "centred", x).json()
+        assert got["rule"] == "standardised+global"
+        z = np.array([r["logit"] for r in client.post("/v1/classes/centred/detect", json={"inputs": h_inputs(b)}).json()["results"]])
+    w, bias = np.asarray(b.weight, np.float64), np.asarray(b.bias, np.float64)
+    z_all = h_neg @ w.T + bias  # [N, D]
+    means = [z_all[y_neg != j, j].mean() for j in range(D)]
+    stds = [z_all[y_neg != j, j].std() for j in range(D)]
+    mu = h_neg.mean(axis=0)
+    e = offline.embed(x).astype(np.float64) - mu
+    u = (e / np.linalg.norm(e, axis=1, keepdims=True)).mean(axis=0)
+    u /= np.linalg.norm(u)
+    p = (h_neg - mu) @ u
+    scale = np.median(stds) / p.std()
+    want = offline.embed(np.asarray(h_inputs(b), np.float32)).astype(np.float64) @ (scale * u) \
+        + np.median(means) - scale * p.mean() - scale * u @ mu
+    np.testing.assert_allclose(z, want, rtol=1e-4, atol=1e-4)
+
+
+def h_inputs(b) -> list:
+    return np.random.default_rng(5).standard_normal((4, INPUT_DIM)).astype(np.float32).tolist()

@@ -126,7 +126,7 @@ def nearest_example(h_test: np.ndarray, y_test: np.ndarray, h_items: np.ndarray,
 
 def study(run: Path, work: Path) -> dict:
     from serving.bundle import load_bundle
-    from serving.core.enrollment import head_stats, imprint
+    from serving.core.enrollment import enroll_row, head_stats, negative_stats
     from trainer.data import load_run_data
     from trainer.train import load_run
 
@@ -137,12 +137,18 @@ def study(run: Path, work: Path) -> dict:
     b = load_bundle(bundle_dir)
     model, config, info = load_run(run)
     x_test, y_test = load_run_data(info, progress=False).test
-    chars = new_chars(list(b.classes))
-    ex, te = render(chars, max(KS))
+    cache = work / "embeddings.npz"  # the renderings' embeddings: a rule can be measured again in seconds
+    if cache.is_file():
+        e = np.load(cache, allow_pickle=False)
+        chars, h_trained, h_new, h_ex = str(e["chars"]), e["trained"], e["new"], e["examples"]
+    else:
+        chars = new_chars(list(b.classes))
+        ex, te = render(chars, max(KS))
+        h_trained = _embed(model, x_test)  # [N, d]
+        h_new = _embed(model, te.reshape(-1, *te.shape[2:]))  # [C * 8, d]
+        h_ex = _embed(model, ex.reshape(-1, *ex.shape[2:])).reshape(len(chars), max(KS), -1)  # [C, k, d]
+        np.savez(cache, chars=np.array(chars), trained=h_trained, new=h_new, examples=h_ex)
     D, C = int(b.num_classes), len(chars)
-    h_trained = _embed(model, x_test)  # [N, d]
-    h_new = _embed(model, te.reshape(-1, *te.shape[2:]))  # [C * 8, d]
-    h_ex = _embed(model, ex.reshape(-1, *ex.shape[2:])).reshape(C, max(KS), -1)  # [C, k, d]
     stats = head_stats(b.weight, b.bias, b.platt_a, b.platt_b, float(b.global_threshold), b.calibration.get("target"))
     thr = np.where(np.isfinite(b.thresholds), b.thresholds, b.global_threshold).astype(np.float64)  # [D]
     h = np.concatenate([h_trained, h_new])
@@ -153,8 +159,14 @@ def study(run: Path, work: Path) -> dict:
            "global_threshold": float(b.global_threshold), "rule": "imprint + global threshold",
            "before": {"trained": summary(before, labels_before, np.arange(D))}, "after": {}}
     labels = np.concatenate([y_test, y_new])
+    negatives = None
+    if (bundle_dir / "calibration_embeddings.npy").is_file():
+        h_neg = np.load(bundle_dir / "calibration_embeddings.npy")
+        y_neg = np.load(bundle_dir / "calibration_labels.npy")
+        negatives = (negative_stats(b.weight, b.bias, h_neg, y_neg), h_neg)
+    out["rule"] = "standardised imprint + global threshold" if negatives else "imprint + global threshold"
     for k in KS:
-        rows = [imprint(h_ex[i, :k], stats) for i in range(C)]
+        rows = [enroll_row(h_ex[i, :k], stats, negatives) for i in range(C)]
         w = np.concatenate([np.asarray(b.weight), np.stack([r.row for r in rows])])
         bias = np.concatenate([np.asarray(b.bias), [r.bias for r in rows]])
         d = decisions(h, labels, w, bias, np.concatenate([thr, [r.threshold for r in rows]]))

@@ -298,8 +298,9 @@ def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> 
               help="calibrate thresholds for this precision [default: 0.99]")
 @click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="or for this recall (not with --target-precision)")
-@click.option("--threshold-method", type=click.Choice(["shrink", "per_class", "global"]), default="shrink",
-              show_default=True, help="per-class thresholds: pulled toward the global one (shrink), alone, or one for all")
+@click.option("--threshold-method", type=click.Choice(["auto", "shrink", "per_class", "global"]), default="auto",
+              show_default=True, help="per-class thresholds pulled toward the global one (shrink), alone, or one for "
+              "all; auto: global for a PoLS loss, shrink otherwise (docs/calibration.md)")
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
@@ -316,6 +317,7 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
     precisions = head_precision
     t0 = time.perf_counter()
     method = {"name": threshold_method, "kappa": kappa} if threshold_method == "shrink" else {"name": threshold_method}
+    method = None if threshold_method == "auto" else method
     try:
         export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method, data=data,
                       head_precisions=precisions)

@@ -298,6 +298,14 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         **({"image": spec} if (spec := r.data_info.get("image", r.image)) else {}))
 
 
+def default_method(pols: bool) -> dict:
+    """The thresholds' method when none is named: one global threshold for a PoLS-trained head, whose
+    logits are comparable across classes (fitted on one calibration face and judged on the other, it
+    kept 0.94-0.99 recall at the target precision where shrunk per-class thresholds kept 0.77-0.97 and
+    per-class ones 0.44-0.88: docs/results/threshold-transfer-glyphs3755.md); shrink (kappa 4) else."""
+    return {"name": "global"} if pols else {"name": "shrink", "kappa": 4.0}
+
+
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
                   method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = ()) -> Path:
     """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful.
@@ -306,6 +314,8 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     run, out = Path(run), Path(out)
     target = _target(target_precision, target_recall)
     r = _open_run(run, data)
+    if method is None or method.get("name") == "auto":
+        method = default_method(bool(r.config.get("loss_pols", False)))
     weight, bias = r.head  # [D, d], [D]
     D, d = weight.shape
     classes = [str(c) for c in r.data_info["classes"]]

@@ -296,10 +296,12 @@ def test_an_image_dataset_bundle_records_how_images_become_inputs(exported):
     from serving.codecs.images import decode
     from trainer.data import image_spec
 
-    _, _, bundle, splits = exported
+    loss, _, bundle, splits = exported
     b = load_bundle(bundle)
     assert b.image == image_spec("digits")
-    assert b.calibration["method"] == {"name": "shrink", "kappa": 4.0}  # the default threshold method
+    # the default threshold method: one global threshold for a PoLS loss (batch_ce), shrink for ce
+    assert b.calibration["method"] == ({"name": "global"} if loss == "batch_ce" else {"name": "shrink", "kappa": 4.0})
+    assert b.calibration["method"] == export_mod.default_method(b.manifest["loss"]["pols"])
     for example in splits.test[0][:10]:  # [64] values 0..16
         buf = io.BytesIO()
         Image.fromarray(np.rint(example.reshape(8, 8) * 255 / 16).astype(np.uint8)).save(buf, format="PNG")

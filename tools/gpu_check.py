@@ -14,7 +14,7 @@ Where it sees one:
 4. a table of every check; exit 1 when any fails (the work directory is kept then).
 
 Tolerances, and why they are what they are: docs/results/gpu-check.md.
-Run: .venv/bin/python tools/gpu_check.py [--workdir DIR] [--seed N] [--keep] [--device cpu]
+Run: .venv/bin/python tools/gpu_check.py [--workdir DIR [--reuse-runs]] [--seed N] [--keep] [--device cpu]
 """
 from __future__ import annotations
 
@@ -79,11 +79,16 @@ def slc(*args: str) -> int:
     return subprocess.run([sys.executable, "-m", "slc", *args], cwd=ROOT).returncode
 
 
-def train_both(work: Path, seed: int, device: str) -> tuple[list[Check], dict[str, Path]]:
-    """The reference run and the one under test ({device} in bf16), the same seed."""
+def train_both(work: Path, seed: int, device: str, reuse: bool = False) -> tuple[list[Check], dict[str, Path]]:
+    """The reference run and the one under test ({device} in bf16), the same seed; with `reuse`, runs
+    an earlier gpu-check finished in `work` are taken as they are (the serving checks again, no training)."""
     checks, runs = [], {}
     for name, (device, precision) in {"reference": REFERENCE, "test": (device, "bf16")}.items():
         run = work / f"run-{name}"
+        if reuse and (run / "metrics.json").exists():
+            checks.append(Check(f"train {device} {precision}", "reused", "exit 0", True))
+            runs[name] = run
+            continue
         shutil.rmtree(run, ignore_errors=True)
         t0 = time.perf_counter()
         code = slc("train", *TRAIN, "--seed", str(seed), "--device", device, "--precision", precision,
@@ -265,13 +270,13 @@ def table(checks: list[Check]) -> str:
     return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows)
 
 
-def gpu_checks(work: Path, seed: int, device: str) -> list[Check]:
+def gpu_checks(work: Path, seed: int, device: str, reuse: bool = False) -> list[Check]:
     import onnxruntime as ort
     import torch
 
     name = torch.cuda.get_device_name(0) if device == "cuda" else "none: the CPU in bf16 stands in (--device cpu)"
     checks = [Check("device under test", name, "-", True)]
-    train_checks, runs = train_both(work, seed, device)
+    train_checks, runs = train_both(work, seed, device, reuse)
     checks += train_checks
     if len(runs) == 2:
         checks += compare_training(runs["reference"], runs["test"], f"{REFERENCE[0]} / {device}")
@@ -296,7 +301,9 @@ def gpu_checks(work: Path, seed: int, device: str) -> list[Check]:
 @click.option("--keep", is_flag=True, help="keep the work folder when every check passes")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: the same checks with the CPU in bf16 standing in for the GPU (tries this tool without one)")
-def main(workdir: Path | None, seed: int, keep: bool, device: str) -> None:
+@click.option("--reuse-runs", is_flag=True,
+              help="with --workdir: take the runs an earlier gpu-check finished there instead of training again")
+def main(workdir: Path | None, seed: int, keep: bool, device: str, reuse_runs: bool) -> None:
     """Train, export and serve on CUDA against the CPU (exit 1 on a mismatch); one line without CUDA."""
     try:
         line = no_cuda_line() if device == "cuda" else None
@@ -305,9 +312,11 @@ def main(workdir: Path | None, seed: int, keep: bool, device: str) -> None:
     if line is not None:
         click.echo(line)
         return
+    if reuse_runs and workdir is None:
+        raise click.UsageError("--reuse-runs needs --workdir (the folder of an earlier gpu-check)")
     work = workdir or Path(tempfile.mkdtemp(prefix="slc-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    checks = gpu_checks(work, seed, device)
+    checks = gpu_checks(work, seed, device, reuse_runs)
     click.echo(table(checks))
     failed = [c.name for c in checks if not c.ok]
     if failed or keep or workdir:

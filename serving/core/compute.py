@@ -39,6 +39,7 @@ CHOICE_TIE_S = 2e-6  # ... or within this many seconds per input: a small head, 
 PREFERENCE = ("onnx", "numpy", "ort", "packed_pair", "ort_pair", "int8", "bf16", "device")
 SMALL_HEAD_VALUES = 1 << 18  # D*d up to this (1 MiB of float32 rows): the preferred strategy, not raced
 SMALL_BATCH = 8  # the warm-up choice also times this batch: a few clients' requests batched together
+PRUNE = 4.0  # a path whose timed batch costs this many times the best so far is timed no further
 
 Parts = list  # [(slice of the pass's rows, accumulator)]
 
@@ -209,10 +210,14 @@ class HeadPass:
         candidates, race = self._candidates(), not self._small_head()
         if not race:  # every strategy costs alike here: the preferred one that runs, timed for the patience
             candidates.sort(key=lambda name: PREFERENCE.index(name) if name in PREFERENCE else len(PREFERENCE))
-        times = {}
+        if race and "device" in candidates:  # on a GPU the likely winner: timed first, so slower paths stop early
+            candidates.remove("device")
+            candidates.insert(0, "device")
+        times: dict[str, dict[int, float]] = {}
         for name in candidates:
             try:
-                times[name] = {size: self._time(name, x[:size]) for size in sizes}
+                times[name] = {size: self._time(name, x[:size], bound=PRUNE * min(
+                    (t[size] for t in times.values()), default=math.inf)) for size in sizes}
             except Exception as exc:  # e.g. no full.onnx in a bundle: numpy always works
                 if self.precision != "float32":
                     raise
@@ -233,8 +238,10 @@ class HeadPass:
         return (self.settings.softmax_impl == "auto" and self.precision == "float32"
                 and self.num_classes * self.embed_dim <= SMALL_HEAD_VALUES)
 
-    def _time(self, name: str, x: np.ndarray) -> float:
-        """Best of 3 of one softmax batch over x, one request per input (as under load)."""
+    def _time(self, name: str, x: np.ndarray, bound: float = math.inf) -> float:
+        """Best of 3 of one softmax batch over x, one request per input (as under load); a path whose
+        first timed batch already costs more than `bound` is not timed again (it cannot be chosen: at
+        D = 10^7 on a GPU each CPU batch costs seconds of start-up)."""
         if name == "packed_pair" and self._packed is None:
             self._packed = PackedHead(self.bundle.weight, self.bundle.bias,
                                       head_scan.pair_rows(self.settings.max_batch, self.num_classes))
@@ -250,6 +257,8 @@ class HeadPass:
             t0 = time.perf_counter()
             once()
             best = min(best, time.perf_counter() - t0)
+            if best > bound:
+                break
         return best
 
     def _candidates(self) -> list[str]:

@@ -71,3 +71,47 @@ def test_the_server_serves_with_the_strategy_its_timings_choose(client_factory, 
     for n, by_name in head_pass.timing_by_batch.items():
         assert reported[str(n)] == pytest.approx({k: v * 1e3 for k, v in by_name.items()}, abs=1e-3)
     assert model["softmax_timing_ms"] == reported["32"]
+
+
+def _fake_paths(monkeypatch, head_pass, cost: dict[str, float]) -> list[str]:
+    """Each path's batch advances a fake clock by cost[name] seconds; returns the log of batches run."""
+    from types import SimpleNamespace
+
+    clock, calls = {"t": 0.0}, []
+    monkeypatch.setattr(compute, "time", SimpleNamespace(perf_counter=lambda: clock["t"]))
+
+    def strategy(name):
+        def run(x, h, parts):
+            calls.append(name)
+            clock["t"] += cost[name]
+        return run
+
+    monkeypatch.setattr(head_pass, "_strategy", strategy)
+    return calls
+
+
+def test_a_path_slower_than_its_bound_is_timed_once_after_its_first_batch(client_factory, monkeypatch):
+    import math
+
+    import numpy as np
+
+    head_pass = client_factory(max_batch=8).app.state.slc.engine.head_pass
+    calls = _fake_paths(monkeypatch, head_pass, {"fast": 1.0, "slow": 10.0})
+    x = np.zeros((2,) + tuple(head_pass.bundle.input_shape), np.float32)
+    assert head_pass._time("fast", x) == 1.0 and calls.count("fast") == 4  # warm-up + best of 3
+    assert head_pass._time("slow", x, bound=4.0) == 10.0 and calls.count("slow") == 2  # warm-up + 1
+    assert head_pass._time("slow", x, bound=math.inf) == 10.0 and calls.count("slow") == 6
+
+
+def test_on_a_race_the_device_is_timed_first_and_far_slower_paths_stop_early(client_factory, monkeypatch):
+    monkeypatch.setattr(compute, "SMALL_HEAD_VALUES", 0)
+    head_pass = client_factory(max_batch=16).app.state.slc.engine.head_pass
+    cost = {"numpy": 0.5, "ort": 0.03, "device": 0.01}  # ort within PRUNE x of device, numpy not
+    calls = _fake_paths(monkeypatch, head_pass, cost)
+    monkeypatch.setattr(head_pass, "_candidates", lambda: ["numpy", "ort", "device"])
+    monkeypatch.setattr(head_pass, "_drop_unused", lambda: None)
+    head_pass.choose()
+    assert calls[0] == "device" and head_pass.name == "device"
+    sizes = len(head_pass.timing_by_batch)
+    assert calls.count("device") == calls.count("ort") == 4 * sizes and calls.count("numpy") == 2 * sizes
+    assert head_pass.timing == pytest.approx(cost)

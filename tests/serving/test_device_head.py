@@ -3,7 +3,9 @@ the two-stage log-sum-exp, argmax and top-k over padded blocks (D below, at and 
 width; ties; non-finite rows), the server's answers with SLC_SOFTMAX_IMPL=device (softmax, exact
 top-k, all logits over KServe v2), the memory check that refuses a head too large for the GPU in
 one line, and a device error: 503 in the envelope, readiness 503 until a probe passes again.
-What needs CUDA is in tools/gpu_check.py (make gpu-check)."""
+The numeric tests also run on CUDA where onnxruntime has it (a GPU machine: TF32 off, so the same
+tolerances hold), and skip there with the reason elsewhere; the server on a GPU is tools/gpu_check.py
+(make gpu-check)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +14,25 @@ import pytest
 from serving.core import device_head, head_scan
 from serving.core.device_memory import DeviceMemoryError, check_fits, needed_bytes
 from tests.serving.helpers import D
+
+
+def _has_cuda() -> bool:
+    """A CUDA session really opens here (onnxruntime-gpu lists CUDA on machines without a GPU too)."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    from serving.core.sessions import preload_cuda, usable_providers
+
+    preload_cuda()
+    return "CUDAExecutionProvider" in usable_providers()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _has_cuda(), reason="no CUDA session opens here (onnxruntime-gpu and a GPU)"))])
+def where(request) -> str:
+    """The device the head lives on: the CPU provider everywhere, CUDA where a CUDA session opens."""
+    return request.param
 
 
 def _head(num_classes: int, d: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -28,11 +49,11 @@ def _lse64(z: np.ndarray) -> np.ndarray:
     return m + np.log(np.exp(z - m[:, None]).sum(axis=1))
 
 
-@pytest.mark.parametrize("num_classes,max_k", [(1, 1), (7, 3), (1023, 5), (1024, 16), (1025, 1), (5000, 1000)])
-def test_softmax_topk_and_logits_equal_float64(num_classes, max_k):
+@pytest.mark.parametrize("num_classes,max_k", [(1, 1), (7, 3), (1023, 5), (1024, 16), (1025, 1), (5000, 1000), (200_003, 10)])
+def test_softmax_topk_and_logits_equal_float64(num_classes, max_k, where):
     w, b = _head(num_classes, 24, seed=num_classes)
     h = np.random.default_rng(1).standard_normal((9, 24)).astype(np.float32)
-    head = device_head.DeviceHead(w, b, max_k=max_k)
+    head = device_head.DeviceHead(w, b, where, max_k=max_k)
     assert head.blocks * head.width >= num_classes and head.width >= min(max_k, num_classes)
     j = np.array([0, num_classes - 1, num_classes // 2])
     soft, top, full = head_scan.SoftmaxStats(3, j), head_scan.TopK(3, min(max_k, num_classes)), head_scan.AllLogits(3, num_classes)
@@ -49,14 +70,14 @@ def test_softmax_topk_and_logits_equal_float64(num_classes, max_k):
     np.testing.assert_allclose(full.result(), z[6:9], rtol=1e-5, atol=1e-4)
 
 
-def test_ties_go_to_the_smaller_id_across_blocks():
+def test_ties_go_to_the_smaller_id_across_blocks(where):
     """Equal rows in two blocks (ids 5 and 2050): argmax and top-k both name the smaller id first."""
     w, b = _head(3000, 8)
     w[2050], b[2050] = w[5], b[5]
     w[5] *= 50  # far above every other row for h = w[5] direction
     w[2050] = w[5]
     h = w[5:6] / np.linalg.norm(w[5])
-    head = device_head.DeviceHead(w, b, max_k=4)
+    head = device_head.DeviceHead(w, b, where, max_k=4)
     assert head.blocks >= 2
     soft, top = head_scan.SoftmaxStats(1, 2050), head_scan.TopK(1, 2)
     head.run(np.concatenate([h, h]), [(slice(0, 1), soft), (slice(1, 2), top)])
@@ -64,27 +85,27 @@ def test_ties_go_to_the_smaller_id_across_blocks():
     assert top.result()[1].tolist() == [[5, 2050]]
 
 
-def test_rows_with_a_nan_or_an_infinity_are_flagged():
+def test_rows_with_a_nan_or_an_infinity_are_flagged(where):
     w, b = _head(2000, 8)
     b[1500] = np.inf
     h = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
     h[0, 0] = np.nan
-    head = device_head.DeviceHead(w, b, max_k=3)
+    head = device_head.DeviceHead(w, b, where, max_k=3)
     soft = head_scan.SoftmaxStats(3, 0)
     head.run(h, [(slice(0, 3), soft)])
     assert soft.finite.tolist() == [False, False, False]  # NaN in row 0; +inf in every row's column 1500
     b[1500] = 0.0
-    head = device_head.DeviceHead(w, b, max_k=3)
+    head = device_head.DeviceHead(w, b, where, max_k=3)
     top = head_scan.TopK(3, 2)
     head.run(h, [(slice(0, 3), top)])
     assert top.finite.tolist() == [False, True, True]
 
 
-def test_inputs_beyond_one_group_are_taken_in_groups(monkeypatch):
+def test_inputs_beyond_one_group_are_taken_in_groups(monkeypatch, where):
     monkeypatch.setattr(device_head, "GROUP_VALUES", 3 * 2048)  # 3 rows of a 2,000-class head per run
     w, b = _head(2000, 8)
     h = np.random.default_rng(3).standard_normal((10, 8)).astype(np.float32)
-    head = device_head.DeviceHead(w, b, max_k=2)
+    head = device_head.DeviceHead(w, b, where, max_k=2)
     assert head._groups(10) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]
     soft, full = head_scan.SoftmaxStats(10, 7), head_scan.AllLogits(10, 2000)
     head.run(np.concatenate([h, h]), [(slice(0, 10), soft), (slice(10, 20), full)])

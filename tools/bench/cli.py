@@ -434,12 +434,12 @@ def ab(base: Path, classes: list[int], dim: int, endpoints: list[str], rounds: i
 @click.option("--out", default="docs/results", show_default=True, help="where gpu-serving.{json,md} go", **OUT)
 def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, out: Path) -> None:
     """The server on a GPU against the device floor and the CPU server, as D grows: OUT/gpu-serving.{json,md}."""
-    import onnxruntime as ort
-
+    from serving.core.sessions import preload_cuda, usable_providers
     from tools.bench.device import device_markdown, run_device_bench
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise click.ClickException(f"no CUDAExecutionProvider in this onnxruntime ({ort.get_available_providers()}): "
+    preload_cuda()
+    if "CUDAExecutionProvider" not in (usable := usable_providers()):
+        raise click.ClickException(f"no CUDA session opens here (a session gets {', '.join(usable)}): "
                                    "slc bench device needs onnxruntime-gpu and a GPU (make setup on a GPU machine)")
     with tempfile.TemporaryDirectory(prefix="slc-device-") as tmp:
         res = run_device_bench(classes, dim, duration, cpu_max_classes, Path(tmp))

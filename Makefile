@@ -50,12 +50,14 @@ test-all: setup
 # Where torch sees CUDA: glyphs-latin trained on cuda in bf16 against the CPU in fp32, exported, served
 # with --device cuda and checked against offline math (a table; exit 1 on a mismatch); then the serving
 # phase: slc bench device (D = 10^5, 10^6, 10^7 on the GPU against its floor and the CPU server,
-# docs/results/gpu-serving.md). Without CUDA: one line, exit 0.
+# docs/results/gpu-serving.md), and where a device pass's time goes (tools/bench/device_profile.py).
+# Without CUDA: one line, exit 0.
 GPU_CLASSES ?= 100000,1000000,10000000
 gpu-check: setup
 	$(BIN)/python tools/gpu_check.py
 	@if $(BIN)/python -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then \
-		$(BIN)/slc bench device --classes $(GPU_CLASSES) --out docs/results; fi
+		$(BIN)/slc bench device --classes $(GPU_CLASSES) --out docs/results && \
+		$(BIN)/python -m tools.bench.device_profile --out docs/results/gpu-device-profile.jsonl; fi
 
 lint: setup
 	$(BIN)/ruff check --select F,E9 slc serving trainer models tests

@@ -120,7 +120,8 @@ class Settings(BaseSettings):
         "with --device cuda; on the CPU only when named)")
     class_index: Literal["auto", "exact", "flat", "ivf", "hnsw"] = Field(
         "auto", description="the class index behind topk mode=index: auto = flat up to 50,000 classes, else ivf "
-        "(hnsw when ivf misses its recall or speed target), built at start and cached under data_dir; exact = no "
+        "(hnsw when ivf misses its recall or speed target), built at start and cached under data_dir; on CUDA "
+        "(float32 head, softmax_impl auto or device) auto = exact, the device's exact top-k; exact = no "
         "index, the same pass as mode=exact (nothing to build: a head too large to index within the start-up "
         "budget serves at once)")
     head_precision: Literal["float32", "int8", "bf16"] = Field(

@@ -52,6 +52,7 @@ METRIC_ABS = {"accuracy": 0.10, "auprc": 0.03}  # test metrics after one epoch, 
 # the CPU, in float64 after the float32 graph. Relative to the input's largest |logit| (at least 1).
 LOGIT_REL = 1e-2
 PROVIDER = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}  # what the server must run on
+READY_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -218,20 +219,29 @@ def serve(bundle: Path, work: Path, seed: int, device: str, **env: str) -> list[
     import httpx
 
     from serving.bundle import load_bundle
-    from tests.serving.helpers import free_port, serve_process, wait_http_ready
+    from tests.serving.helpers import free_port, serve_process
 
     port = free_port()
-    proc = serve_process(bundle, work / ("serve-" + "-".join(env.values() or ["default"])), port, "--device", device,
-                         **env)
+    tag = "-".join(env.values() or ["default"])
+    proc = serve_process(bundle, work / ("serve-" + tag), port, "--device", device, **env)
     log: list[str] = []
-    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()  # a full pipe would stall it
+    log_path = work / f"serve-{tag}.log"  # the server's whole output, kept with the work folder
+
+    def drain() -> None:  # a full pipe would stall the server
+        with open(log_path, "w") as f:
+            for line in proc.stdout:
+                log.append(line)
+                f.write(line)
+                f.flush()
+
+    threading.Thread(target=drain, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
+    click.echo(f"serving {bundle} with --device {device} {' '.join(f'{k}={v}' for k, v in env.items())} "
+               f"(log: {log_path})", err=True)
     try:
-        try:
-            wait_http_ready(url, timeout=300)
-        except AssertionError as exc:
-            tail = "".join(log[-5:]).strip().replace("\n", " | ")
-            return [Check(f"slc serve --device {device} ready", f"{exc}: {tail}"[:200], "ready", False)]
+        failed = wait_serving(url, proc, log, READY_TIMEOUT_S)
+        if failed:
+            return [Check(f"slc serve --device {device} ready", failed[:200], "ready", False)]
         info = httpx.get(url + "/v1/model", timeout=30).json()
         first = PROVIDER[device]
         checks = [Check("server providers in use", ", ".join(info["providers"]), f"{first} first",
@@ -262,6 +272,30 @@ def serve(bundle: Path, work: Path, seed: int, device: str, **env: str) -> list[
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def wait_serving(url: str, proc: subprocess.Popen, log: list[str], timeout: float) -> str | None:
+    """Wait for readiness, saying every 20 s what the server last logged; None once ready, else why not
+    (the process exited, or the time ran out), with its last lines."""
+    import httpx
+
+    t0 = time.monotonic()
+    said = t0
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            time.sleep(0.2)  # the drain thread's last lines
+            return f"exited ({proc.returncode}): " + " | ".join(x.strip() for x in log[-4:])
+        try:
+            if httpx.get(url + "/v1/health/ready", timeout=1).status_code == 200:
+                click.echo(f"  ready in {time.monotonic() - t0:.0f} s", err=True)
+                return None
+        except httpx.TransportError:
+            pass
+        if time.monotonic() - said >= 20:
+            said = time.monotonic()
+            click.echo(f"  not ready after {said - t0:.0f} s; last logged: {log[-1].strip() if log else '-'}", err=True)
+        time.sleep(0.1)
+    return f"not ready after {timeout:.0f} s: " + " | ".join(x.strip() for x in log[-4:])
 
 
 def table(checks: list[Check]) -> str:

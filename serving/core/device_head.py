@@ -4,18 +4,21 @@ each request answers with comes back (issue 36; docs/configuration.md "The head 
 With `--device cuda` the float32 rows are uploaded once, at load, as onnxruntime values on the GPU,
 and three small ONNX graphs built here read them through IO binding (no copy per call):
 
-  softmax   h [M, d], w [D, d], b [D], j [M] -> lse [M], zj [M], top [M], bad [M], zmax [M]
-  topk      h, w, b, k [1]                    -> values [M, K], ids [M, K], bad [M]
-  logits    h, w, b                           -> z [M, D]
+  softmax   h [M, d], w [D, d], b [D], j [M, 1] -> zj [M, 1], m [M, blocks, 1], s, arg [M, blocks]
+  topk      h, w, b, k [1]                       -> values [M, K], ids [M, K], total [M]
+  logits    h, w, b                              -> z [M, D]
 
-so a softmax answer crosses back as 4 numbers per input, a top-k as 2k, and the [M, D] logits
-only when a request asks for them. The reductions over D are split in two stages over blocks of
-the row ([M, D] -> [M, blocks, width] -> [M, blocks] -> [M]): onnxruntime's CUDA kernels for
-Softmax, TopK and the reductions give one thread block to a row, which at batch 1 leaves all but one
-multiprocessor idle at D = 10^6; with blocks, a row is spread over many. The row is padded to
-blocks x width with PAD, a finite logit far below any real one (exp(PAD - max) = 0; never in a
-top-k, since k <= D). TF32 is off (`use_tf32=0`): a float32 GEMM in TF32 moves logits by about
-1e-3 relative, enough to flip a decision at a calibrated threshold.
+so a top-k answer crosses back as 2k numbers per input, a softmax as 3 per block of the row (a
+thousandth of the row), and the [M, D] logits only when a request asks for them. The reductions
+over D are split in two stages over blocks of the row ([M, D] -> [M, blocks, width] -> [M, blocks]
+-> [M]): onnxruntime's CUDA kernels for Softmax, TopK and the reductions give one thread block to a
+row, which at batch 1 leaves all but one multiprocessor idle at D = 10^6; with blocks, a row is
+spread over many. The softmax's second stage runs on the host (finish_softmax): on a GPU every
+node of a graph costs more to launch at batch 1 than its work, and the stages over [M, blocks]
+are a thousandth of the row (docs/results/gpu-serving.md has the profile that showed it). The
+row is padded to blocks x width with PAD, a finite logit far below any real one (exp(PAD - max) = 0; never in a top-k, since k <= D). TF32 is off
+(`use_tf32=0`): a float32 GEMM in TF32 moves logits by about 1e-3 relative, enough to flip a
+decision at a calibrated threshold.
 
 The same graphs run on the CPU provider, which is how `make test` checks them against float64
 numpy on any machine (SLC_SOFTMAX_IMPL=device); on the CPU the chunked passes of head_scan.py
@@ -56,82 +59,71 @@ def _graph(name: str, extra_inputs: list, outputs: list, nodes: list, d: int, in
     return model.SerializeToString()
 
 
-def _common(num_classes: int, blocks: int, width: int) -> tuple[list, list]:
-    """(nodes, initializers): z = h w^T + b [M, D]; bad [M] (a NaN or an infinity in the row: the sum
-    of z * 0 is NaN exactly then); z3 [M, blocks, width] padded with PAD."""
+def _blocks(num_classes: int, blocks: int, width: int) -> tuple[list, list]:
+    """(nodes, initializers): z = h w^T + b [M, D] and z3 [M, blocks, width], padded with PAD."""
     from onnx import TensorProto, helper
 
     pad = blocks * width - num_classes
-    inits = [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
-             helper.make_tensor("axis1", TensorProto.INT64, [1], [1]),
-             helper.make_tensor("pads", TensorProto.INT64, [4], [0, 0, 0, pad]),
+    inits = [helper.make_tensor("pads", TensorProto.INT64, [4], [0, 0, 0, pad]),
              helper.make_tensor("pad_value", TensorProto.FLOAT, [], [PAD]),
              helper.make_tensor("shape3", TensorProto.INT64, [3], [-1, blocks, width])]
     nodes = [helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1),
-             helper.make_node("Mul", ["z", "zero"], ["z0"]),
-             helper.make_node("ReduceSum", ["z0", "axis1"], ["z0sum"], keepdims=0),
-             helper.make_node("IsNaN", ["z0sum"], ["bad"]),
              helper.make_node("Pad", ["z", "pads", "pad_value"], ["zp"], mode="constant"),
              helper.make_node("Reshape", ["zp", "shape3"], ["z3"])]
     return nodes, inits
 
 
 def softmax_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
-    """lse [M] (two-stage log-sum-exp), zj [M] (the logit of each row's class j), top [M] (the argmax,
-    ties to the smaller id), bad [M], zmax [M] (the top logit: what enrolled rows fed after it compare with)."""
+    """Stage 1 of the softmax statistics, per block: m [M, blocks, 1] (the block's max), s [M, blocks]
+    (its sum of exp(z - m)), arg [M, blocks] (where its max is, the first of equals), and zj [M, 1] (the
+    logit of each row's class j). Nine nodes: at batch 1 a node's launch costs more than its work, so
+    stage 2, over the blocks, is finished on the host (finish_softmax), from 3 x blocks numbers a row."""
     from onnx import TensorProto, helper
 
-    nodes, inits = _common(num_classes, blocks, width)
-    inits.append(helper.make_tensor("width", TensorProto.INT64, [], [width]))
-    nodes += [
-        helper.make_node("Unsqueeze", ["j", "axis1"], ["j1"]),  # [M, 1]
-        helper.make_node("GatherElements", ["z", "j1"], ["zj1"], axis=1),
-        helper.make_node("Squeeze", ["zj1", "axis1"], ["zj"]),
-        # stage 1, per block: max, sum of exp(z - max) -> lse of the block [M, blocks]
-        helper.make_node("ReduceMax", ["z3"], ["m3"], axes=[2], keepdims=1),  # [M, blocks, 1]
-        helper.make_node("Sub", ["z3", "m3"], ["zc"]),
-        helper.make_node("Exp", ["zc"], ["ez"]),
-        helper.make_node("ReduceSum", ["ez", "axis2"], ["s3"], keepdims=1),
-        helper.make_node("Log", ["s3"], ["ls3"]),
-        helper.make_node("Add", ["m3", "ls3"], ["lb3"]),
-        helper.make_node("Squeeze", ["lb3", "axis2"], ["lb"]),  # [M, blocks]
-        # stage 2, over the blocks
-        helper.make_node("ReduceMax", ["lb"], ["m2"], axes=[1], keepdims=1),  # [M, 1]
-        helper.make_node("Sub", ["lb", "m2"], ["lbc"]),
-        helper.make_node("Exp", ["lbc"], ["elb"]),
-        helper.make_node("ReduceSum", ["elb", "axis1"], ["s2"], keepdims=1),
-        helper.make_node("Log", ["s2"], ["ls2"]),
-        helper.make_node("Add", ["m2", "ls2"], ["lse1"]),
-        helper.make_node("Squeeze", ["lse1", "axis1"], ["lse"]),
-        # argmax: the best block by its max, then the best column in it (first of equals: the smaller id)
-        helper.make_node("ArgMax", ["z3"], ["local"], axis=2, keepdims=0),  # [M, blocks]
-        helper.make_node("Squeeze", ["m3", "axis2"], ["m"]),
-        helper.make_node("ArgMax", ["m"], ["best"], axis=1, keepdims=1),  # [M, 1]
-        helper.make_node("GatherElements", ["local", "best"], ["col"], axis=1),
-        helper.make_node("Mul", ["best", "width"], ["base"]),
-        helper.make_node("Add", ["base", "col"], ["top1"]),
-        helper.make_node("Squeeze", ["top1", "axis1"], ["top"]),
-        helper.make_node("ReduceMax", ["m"], ["zmax"], axes=[1], keepdims=0),  # [M]: the top logit
-    ]
+    nodes, inits = _blocks(num_classes, blocks, width)
     inits.append(helper.make_tensor("axis2", TensorProto.INT64, [1], [2]))
-    outputs = [helper.make_tensor_value_info("lse", TensorProto.FLOAT, ["M"]),
-               helper.make_tensor_value_info("zj", TensorProto.FLOAT, ["M"]),
-               helper.make_tensor_value_info("top", TensorProto.INT64, ["M"]),
-               helper.make_tensor_value_info("bad", TensorProto.BOOL, ["M"]),
-               helper.make_tensor_value_info("zmax", TensorProto.FLOAT, ["M"])]
-    j = helper.make_tensor_value_info("j", TensorProto.INT64, ["M"])
+    nodes += [
+        helper.make_node("GatherElements", ["z", "j"], ["zj"], axis=1),  # [M, 1]
+        helper.make_node("ReduceMax", ["z3"], ["m"], axes=[2], keepdims=1),  # [M, blocks, 1]
+        helper.make_node("Sub", ["z3", "m"], ["zc"]),
+        helper.make_node("Exp", ["zc"], ["ez"]),
+        helper.make_node("ReduceSum", ["ez", "axis2"], ["s"], keepdims=0),  # [M, blocks]
+        helper.make_node("ArgMax", ["z3"], ["arg"], axis=2, keepdims=0),  # [M, blocks]
+    ]
+    outputs = [helper.make_tensor_value_info("zj", TensorProto.FLOAT, ["M", 1]),
+               helper.make_tensor_value_info("m", TensorProto.FLOAT, ["M", blocks, 1]),
+               helper.make_tensor_value_info("s", TensorProto.FLOAT, ["M", blocks]),
+               helper.make_tensor_value_info("arg", TensorProto.INT64, ["M", blocks])]
+    j = helper.make_tensor_value_info("j", TensorProto.INT64, ["M", 1])
     return _graph("device_softmax", [j], outputs, nodes, d, inits)
 
 
+def finish_softmax(m: np.ndarray, s: np.ndarray, arg: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
+    """Stage 2 over the blocks, in float64: (lse [M], top [M] (ties to the smaller id), zmax [M], finite [M]).
+    A NaN in a row makes its block's s NaN, a +inf its block's m inf (or s NaN): either is not finite."""
+    m = m.reshape(m.shape[0], -1).astype(np.float64)  # [M, blocks]
+    s = s.astype(np.float64)
+    finite = np.isfinite(m).all(axis=1) & np.isfinite(s).all(axis=1)
+    best = m.argmax(axis=1)  # [M]: the first block of the top logit (the smaller ids)
+    rows = np.arange(len(m))
+    zmax = m[rows, best]
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = zmax + np.log((s * np.exp(m - zmax[:, None])).sum(axis=1))
+    return lse, best * width + arg[rows, best], zmax, finite
+
+
 def topk_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
-    """values [M, k], ids [M, k] (best first, equal values by the smaller id), bad [M]: the k best of
-    each block, then the k best of those (sort-free in the sense that no row is sorted whole)."""
+    """values [M, k], ids [M, k] (best first, equal values by the smaller id), total [M] (the row's sum:
+    not finite when a logit is not): the k best of each block, then the k best of those (sort-free in the
+    sense that no row is sorted whole)."""
     from onnx import TensorProto, helper
 
-    nodes, inits = _common(num_classes, blocks, width)
-    inits += [helper.make_tensor("offsets", TensorProto.INT64, [1, blocks, 1], list(range(0, blocks * width, width))),
+    nodes, inits = _blocks(num_classes, blocks, width)
+    inits += [helper.make_tensor("axis1", TensorProto.INT64, [1], [1]),
+              helper.make_tensor("offsets", TensorProto.INT64, [1, blocks, 1], list(range(0, blocks * width, width))),
               helper.make_tensor("flat", TensorProto.INT64, [2], [0, -1])]
     nodes += [
+        helper.make_node("ReduceSum", ["z", "axis1"], ["total"], keepdims=0),  # [M]
         helper.make_node("TopK", ["z3", "k"], ["v3", "i3"], axis=2),  # [M, blocks, k]
         helper.make_node("Add", ["i3", "offsets"], ["g3"]),  # ids in the row
         helper.make_node("Reshape", ["v3", "flat"], ["vf"]),  # [M, blocks * k]: block by block
@@ -141,7 +133,7 @@ def topk_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
     ]
     outputs = [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["M", "K"]),
                helper.make_tensor_value_info("ids", TensorProto.INT64, ["M", "K"]),
-               helper.make_tensor_value_info("bad", TensorProto.BOOL, ["M"])]
+               helper.make_tensor_value_info("total", TensorProto.FLOAT, ["M"])]
     k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
     return _graph("device_topk", [k], outputs, nodes, d, inits)
 
@@ -245,29 +237,31 @@ class DeviceHead:
         rows, spans = self._rows(h, group)
         j = np.concatenate([np.broadcast_to(np.asarray(acc.j, dtype=np.int64), (b - a,)) for (a, b), (_, acc)
                             in zip(spans, group)])
-        j = np.where(j < self.num_classes, j, 0)  # an enrolled class: its logit comes with the enrolled rows' chunk
-        out = [np.empty(len(rows)), np.empty(len(rows)), np.empty(len(rows), np.int64), np.empty(len(rows), bool),
-               np.empty(len(rows))]
+        j = np.where(j < self.num_classes, j, 0)[:, None]  # [M, 1]; an enrolled class: its logit comes with
+        # the enrolled rows' chunk
+        zj, lse, top = np.empty(len(rows)), np.empty(len(rows)), np.empty(len(rows), np.int64)
+        zmax, finite = np.empty(len(rows)), np.empty(len(rows), bool)
         for g in self._groups(len(rows)):
-            for o, r in zip(out, self._run("softmax", rows[g], {"j": j[g]})):
-                o[g] = r
-        lse, zj, top, bad, zmax = out
+            zj_g, m, s, arg = self._run("softmax", rows[g], {"j": j[g]})
+            zj[g] = zj_g[:, 0]
+            lse[g], top[g], zmax[g], finite[g] = finish_softmax(m, s, arg, self.width)
         for (a, b), (_, acc) in zip(spans, group):
-            acc.m, acc.s = lse[a:b].astype(np.float64), np.ones(b - a)  # the normaliser: m + log(1)
-            acc.zmax = zmax[a:b].astype(np.float64)
-            acc.zj, acc.has_j, acc.top, acc.finite = zj[a:b].astype(np.float64), np.ones(b - a, bool), top[a:b], ~bad[a:b]
+            acc.m, acc.s = lse[a:b], np.ones(b - a)  # the normaliser: m + log(1)
+            acc.zmax = zmax[a:b]
+            acc.zj, acc.has_j, acc.top, acc.finite = zj[a:b], np.ones(b - a, bool), top[a:b], finite[a:b]
 
     def _topk(self, h: np.ndarray, group: list) -> None:
         rows, spans = self._rows(h, group)
         k = min(max(acc.k for _, acc in group), self.num_classes)
         values = np.empty((len(rows), k), np.float32)
         ids = np.empty((len(rows), k), np.int64)
-        bad = np.empty(len(rows), bool)
+        total = np.empty(len(rows), np.float32)
         for g in self._groups(len(rows)):
-            values[g], ids[g], bad[g] = self._run("topk", rows[g], {"k": np.array([k], np.int64)})
+            values[g], ids[g], total[g] = self._run("topk", rows[g], {"k": np.array([k], np.int64)})
+        finite = np.isfinite(total)
         for (a, b), (_, acc) in zip(spans, group):
             kk = min(acc.k, k)
-            acc.scores, acc.ids, acc.finite = values[a:b, :kk].copy(), ids[a:b, :kk].copy(), ~bad[a:b]
+            acc.scores, acc.ids, acc.finite = values[a:b, :kk].copy(), ids[a:b, :kk].copy(), finite[a:b]
 
     def _logits(self, h: np.ndarray, group: list) -> None:
         for sl, acc in group:

@@ -159,10 +159,22 @@ async def _open_stores(state: ServerState) -> None:
     device = "cuda" if state.runtime.uses_cuda else "cpu"
     s.data_dir.mkdir(parents=True, exist_ok=True)
     state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device,
-                                          None if s.class_index == "auto" else s.class_index)
+                                          index_kind(s, device))
     state.gallery = await asyncio.to_thread(open_gallery, s.gallery_url, s.data_dir, bundle.digest,
                                             bundle.embed_dim, device, s.gallery_max_bytes)
     state.enrolled = await asyncio.to_thread(_open_enrolled, s, bundle)
+
+
+def index_kind(s: Settings, device: str) -> str | None:
+    """The class index to open (None: by D). On CUDA, `auto` with the head pass free to go on the device
+    is exact: the device's exact top-k answers mode=index (faster than the CPU index and exact,
+    docs/results/gpu-serving.md), and nothing is built at start."""
+    if s.class_index != "auto":
+        return s.class_index
+    if device == "cuda" and s.softmax_impl in ("auto", "device") and s.head_precision == "float32":
+        log.info("class index: none on CUDA (mode=index is the device's exact top-k)")
+        return "exact"
+    return None
 
 
 def _open_enrolled(s: Settings, bundle):

@@ -187,3 +187,18 @@ def test_the_host_lets_go_of_the_rows_once_they_live_on_the_device(tmp_path):
     drop_host_pages(w)
     assert resident() - before < 16 << 20
     assert float(w[123, 7]) == 0.5
+
+
+def test_on_cuda_the_auto_class_index_is_the_devices_exact_top_k():
+    """lifecycle.index_kind: auto on CUDA (float32 head, the device pass allowed) opens no index;
+    elsewhere auto chooses by D as before, and a named kind is always kept."""
+    from serving.core.lifecycle import index_kind
+    from serving.settings import Settings
+
+    def kind(device, **kw):
+        return index_kind(Settings(**kw), device)
+
+    assert kind("cuda") == "exact" and kind("cuda", softmax_impl="device") == "exact"
+    assert kind("cpu") is None and kind("cuda", softmax_impl="ort") is None
+    assert kind("cuda", head_precision="int8") is None
+    assert kind("cuda", class_index="ivf") == "ivf" and kind("cpu", class_index="hnsw") == "hnsw"

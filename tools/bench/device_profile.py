@@ -1,0 +1,115 @@
+"""Where a device pass's time goes at a few inputs (issue 36; docs/results/gpu-serving.md): one
+DeviceHead of random float32 rows per D, timed directly (no HTTP), and onnxruntime's own profile of
+its softmax graph: per node, the provider it ran on and its median host-side time.
+
+    python -m tools.bench.device_profile [--classes 100000,1000000] [--device cuda] [--out FILE.jsonl]
+
+One JSON line per D. `--device cpu` runs the same on the CPU provider (a dry run without a GPU).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import click
+import numpy as np
+
+RUNS = 200
+
+
+def median_ms(fn: Callable[[], object], runs: int = RUNS) -> float:
+    fn()
+    fn()  # the first calls allocate
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(1e3 * float(np.median(times)), 4)
+
+
+def _bound_run(sess, head, h: np.ndarray, extra: dict, where: str) -> None:
+    """One run with every output left on `where` (no copy back), synchronised."""
+    io = sess.io_binding()
+    io.bind_cpu_input("h", h)
+    io.bind_ortvalue_input("w", head.w)
+    io.bind_ortvalue_input("b", head.b)
+    for name, value in extra.items():
+        io.bind_cpu_input(name, value)
+    for out in sess.get_outputs():
+        io.bind_output(out.name, where)
+    sess.run_with_iobinding(io)
+    io.synchronize_outputs()
+
+
+def node_profile(head, h: np.ndarray, j: np.ndarray, where: str, runs: int = 60) -> dict:
+    """onnxruntime's profile of the softmax graph: [[node, provider, op, median us]] and the run's median."""
+    import onnxruntime as ort
+
+    from serving.core import device_head
+
+    opts = ort.SessionOptions()
+    opts.enable_profiling = True
+    sess = ort.InferenceSession(device_head.softmax_graph(head.num_classes, head.embed_dim, head.blocks, head.width),
+                                sess_options=opts, providers=device_head.providers_for(where))
+    for _ in range(runs):
+        _bound_run(sess, head, h, {"j": j}, "cpu")
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    nodes: dict[str, list] = {}
+    model_runs = []
+    for ev in events:
+        if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
+            entry = nodes.setdefault(ev["name"][:-len("_kernel_time")], [ev["args"].get("provider"), ev["args"].get("op_name"), []])
+            entry[2].append(ev["dur"])
+        elif ev.get("cat") == "Session" and ev["name"] == "model_run":
+            model_runs.append(ev["dur"])
+    table = sorted(([name, prov, op, round(float(np.median(d[10:] or d)), 1)] for name, (prov, op, d) in nodes.items()),
+                   key=lambda row: -row[3])
+    return {"nodes": table, "nodes_sum_us": round(sum(row[3] for row in table), 1),
+            "model_run_us": float(np.median(model_runs[10:] or model_runs)) if model_runs else None}
+
+
+def profile(num_classes: int, dim: int, where: str) -> dict:
+    from serving.core import device_head, head_scan
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((num_classes, dim), dtype=np.float32) / 16).astype(np.float32)
+    b = rng.standard_normal(num_classes).astype(np.float32)
+    head = device_head.DeviceHead(w, b, where, max_k=100)
+    h1, h8 = rng.standard_normal((1, dim)).astype(np.float32), rng.standard_normal((8, dim)).astype(np.float32)
+    j = np.array([[3]], np.int64)
+    out = {"classes": num_classes, "dim": dim, "providers": head.providers, "blocks": head.blocks, "ms": {
+        "softmax_1": median_ms(lambda: head.run(h1, [(slice(0, 1), head_scan.SoftmaxStats(1, 3))])),
+        "softmax_8": median_ms(lambda: head.run(h8, [(slice(0, 8), head_scan.SoftmaxStats(8, 3))])),
+        "topk10_1": median_ms(lambda: head.run(h1, [(slice(0, 1), head_scan.TopK(1, 10))])),
+        "logits_1": median_ms(lambda: head.run(h1, [(slice(0, 1), head_scan.AllLogits(1, num_classes))]), 50),
+        "softmax_graph_outputs_left_on_device": median_ms(
+            lambda: _bound_run(head.sessions["softmax"], head, h1, {"j": j}, where)),
+        "gemm_alone_output_left_on_device": median_ms(lambda: _bound_run(head.sessions["logits"], head, h1, {}, where)),
+    }}
+    out["profile"] = node_profile(head, h1, j, where)
+    return out
+
+
+@click.command()
+@click.option("--classes", default="100000,1000000", show_default=True, help="comma list of D")
+@click.option("--dim", type=int, default=256, show_default=True)
+@click.option("--device", "where", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="also append the lines here")
+def main(classes: str, dim: int, where: str, out: Path | None) -> None:
+    """Time a device pass's parts at D = each of --classes; one JSON line each."""
+    from serving.core.sessions import preload_cuda
+
+    preload_cuda()
+    for D in (int(c) for c in classes.split(",")):
+        line = json.dumps(profile(D, dim, where))
+        click.echo(line)
+        if out is not None:
+            with open(out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

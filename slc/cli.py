@@ -40,6 +40,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "hostile": ("tools.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("tools.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
     "device": ("tools.bench.cli:device", "The server on a GPU against the device floor and the CPU server, as D grows."),
+    "enroll": ("tools.bench.cli:enroll", "Classes enrolled into a large server: time each, detect under enrollment, memory, the limit."),
     "replica": ("tools.bench.cli:replica", "One replica of a very large head (10^7 classes, int8): ready time, memory, latency."),
     "precision": ("tools.bench.cli:precision", "int8 / bf16 heads against float64: logit error, p(j) error, top-k agreement."),
     "agreement": ("tools.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),

@@ -449,3 +449,25 @@ def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, 
     md = device_markdown(res, command)
     click.echo(md)
     click.echo(f"{len(res['rows'])} sizes in {res['elapsed_s']:.0f} s -> {out / 'gpu-serving.md'}")
+
+
+@click.command()
+@click.option("--classes", type=click.IntRange(min=1), default=1_000_000, show_default=True, help="trained classes D")
+@click.option("--enroll", type=click.IntRange(min=1), default=10_000, show_default=True, help="classes to enroll")
+@click.option("--examples", type=click.IntRange(min=1), default=5, show_default=True, help="examples per enrollment")
+@click.option("--negatives", type=click.IntRange(min=1), default=512, show_default=True,
+              help="calibration negatives in the synthetic bundle (the standardised rule's)")
+@click.option("--duration", type=POSITIVE, default=3.0, show_default=True, help="measured seconds per phase")
+@click.option("--out", default="docs/results", show_default=True, help="where enroll-scale.{json,md} go", **OUT)
+def enroll(classes: int, enroll: int, examples: int, negatives: int, duration: float, out: Path) -> None:
+    """Classes enrolled into a large server: time each, detect under enrollment, memory, the limit."""
+    from tools.bench.enroll_scale import enroll_markdown, run_enroll_bench
+
+    with tempfile.TemporaryDirectory(prefix="slc-enroll-") as tmp:
+        res = run_enroll_bench(classes, enroll, examples, duration, negatives, Path(tmp))
+    command = (f"slc bench enroll --classes {classes} --enroll {enroll} --examples {examples} "
+               f"--negatives {negatives} --duration {duration:g}")
+    write_result(out, "enroll-scale", lambda: enroll_markdown(res, command), {**res, "command": command})
+    click.echo(enroll_markdown(res, command))
+    click.echo(f"{enroll:,} enrollments in {res['enroll_s']:.0f} s ({res['elapsed_s']:.0f} s in all) -> "
+               f"{out / 'enroll-scale.md'}")

@@ -64,7 +64,7 @@ def synthetic_builder_version() -> str:
     return hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:8]
 
 
-def cached_bundle(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_ROWS) -> Path:
+def cached_bundle(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_ROWS, negatives: int = 0) -> Path:
     """Build (once) the synthetic bundle for D = classes; built into a temp dir, then renamed.
 
     The cache key holds everything the rows depend on: D, d, input size, seed, the rows kind
@@ -72,13 +72,15 @@ def cached_bundle(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_R
     """
     from serving.bundle.synthetic import build_synthetic_bundle
 
-    path = bench_home() / f"synthetic-D{classes}-d{dim}-i{INPUT_DIM}-s{seed}-{rows}-b{synthetic_builder_version()}"
+    path = bench_home() / (f"synthetic-D{classes}-d{dim}-i{INPUT_DIM}-s{seed}-{rows}" + (f"-n{negatives}" if negatives else "")
+                           + f"-b{synthetic_builder_version()}")
     if (path / "manifest.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     t0 = time.perf_counter()
-    build_synthetic_bundle(classes=classes, dim=dim, input_dim=INPUT_DIM, seed=seed, out=tmp, rows=rows)
+    build_synthetic_bundle(classes=classes, dim=dim, input_dim=INPUT_DIM, seed=seed, out=tmp, rows=rows,
+                           negatives=negatives)
     replace_dir(tmp, path)
     log.info("built %s in %.1f s", path.name, time.perf_counter() - t0)
     return path

@@ -180,3 +180,17 @@ def _close(x, y) -> bool:
     if isinstance(x, float) and not isinstance(y, bool):
         return bool(np.isclose(x, y, rtol=1e-5, atol=1e-7))
     return x == y
+
+
+def test_enroll_bench_enrolls_them_all_and_meets_the_limit_and_a_race(tmp_path, monkeypatch):
+    """slc bench enroll at toy size: every enrollment 201 and served, the probe answered throughout,
+    one past the limit is 507 enrolled_limit, a race on one name leaves one class (one 201)."""
+    from tools.bench.enroll_scale import enroll_markdown, run_enroll_bench
+
+    monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
+    r = run_enroll_bench(classes=500, enroll=12, examples=3, duration=0.3, negatives=32, log_dir=tmp_path, dim=16)
+    assert r["statuses"] == {201: 12} and r["served_enrolled"] == 12 and r["rule"] == "standardised"
+    assert r["enroll_ms"]["n"] == 12 and not r["probe_errors"] and r["probe_ms"]["alone"]["n"] > 0
+    assert r["abuse"]["over_limit"] == {"status": 507, "code": "enrolled_limit"}
+    assert r["abuse"]["same_name_statuses"].count(201) == 1 and r["abuse"]["same_name_classes"] == 1
+    assert "12 classes enrolled into a 500-class server" in enroll_markdown(r, "slc bench enroll")

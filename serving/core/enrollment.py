@@ -151,11 +151,21 @@ STAT_CLASSES = 512  # trained classes sampled for the typical negative-logit dis
 @dataclass(frozen=True)
 class NegativeStats:
     """What a new row is scaled to, from the bundle's calibration negatives: their mean embedding, and
-    the median over trained classes of the mean and spread of a class's logits on images not of it."""
+    the median over trained classes of the mean, the spread and the far tail (tail_quantile) of a
+    class's logits on images not of it."""
 
     mean: np.ndarray  # [d] float64
     logit_mean: float
     logit_std: float
+    logit_tail: float = math.inf  # inf: no tail known, nothing is shifted
+    tail_quantile: float = 1.0
+
+
+def tail_quantile(n: int) -> float:
+    """The farthest quantile n negatives estimate: the second-largest value's (1 - 2/n; the largest
+    alone is one image's noise). The global threshold sits beyond every quantile a sample of
+    calibration images reaches, so the tail that matters is the farthest one measured."""
+    return max(0.5, 1.0 - 2.0 / max(n, 1))
 
 
 def negative_stats(weight: np.ndarray, bias: np.ndarray, h_neg: np.ndarray, y_neg: np.ndarray,
@@ -168,7 +178,10 @@ def negative_stats(weight: np.ndarray, bias: np.ndarray, h_neg: np.ndarray, y_ne
     other = y[:, None] != pick[None, :]  # [N, C]: images not of the class
     means = np.array([z[other[:, c], c].mean() for c in range(len(pick))])
     stds = np.array([z[other[:, c], c].std() for c in range(len(pick))])
-    return NegativeStats(h.mean(axis=0), float(np.median(means)), float(np.median(stds)))
+    q = tail_quantile(len(h))
+    tails = np.array([np.quantile(z[other[:, c], c], q) for c in range(len(pick))])
+    return NegativeStats(h.mean(axis=0), float(np.median(means)), float(np.median(stds)),
+                         float(np.median(tails)), q)
 
 
 def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.ndarray) -> ClassRow:
@@ -176,7 +189,9 @@ def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.
     the mean of the examples' normalised embeddings *centred* on the negatives' mean (embeddings
     after a ReLU share a direction: uncentred, a new row scores every image high), and the scale and
     bias make the new class's logits on the negatives as a typical trained class's are there (their
-    median mean and spread), so the bundle's global threshold means for it what it means for them."""
+    median mean and spread, then their far tail: the bias is lowered until the new class's
+    tail_quantile on the negatives is no higher than a trained class's), so the bundle's global
+    threshold means for it what it means for them."""
     centred = imprint(np.asarray(h, dtype=np.float64) - neg.mean, stats)  # direction only (norm set below)
     u = centred.row.astype(np.float64) / np.linalg.norm(centred.row)  # [d] unit
     p = (np.asarray(h_neg, dtype=np.float64) - neg.mean) @ u  # [N] the negatives along it
@@ -187,6 +202,10 @@ def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.
     scale = neg.logit_std / spread
     row = scale * u  # [d]
     bias = neg.logit_mean - scale * float(p.mean()) - float(row @ neg.mean)
+    # the far tail: a new class whose look-alikes are among the negatives scores them higher than a
+    # trained class scores its own; lowered until its tail is a typical trained class's (never raised)
+    tail = neg.logit_mean + scale * (float(np.quantile(p, neg.tail_quantile)) - float(p.mean()))
+    bias -= max(0.0, tail - neg.logit_tail)
     return ClassRow(row=row.astype(np.float32), bias=bias, threshold=stats.threshold, platt_a=stats.platt_a,
                     platt_b=stats.platt_b, examples=centred.examples, threshold_rule="global")
 

@@ -304,7 +304,8 @@ def test_a_quantized_pass_goes_on_over_the_enrolled_rows(tmp_path, inputs):
 def test_standardised_rule_on_a_bundle_with_negatives(tmp_path):
     """The default rule where the bundle carries calibration negatives: the examples' direction centred
     on the negatives' mean, and the new class's logits on the negatives spread as a typical trained
-    class's do (the medians of their mean and std), all checked by brute force over the bundle."""
+    class's do (the medians of their mean and std) and reach no further into the tail (the median of
+    their 1 - 2/N quantile), all checked by brute force over the bundle."""
     from fastapi.testclient import TestClient
 
     from serving.bundle import load_bundle
@@ -334,8 +335,12 @@ def test_standardised_rule_on_a_bundle_with_negatives(tmp_path):
     u /= np.linalg.norm(u)
     p = (h_neg - mu) @ u
     scale = np.median(stds) / p.std()
+    q = 1 - 2 / len(h_neg)  # the far tail: the new class's logits on the negatives no higher there
+    tails = [np.quantile(z_all[y_neg != j, j], q) for j in range(D)]  # than a trained class's (median)
+    shift = max(0.0, np.median(means) + scale * (np.quantile(p, q) - p.mean()) - np.median(tails))
+    assert shift > 0  # these examples reach further into the tail than a trained class: lowered
     want = offline.embed(np.asarray(h_inputs(b), np.float32)).astype(np.float64) @ (scale * u) \
-        + np.median(means) - scale * p.mean() - scale * u @ mu
+        + np.median(means) - scale * p.mean() - scale * u @ mu - shift
     np.testing.assert_allclose(z, want, rtol=1e-4, atol=1e-4)
 
 

@@ -107,6 +107,13 @@ class HeadPass:
         return lambda x, h, parts: head_scan.scan(self.bundle.weight, self.bundle.bias, h, parts, gemm=gemm,
                                                   buf=self._chunk_buffer(len(h)), pool=self._pool)
 
+    @property
+    def small_gemm(self) -> head_scan.Gemm:
+        """The GEMM of short scans beside the pass (the enrolled rows): onnxruntime's unless the pass
+        itself is numpy's. OpenBLAS threads spin for a while after a call, and on two cores that
+        halved the next pass's onnxruntime GEMM (docs/results/enroll-scale.md)."""
+        return head_scan.numpy_gemm if self.name == "numpy" else self._ort_gemm
+
     def device_head(self) -> device_head.DeviceHead:
         """The head on the runtime's device, uploaded on first use; one line (SlcError) when it does not fit."""
         if self._device is None:

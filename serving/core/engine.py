@@ -205,7 +205,7 @@ class Engine:
             for i in group:
                 parts.append((slice(start, start + jobs[i].n), head_scan.Shifted(accumulated[i], self.num_classes)))
                 start += jobs[i].n
-            head_scan.scan(snap.weight, snap.bias, rows, parts)
+            head_scan.scan(snap.weight, snap.bias, rows, parts, gemm=self.head_pass.small_gemm)
 
     def _index_search(self, jobs: list[Job], offsets: np.ndarray, h: Optional[np.ndarray]) -> dict[int, tuple]:
         """ONE class-index search over the embeddings of every "index" job in the batch, split per job.

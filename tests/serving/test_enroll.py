@@ -65,7 +65,7 @@ def test_enrolled_row_is_the_documented_rule(client, offline, bundle, inputs):
     assert [res["match"] for res in det["results"]] == list(want >= got["threshold"])
 
 
-@pytest.mark.parametrize("impl", ["numpy", "onnx", "device"])
+@pytest.mark.parametrize("impl", ["numpy", "ort", "onnx", "device"])  # ort: the enrolled rows by onnxruntime too
 def test_enrolled_classes_answer_like_rows_of_the_head(client_factory, offline, bundle, inputs, impl):
     """detect, softmax, exact top-k, both top-k modes and v2 `<name>` / `<name>-full` over [W; E]."""
     client = client_factory(softmax_impl=impl)

@@ -6,7 +6,8 @@ One CPU server of a synthetic bundle (D trained classes, calibration negatives, 
 1. before: one-connection p50 of detect and softmax (the load test's client);
 2. a probe alone: one connection sending detect back to back for a few seconds;
 3. N enrollments, one after another (`PUT /v1/classes/enr-i`, k random examples each), while the
-   probe keeps sending: the time of each enrollment, and the probe's latencies during them;
+   probe keeps sending: the time of each enrollment, and the probe's latencies during them; the
+   last PACED of them at PACED_RATE a second (a steady trickle), the rest back to back;
 4. after: detect and softmax again (a trained class, and an enrolled one), the server's RSS;
 5. abuse: one enrollment beyond SLC_MAX_ENROLLED_CLASSES (507 expected); 8 concurrent PUTs of one
    new name (one 201, the others 200 or 409, one class in the end).
@@ -28,6 +29,7 @@ from tools.bench.server import process_tree_memory, slc_server
 from tools.loadtest.stats import endpoint_summary
 
 KEY = "bench-enroll-key"
+PACED, PACED_RATE = 200, 20.0  # the last enrollments paced: detect beside a steady trickle of them
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -76,17 +78,20 @@ def one_connection(url: str, duration: float, class_: str | None = None) -> dict
     return {name: s["p50_ms"] for name, s in endpoint_summary(res.report).items()}
 
 
-def enroll_all(url: str, n: int, k: int, rng: np.random.Generator) -> tuple[list[float], dict]:
-    """n enrollments one after another on one connection: each one's time, and the statuses."""
-    times, statuses = [], {}
+def enroll_all(url: str, names: range, k: int, rng: np.random.Generator, times: list[float], statuses: dict,
+               rate: float | None = None) -> None:
+    """Enrollments enr-i (i in names) one after another on one connection, back to back or paced at
+    `rate` per second; each one's time and status added to `times` and `statuses`."""
     with httpx.Client(timeout=60, headers=HEADERS) as client:
-        for i in range(n):
+        start = time.perf_counter()
+        for n, i in enumerate(names):
+            if rate:
+                time.sleep(max(0.0, start + n / rate - time.perf_counter()))
             body = {"inputs": rng.standard_normal((k, INPUT_DIM)).round(4).tolist()}
             t0 = time.perf_counter()
             r = client.put(f"{url}/v1/classes/enr-{i}", json=body)
             times.append(time.perf_counter() - t0)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-    return times, statuses
 
 
 def abuse(url: str, k: int, rng: np.random.Generator) -> dict:
@@ -113,18 +118,22 @@ def run_enroll_bench(classes: int, enroll: int, examples: int, duration: float, 
     rng = np.random.default_rng(0)
     env = {"SLC_DEVICE": "cpu", "SLC_API_KEY": KEY, "SLC_MAX_ENROLLED_CLASSES": str(enroll),
            "SLC_CLASS_INDEX": "exact"}
-    with slc_server(bundle, log_dir, f"enroll-D{classes}", bundle.with_name(bundle.name + "-enroll-data"),
-                    env=env) as srv:
+    with slc_server(bundle, log_dir, f"enroll-D{classes}", log_dir / "data", env=env) as srv:  # a fresh store
         ready_s = srv.wait_ready(1800)
         rss_before = process_tree_memory(srv.proc.pid)["rss"]
         before = one_connection(srv.url, duration)
+        times: list[float] = []
+        statuses: dict = {}
+        paced = min(PACED, enroll // 2)
         with Probe(srv.url, rng) as probe:
             probe.phase = "alone"
             time.sleep(duration)
-            probe.phase = "enrolling"
+            probe.phase = "enrolling back to back"
             t0 = time.perf_counter()
-            times, statuses = enroll_all(srv.url, enroll, examples, rng)
+            enroll_all(srv.url, range(enroll - paced), examples, rng, times, statuses)
             enroll_s = time.perf_counter() - t0
+            probe.phase = f"enrolling {PACED_RATE:g} a second"
+            enroll_all(srv.url, range(enroll - paced, enroll), examples, rng, times, statuses, rate=PACED_RATE)
             probe.phase = "idle"
         rss_after = process_tree_memory(srv.proc.pid)["rss"]
         after = one_connection(srv.url, duration)
@@ -135,6 +144,7 @@ def run_enroll_bench(classes: int, enroll: int, examples: int, duration: float, 
             "negatives": negatives, "ready_s": ready_s, "rule": model["classes"].get("enroll_rule"),
             "served_enrolled": model["classes"].get("enrolled"), "enroll_s": enroll_s, "statuses": statuses,
             "enroll_ms": _ms(times), "enroll_first_ms": _ms(times[:100]), "enroll_last_ms": _ms(times[-100:]),
+            "back_to_back": enroll - paced, "paced": paced, "paced_rate": PACED_RATE,
             "probe_ms": {phase: _ms(v) for phase, v in probe.latencies.items()}, "probe_errors": probe.errors,
             "p50_ms": {"before": before, "after": after, "after_enrolled_class": after_enrolled},
             "rss": {"before": rss_before, "after": rss_after}, "abuse": abused,
@@ -151,6 +161,8 @@ def enroll_markdown(r: dict, command: str) -> str:
              f"(rule `{r['rule']}`); server on the CPU, ready in {r['ready_s']:.0f} s; {r['examples']} examples "
              f"(JSON inputs) per enrollment, one enrollment at a time on one connection.\n"]
     e = r["enroll_ms"]
+    lines.append(f"{r['back_to_back']:,} enrollments back to back, then {r['paced']:,} at {r['paced_rate']:g} a second "
+                 f"(total s: the back-to-back ones).\n")
     lines.append(md_table(["enrollments", "total s", "per enrollment p50 ms", "p99 ms", "max ms",
                            "first 100 p50", "last 100 p50", "statuses", "served after"],
                           [[f"{r['enrolled']:,}", fmt(r["enroll_s"], 1), fmt(e["p50"], 2), fmt(e["p99"], 2),

@@ -164,7 +164,7 @@ def study(run: Path, work: Path) -> dict:
         h_neg = np.load(bundle_dir / "calibration_embeddings.npy")
         y_neg = np.load(bundle_dir / "calibration_labels.npy")
         negatives = (negative_stats(b.weight, b.bias, h_neg, y_neg), h_neg)
-    out["rule"] = "standardised imprint + global threshold" if negatives else "imprint + global threshold"
+    out["rule"] = "standardised imprint (mean, spread and far tail of a trained class on the negatives) + global threshold" if negatives else "imprint + global threshold"
     for k in KS:
         rows = [enroll_row(h_ex[i, :k], stats, negatives) for i in range(C)]
         w = np.concatenate([np.asarray(b.weight), np.stack([r.row for r in rows])])

@@ -36,8 +36,11 @@ def cuda_device_count() -> int:
 
 
 # TF32 off: a float32 MatMul or Conv in TF32 moves an embedding by about 1e-3 relative, enough to
-# move a logit across its calibrated threshold (onnxruntime's CUDA provider turns it on by default)
-CUDA = [("CUDAExecutionProvider", {"use_tf32": "0"}), *CPU]
+# move a logit across its calibrated threshold (onnxruntime's CUDA provider turns it on by default).
+# cuDNN's convolution algorithm by heuristics, not onnxruntime's default exhaustive search: the
+# search runs again for every new input shape, so each batch size the batcher forms would pay it on
+# its first call, and the start-up's timings (many batch sizes) all of them.
+CUDA = [("CUDAExecutionProvider", {"use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC"}), *CPU]
 _preloaded = False
 
 

@@ -17,3 +17,10 @@ def test_the_profile_names_every_node_of_the_softmax_graph_on_its_provider(monke
     assert sorted(op for _, _, op, _ in out["profile"]["nodes"]) == sorted(n.op_type for n in graph.node)
     assert {prov for _, prov, _, _ in out["profile"]["nodes"]} == {"CPUExecutionProvider"}
     assert set(out["ms"]) >= {"softmax_1", "softmax_8", "topk10_1", "logits_1"} and all(v > 0 for v in out["ms"].values())
+
+
+def test_the_profile_leaves_no_file_behind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(device_profile, "RUNS", 2)
+    device_profile.profile(1500, 8, "cpu")
+    assert list(tmp_path.iterdir()) == []

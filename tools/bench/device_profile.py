@@ -9,6 +9,8 @@ One JSON line per D. `--device cpu` runs the same on the CPU provider (a dry run
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -52,11 +54,14 @@ def node_profile(head, h: np.ndarray, j: np.ndarray, where: str, runs: int = 60)
 
     opts = ort.SessionOptions()
     opts.enable_profiling = True
+    tmp = tempfile.mkdtemp(prefix="slc-profile-")  # onnxruntime writes its profile file there, not in the cwd
+    opts.profile_file_prefix = str(Path(tmp) / "softmax")
     sess = ort.InferenceSession(device_head.softmax_graph(head.num_classes, head.embed_dim, head.blocks, head.width),
                                 sess_options=opts, providers=device_head.providers_for(where))
     for _ in range(runs):
         _bound_run(sess, head, h, {"j": j}, "cpu")
     events = json.loads(Path(sess.end_profiling()).read_text())
+    shutil.rmtree(tmp, ignore_errors=True)
     nodes: dict[str, list] = {}
     model_runs = []
     for ev in events:

@@ -232,7 +232,8 @@ class Engine:
             rows = slice(start, start + jobs[i].n)
             snap = getattr(jobs[i].reduce, "enrolled", None)
             found[i] = (logits[rows], ids[rows]) if snap is None or not snap.n else \
-                _merge_enrolled(snap, hq[rows], logits[rows], ids[rows], getattr(jobs[i].reduce, "k", 1))
+                _merge_enrolled(snap, hq[rows], logits[rows], ids[rows], getattr(jobs[i].reduce, "k", 1),
+                                self.head_pass.small_gemm)
             start += jobs[i].n
         return found
 
@@ -533,14 +534,15 @@ def _ids_of_columns(snap: Enrolled, cols: np.ndarray) -> np.ndarray:
     return np.where(cols >= D, snap.ids_of_positions(np.clip(cols - D, 0, snap.n - 1)), cols)
 
 
-def _merge_enrolled(snap: Enrolled, h: np.ndarray, logits: np.ndarray, ids: np.ndarray, k: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def _merge_enrolled(snap: Enrolled, h: np.ndarray, logits: np.ndarray, ids: np.ndarray, k: int,
+                    gemm: head_scan.Gemm | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The class index's top-K of the trained rows merged with an exact scan of the enrolled rows
-    (n_e is small beside D): h [m, d], logits / ids [m, K] -> [m, K'] best first, float64 logits rounded."""
+    (n_e is small beside D; by `gemm`, HeadPass.small_gemm): h [m, d], logits / ids [m, K] -> [m, K']
+    best first, float64 logits rounded."""
     from serving.core.class_index import exact_topk, rescore
 
     bad = ~np.isfinite(logits).all(axis=1)
-    _, cand = exact_topk(snap.weight, snap.bias, h, min(k + 16, snap.n))  # positions [m, R]
+    _, cand = exact_topk(snap.weight, snap.bias, h, min(k + 16, snap.n), gemm=gemm)  # positions [m, R]
     z = rescore(snap.weight, snap.bias, h, cand)  # [m, R] exact, float32
     all_z = np.concatenate([np.asarray(logits, dtype=np.float32), z], axis=1)
     all_ids = np.concatenate([ids, snap.ids_of_positions(cand)], axis=1)

@@ -77,7 +77,7 @@ class HeadPass:
         self.device_healthy = True  # False after a device error in a pass (readiness reports it)
         if "device" in self._candidates():  # before any other work: a head too large for the GPU is one line
             check_fits(self._device_kind(), self.num_classes, self.embed_dim, settings.max_batch,
-                       settings.max_topk + self.topk_extra)
+                       settings.max_topk + self.topk_extra, precision=self.precision)
         self._scan_buf: Optional[np.ndarray] = None  # chunk buffers, kept: no 8 MiB malloc per batch
         self._pair_bufs: Optional[tuple[np.ndarray, np.ndarray]] = None
 
@@ -95,14 +95,14 @@ class HeadPass:
         self._strategy(self.name)(x, h, parts)
 
     def _strategy(self, name: str) -> Callable[[np.ndarray, Optional[np.ndarray], Parts], None]:
+        if name == "device":
+            return lambda x, h, parts: self._device_pass(h, parts)
         if self.precision != "float32":
             return lambda x, h, parts: self._quantized_pass(h, parts)
         if name in ("ort_pair", "packed_pair"):
             return lambda x, h, parts: self._pair_pass(h, parts, name)
         if name == "onnx":
             return lambda x, h, parts: head_scan.feed(self.runtime.full_logits(x), parts, pool=self._pool)
-        if name == "device":
-            return lambda x, h, parts: self._device_pass(h, parts)
         gemm = self._ort_gemm if name == "ort" else head_scan.numpy_gemm
         return lambda x, h, parts: head_scan.scan(self.bundle.weight, self.bundle.bias, h, parts, gemm=gemm,
                                                   buf=self._chunk_buffer(len(h)), pool=self._pool)
@@ -115,20 +115,23 @@ class HeadPass:
         return head_scan.numpy_gemm if self.name == "numpy" else self._ort_gemm
 
     def device_head(self) -> device_head.DeviceHead:
-        """The head on the runtime's device, uploaded on first use; one line (SlcError) when it does not fit."""
+        """The head (of the settings' precision) on the runtime's device, uploaded on first use."""
         if self._device is None:
             where, max_k = self._device_kind(), self.settings.max_topk + self.topk_extra
-            self._device = device_head.DeviceHead(self.bundle.weight, self.bundle.bias, where, max_k=max_k,
-                                                  threads=self.runtime.threads)
-            log.info("head resident on %s: %.1f MB of float32 rows (providers %s)", where,
-                     self._device.resident_bytes / 1e6, self._device.providers)
+            rows, scale = self.bundle.weight, None
+            if self.precision != "float32":
+                rows, scale = self.bundle.heads[self.precision]["weight"], self.bundle.heads[self.precision].get("scale")
+            self._device = device_head.DeviceHead(rows, self.bundle.bias, where, max_k=max_k, threads=self.runtime.threads,
+                                                  precision=self.precision, scale=scale)
+            log.info("head resident on %s: %.1f MB of %s rows (providers %s)", where,
+                     self._device.resident_bytes / 1e6, self.precision, self._device.providers)
         return self._device
 
     def device_info(self) -> dict:
         """Where the passes over the head read the rows (GET /v1/model `head_device`)."""
         if self.name != "device" or self._device is None:
             return {"resident": "host", "healthy": True}
-        return {"resident": self._device.device, "bytes": self._device.resident_bytes,
+        return {"resident": self._device.device, "precision": self.precision, "bytes": self._device.resident_bytes,
                 "blocks": self._device.blocks, "block_width": self._device.width, "healthy": self.device_healthy}
 
     def _device_kind(self) -> str:
@@ -148,6 +151,8 @@ class HeadPass:
         head = self.device_head()
         try:
             head.run(h, parts)
+            if self.precision != "float32":
+                self._rescore(h, parts)
         except (RuntimeError, OSError) as exc:  # onnxruntime's Fail / RuntimeException, CUDA errors among them
             self.device_healthy = False
             log.error("device pass failed: %s", exc)
@@ -196,6 +201,11 @@ class HeadPass:
         gemm = self._quantized_head()
         rows = gemm.rows if self.precision == "int8" else head_scan.pair_rows(len(h), self.num_classes)
         head_scan.scan_two(self.num_classes, h, parts, (gemm, gemm), self._pair_buffers(len(h), rows), self._pool, rows)
+        self._rescore(h, parts)
+
+    def _rescore(self, h: np.ndarray, parts: Parts) -> None:
+        """A quantized pass's answers finished on the float32 rows: the top-k's candidates (k of the
+        k + TOPK_EXTRA kept) and the softmax's own logit."""
         for sl, acc in parts:
             if isinstance(acc, head_scan.TopK):
                 acc.rescore(h[sl], self._weight, self._bias, keep=acc.k - quantized_head.TOPK_EXTRA)
@@ -270,9 +280,10 @@ class HeadPass:
 
     def _candidates(self) -> list[str]:
         """The strategies the settings and the bundle allow."""
-        if self.precision != "float32":  # the passes read the quantized head: nothing to choose
-            return [self.precision]
         wanted = self.settings.softmax_impl
+        if self.precision != "float32":  # the passes read the quantized head: on the device, or the CPU's
+            on_device = wanted == "device" or (wanted == "auto" and self.runtime.uses_cuda)
+            return ["device"] if on_device else [self.precision]
         fits_twice = self.num_classes * self.embed_dim <= ONNX_HEAD_MAX_VALUES
         names = ["numpy", "ort"] + (["ort_pair"] if self._ort_pair is not None else [])
         if wanted == "device" or (wanted == "auto" and self.runtime.uses_cuda):

@@ -47,19 +47,60 @@ def block_shape(num_classes: int, max_k: int) -> tuple[int, int]:
     return -(-num_classes // width), width
 
 
-def _graph(name: str, extra_inputs: list, outputs: list, nodes: list, d: int, initializers: list) -> bytes:
-    from onnx import TensorProto, helper
+PRECISIONS = ("float32", "bf16", "int8")
 
-    inputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["M", d]),
-              helper.make_tensor_value_info("w", TensorProto.FLOAT, ["D", d]),
-              helper.make_tensor_value_info("b", TensorProto.FLOAT, ["D"])] + extra_inputs
-    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
+
+def _graph(name: str, extra_inputs: list, outputs: list, nodes: list, d: int, initializers: list,
+           precision: str = "float32") -> bytes:
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, name, _head_inputs(d, precision) + extra_inputs, outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8  # readable by every onnxruntime the project supports
     return model.SerializeToString()
 
 
-def _blocks(num_classes: int, blocks: int, width: int) -> tuple[list, list]:
+def _head_inputs(d: int, precision: str) -> list:
+    """The graph inputs of the head and the input rows, by precision:
+    float32  h [M, d] float, w [D, d] float
+    bf16     h [M, d] float, w [D, d] float16 (the bf16 values, exactly, but below 6e-5: see _gemm)
+    int8     hq [M, d] int8 and hs [M, 1] (h = hs * hq, per input), w [d, D] int8 (transposed), ws [D]
+    and the float32 bias b [D]."""
+    from onnx import TensorProto, helper
+
+    vi = helper.make_tensor_value_info
+    if precision == "int8":
+        return [vi("hq", TensorProto.INT8, ["M", d]), vi("hs", TensorProto.FLOAT, ["M", 1]),
+                vi("w", TensorProto.INT8, [d, "D"]), vi("ws", TensorProto.FLOAT, ["D"]), vi("b", TensorProto.FLOAT, ["D"])]
+    wtype = TensorProto.FLOAT16 if precision == "bf16" else TensorProto.FLOAT
+    return [vi("h", TensorProto.FLOAT, ["M", d]), vi("w", wtype, ["D", d]), vi("b", TensorProto.FLOAT, ["D"])]
+
+
+def _gemm(precision: str) -> list:
+    """Nodes of z [M, D] float = the logits of the rows, by precision. float32: one Gemm. bf16: the
+    head is uploaded as float16 (every bf16 value of magnitude >= 6.1e-5 is exact in float16: 8 bits
+    of mantissa in 11), h is cast to float16 and the GEMM accumulates in float32 (cuBLAS), its
+    output rounded to float16 (about 5e-4 relative) before the float32 bias. int8: an integer GEMM
+    (int32 sums), then the per-input and per-class scales."""
+    from onnx import TensorProto, helper
+
+    if precision == "float32":
+        return [helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1)]
+    if precision == "bf16":
+        return [helper.make_node("Cast", ["h"], ["h16"], to=TensorProto.FLOAT16),
+                helper.make_node("Gemm", ["h16", "w"], ["z16"], transB=1),  # [M, D] float16
+                helper.make_node("Cast", ["z16"], ["zf"], to=TensorProto.FLOAT),
+                helper.make_node("Add", ["zf", "b"], ["z"])]
+    if precision == "int8":
+        return [helper.make_node("MatMulInteger", ["hq", "w"], ["zi"]),  # [M, D] int32
+                helper.make_node("Cast", ["zi"], ["zf"], to=TensorProto.FLOAT),
+                helper.make_node("Mul", ["zf", "hs"], ["zh"]),  # x the input's scale [M, 1]
+                helper.make_node("Mul", ["zh", "ws"], ["zw"]),  # x the class's scale [D]
+                helper.make_node("Add", ["zw", "b"], ["z"])]
+    raise ValueError(f"device head precision {precision!r}: one of {', '.join(PRECISIONS)}")
+
+
+def _blocks(num_classes: int, blocks: int, width: int, precision: str = "float32") -> tuple[list, list]:
     """(nodes, initializers): z = h w^T + b [M, D] and z3 [M, blocks, width], padded with PAD."""
     from onnx import TensorProto, helper
 
@@ -67,20 +108,20 @@ def _blocks(num_classes: int, blocks: int, width: int) -> tuple[list, list]:
     inits = [helper.make_tensor("pads", TensorProto.INT64, [4], [0, 0, 0, pad]),
              helper.make_tensor("pad_value", TensorProto.FLOAT, [], [PAD]),
              helper.make_tensor("shape3", TensorProto.INT64, [3], [-1, blocks, width])]
-    nodes = [helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1),
-             helper.make_node("Pad", ["z", "pads", "pad_value"], ["zp"], mode="constant"),
-             helper.make_node("Reshape", ["zp", "shape3"], ["z3"])]
+    nodes = _gemm(precision) + [
+        helper.make_node("Pad", ["z", "pads", "pad_value"], ["zp"], mode="constant"),
+        helper.make_node("Reshape", ["zp", "shape3"], ["z3"])]
     return nodes, inits
 
 
-def softmax_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
+def softmax_graph(num_classes: int, d: int, blocks: int, width: int, precision: str = "float32") -> bytes:
     """Stage 1 of the softmax statistics, per block: m [M, blocks, 1] (the block's max), s [M, blocks]
     (its sum of exp(z - m)), arg [M, blocks] (where its max is, the first of equals), and zj [M, 1] (the
     logit of each row's class j). Nine nodes: at batch 1 a node's launch costs more than its work, so
     stage 2, over the blocks, is finished on the host (finish_softmax), from 3 x blocks numbers a row."""
     from onnx import TensorProto, helper
 
-    nodes, inits = _blocks(num_classes, blocks, width)
+    nodes, inits = _blocks(num_classes, blocks, width, precision)
     inits.append(helper.make_tensor("axis2", TensorProto.INT64, [1], [2]))
     nodes += [
         helper.make_node("GatherElements", ["z", "j"], ["zj"], axis=1),  # [M, 1]
@@ -95,7 +136,7 @@ def softmax_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
                helper.make_tensor_value_info("s", TensorProto.FLOAT, ["M", blocks]),
                helper.make_tensor_value_info("arg", TensorProto.INT64, ["M", blocks])]
     j = helper.make_tensor_value_info("j", TensorProto.INT64, ["M", 1])
-    return _graph("device_softmax", [j], outputs, nodes, d, inits)
+    return _graph("device_softmax", [j], outputs, nodes, d, inits, precision)
 
 
 def finish_softmax(m: np.ndarray, s: np.ndarray, arg: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
@@ -112,13 +153,13 @@ def finish_softmax(m: np.ndarray, s: np.ndarray, arg: np.ndarray, width: int) ->
     return lse, best * width + arg[rows, best], zmax, finite
 
 
-def topk_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
+def topk_graph(num_classes: int, d: int, blocks: int, width: int, precision: str = "float32") -> bytes:
     """values [M, k], ids [M, k] (best first, equal values by the smaller id), total [M] (the row's sum:
     not finite when a logit is not): the k best of each block, then the k best of those (sort-free in the
     sense that no row is sorted whole)."""
     from onnx import TensorProto, helper
 
-    nodes, inits = _blocks(num_classes, blocks, width)
+    nodes, inits = _blocks(num_classes, blocks, width, precision)
     inits += [helper.make_tensor("axis1", TensorProto.INT64, [1], [1]),
               helper.make_tensor("offsets", TensorProto.INT64, [1, blocks, 1], list(range(0, blocks * width, width))),
               helper.make_tensor("flat", TensorProto.INT64, [2], [0, -1])]
@@ -135,16 +176,15 @@ def topk_graph(num_classes: int, d: int, blocks: int, width: int) -> bytes:
                helper.make_tensor_value_info("ids", TensorProto.INT64, ["M", "K"]),
                helper.make_tensor_value_info("total", TensorProto.FLOAT, ["M"])]
     k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
-    return _graph("device_topk", [k], outputs, nodes, d, inits)
+    return _graph("device_topk", [k], outputs, nodes, d, inits, precision)
 
 
-def logits_graph(d: int) -> bytes:
+def logits_graph(d: int, precision: str = "float32") -> bytes:
     """z [M, D]: for the requests that answer with every logit."""
     from onnx import TensorProto, helper
 
-    nodes = [helper.make_node("Gemm", ["h", "w", "b"], ["z"], transB=1)]
     outputs = [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["M", "D"])]
-    return _graph("device_logits", [], outputs, nodes, d, [])
+    return _graph("device_logits", [], outputs, _gemm(precision), d, [], precision)
 
 
 def providers_for(device: str, device_id: int = 0) -> list:
@@ -154,24 +194,68 @@ def providers_for(device: str, device_id: int = 0) -> list:
     return ["CPUExecutionProvider"]
 
 
+def resident_bytes(num_classes: int, embed_dim: int, precision: str = "float32") -> int:
+    """Bytes of a device head's rows, bias (and int8 scales)."""
+    per_weight = {"float32": 4, "bf16": 2, "int8": 1}[precision]
+    return num_classes * (per_weight * embed_dim + 4 + (4 if precision == "int8" else 0))
+
+
+def device_rows(weight: np.ndarray, precision: str, chunk: int = 1 << 16) -> np.ndarray:
+    """The rows as the device graphs read them: float32 [D, d]; bf16 bits [D, d] as float16 (widened
+    and narrowed a chunk of rows at a time: never a float32 copy of the whole head); int8 [d, D]."""
+    if precision == "float32":
+        return np.ascontiguousarray(weight, dtype=np.float32)
+    if precision == "int8":
+        return np.ascontiguousarray(np.asarray(weight, dtype=np.int8).T)
+    out = np.empty(weight.shape, np.float16)
+    for start in range(0, len(weight), chunk):
+        wide = (np.asarray(weight[start:start + chunk], dtype=np.uint32) << 16).view(np.float32)
+        if np.abs(wide).max(initial=0.0) > np.finfo(np.float16).max:
+            raise ValueError("a bf16 weight is beyond float16's range (65504): this head cannot run on the device "
+                             "in bf16; use float32 or int8")
+        out[start:start + chunk] = wide
+    return out
+
+
+def input_rows(h: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+    """The graph inputs of the rows h [M, d]: h itself, or for int8 hq [M, d] int8 and hs [M, 1], each
+    row scaled by its largest magnitude (symmetric, per input: h ≈ hs * hq). A row that is not finite
+    gets a scale that is not either, so its logits are flagged as they are in float32."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    if precision != "int8":
+        return {"h": h}
+    top = np.abs(h).max(axis=1, keepdims=True)  # [M, 1]
+    hs = np.where(top == 0, 1.0, top / 127.0).astype(np.float32)  # NaN and inf stay
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hq = np.nan_to_num(np.rint(h / hs), nan=0.0, posinf=0.0, neginf=0.0).astype(np.int8)
+    return {"hq": hq, "hs": hs}
+
+
 class DeviceHead:
-    """The float32 head on `device` (cuda or cpu) and the three pass graphs over it. `run(h, parts)`
-    finishes every accumulator of `parts` (head_scan's SoftmaxStats, TopK, AllLogits) from one run per
-    kind over its rows; nothing of size D comes back but the logits a request asked for."""
+    """The head on `device` (cuda or cpu) and the three pass graphs over it. `run(h, parts)` finishes
+    every accumulator of `parts` (head_scan's SoftmaxStats, TopK, AllLogits) from one run per kind over
+    its rows; nothing of size D comes back but the logits a request asked for. `precision` says which
+    rows `weight` holds: float32, bf16 (uint16 bits) or int8 (with the per-class `scale`); the
+    engine re-scores a quantized head's top-k and asked logit on the float32 rows (compute.py)."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, device: str = "cpu", device_id: int = 0,
-                 max_k: int = 1, threads: int = 1):
+                 max_k: int = 1, threads: int = 1, precision: str = "float32", scale: np.ndarray | None = None):
         import onnxruntime as ort
 
         from serving.bundle.session import ort_session_options
 
         self.num_classes, self.embed_dim = int(weight.shape[0]), int(weight.shape[1])
-        self.device, self.device_id = device, device_id
+        self.device, self.device_id, self.precision = device, device_id, precision
         self.blocks, self.width = block_shape(self.num_classes, max_k)
         where = "cuda" if device == "cuda" else "cpu"
-        # the rows, once: an onnxruntime value on the device, bound to every run (no copy per call)
-        self.w = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weight, dtype=np.float32), where, device_id)
-        self.b = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(bias, dtype=np.float32), where, device_id)
+
+        def value(array: np.ndarray):  # once, on the device, bound to every run (no copy per call)
+            return ort.OrtValue.ortvalue_from_numpy(array, where, device_id)
+
+        self.values = {"w": value(device_rows(weight, precision)),
+                       "b": value(np.ascontiguousarray(bias, dtype=np.float32))}
+        if precision == "int8":
+            self.values["ws"] = value(np.ascontiguousarray(scale, dtype=np.float32))
         providers = providers_for(device, device_id)
         opts = ort_session_options(threads, spin=False, arena=device == "cuda")
 
@@ -179,26 +263,27 @@ class DeviceHead:
             return ort.InferenceSession(model, sess_options=opts, providers=providers)
 
         d, D = self.embed_dim, self.num_classes
-        self.sessions = {"softmax": session(softmax_graph(D, d, self.blocks, self.width)),
-                         "topk": session(topk_graph(D, d, self.blocks, self.width)),
-                         "logits": session(logits_graph(d))}
+        self.sessions = {"softmax": session(softmax_graph(D, d, self.blocks, self.width, precision)),
+                         "topk": session(topk_graph(D, d, self.blocks, self.width, precision)),
+                         "logits": session(logits_graph(d, precision))}
         self.providers = list(self.sessions["softmax"].get_providers())
         if device == "cuda" and "CUDAExecutionProvider" not in self.providers:
             raise RuntimeError(f"the device head could not use CUDA (its sessions run on {self.providers})")
 
     @property
     def resident_bytes(self) -> int:
-        return 4 * self.num_classes * (self.embed_dim + 1)
+        return resident_bytes(self.num_classes, self.embed_dim, self.precision)
 
     def _run(self, kind: str, h: np.ndarray, extra: dict) -> list[np.ndarray]:
         """One graph over h [M, d] (and its extra inputs), outputs back on the host."""
         sess = self.sessions[kind]
         io = sess.io_binding()
-        io.bind_cpu_input("h", np.ascontiguousarray(h, dtype=np.float32))
-        io.bind_ortvalue_input("w", self.w)
-        io.bind_ortvalue_input("b", self.b)
-        for name, value in extra.items():
-            io.bind_cpu_input(name, value)
+        for name, array in input_rows(h, self.precision).items():
+            io.bind_cpu_input(name, array)
+        for name, ortvalue in self.values.items():
+            io.bind_ortvalue_input(name, ortvalue)
+        for name, array in extra.items():
+            io.bind_cpu_input(name, array)
         for out in sess.get_outputs():
             io.bind_output(out.name, "cpu")
         sess.run_with_iobinding(io)

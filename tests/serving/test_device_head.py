@@ -70,6 +70,72 @@ def test_softmax_topk_and_logits_equal_float64(num_classes, max_k, where):
     np.testing.assert_allclose(full.result(), z[6:9], rtol=1e-5, atol=1e-4)
 
 
+def _quantized(w: np.ndarray, precision: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(the rows as the bundle stores them, int8 scales or None, the float64 rows they stand for)."""
+    from serving.bundle.quantize import bf16_bits, bf16_to_float32, int8_rows
+
+    if precision == "bf16":
+        bits = bf16_bits(w)
+        return bits, None, bf16_to_float32(bits).astype(np.float64)
+    q, scale = int8_rows(w)
+    return q, scale, scale[:, None].astype(np.float64) * q
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("num_classes", [7, 5000])
+def test_quantized_rows_answer_like_float64_of_what_they_store(precision, num_classes, where):
+    """bf16 (a float16 GEMM on the device) within float16's rounding of the sums and the logit; int8 (an
+    integer GEMM of h rounded to int8 per input) exact but for float32's last bits. The logits, the
+    softmax and the top-k, against float64 over the rows the bundle stores."""
+    w, b = _head(num_classes, 24, seed=5)
+    rows, scale, w64 = _quantized(w, precision)
+    h = np.random.default_rng(2).standard_normal((9, 24)).astype(np.float32)
+    head = device_head.DeviceHead(rows, b, where, max_k=5, precision=precision, scale=scale)
+    if precision == "bf16":
+        hr = h.astype(np.float16).astype(np.float64)
+        z = hr @ w64.T
+        # float16's rounding of the sums (2^-11 of |h||w| where the kernel sums in float16, as the CPU
+        # provider's does; cuBLAS sums in float32) and of the logit
+        tol = (np.abs(z) + np.abs(hr) @ np.abs(w64).T) * 2.0 ** -10 + 1e-6  # [M, D]
+        z = z + b
+    else:
+        hs = np.abs(h).max(axis=1, keepdims=True).astype(np.float64) / 127
+        z = hs * (np.rint(h / hs) @ w64.T) + b
+        tol = np.abs(z) * 1e-6 + 1e-6
+    j = np.array([0, num_classes - 1, num_classes // 2])
+    soft, top, full = head_scan.SoftmaxStats(3, j), head_scan.TopK(3, 5 if num_classes > 5 else 3), head_scan.AllLogits(3, num_classes)
+    head.run(h, [(slice(0, 3), soft), (slice(3, 6), top), (slice(6, 9), full)])
+    assert (np.abs(full.result() - z[6:9]) <= tol[6:9]).all()
+    p, zj, _ = soft.result()
+    assert (np.abs(zj - z[np.arange(3), j]) <= tol[np.arange(3), j]).all()
+    assert (np.abs(np.log(p) - (z[np.arange(3), j] - _lse64(z[:3]))) <= 2 * tol[:3].max(axis=1) + 1e-6).all()
+    values, ids = top.result()
+    ref = np.sort(z[3:6], axis=1)[:, ::-1][:, :top.k]
+    assert (np.abs(values - ref) <= tol[3:6].max(axis=1, keepdims=True)).all()
+    assert (np.abs(np.take_along_axis(z[3:6], ids, axis=1) - values) <= tol[3:6].max(axis=1, keepdims=True)).all()
+    assert head.resident_bytes == num_classes * ((2 * 24 + 4) if precision == "bf16" else (24 + 8))
+
+
+def test_a_bf16_head_beyond_float16s_range_is_refused_in_one_line():
+    w, b = _head(10, 8)
+    w[3, 2] = 7e4
+    rows, _, _ = _quantized(w, "bf16")
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        device_head.DeviceHead(rows, b, "cpu", precision="bf16")
+
+
+def test_an_int8_input_that_is_not_finite_is_flagged_like_float32():
+    w, b = _head(50, 8)
+    rows, scale, _ = _quantized(w, "int8")
+    head = device_head.DeviceHead(rows, b, "cpu", max_k=3, precision="int8", scale=scale)
+    h = np.random.default_rng(3).standard_normal((3, 8)).astype(np.float32)
+    h[0, 1], h[1, 4] = np.nan, np.inf
+    soft = head_scan.SoftmaxStats(3, 2)
+    top = head_scan.TopK(3, 3)
+    head.run(np.concatenate([h, h]), [(slice(0, 3), soft), (slice(3, 6), top)])
+    assert soft.finite.tolist() == [False, False, True] and top.finite.tolist() == [False, False, True]
+
+
 def test_ties_go_to_the_smaller_id_across_blocks(where):
     """Equal rows in two blocks (ids 5 and 2050): argmax and top-k both name the smaller id first."""
     w, b = _head(3000, 8)
@@ -116,17 +182,27 @@ def test_inputs_beyond_one_group_are_taken_in_groups(monkeypatch, where):
 
 # ------------------------------------------------------------------------------ memory
 def test_a_head_too_large_for_the_gpu_is_one_line_naming_bytes_and_precisions():
-    rows, work = needed_bytes(10_000_000, 256, 64, 1000)
-    assert rows == 4 * 10_000_000 * 257
+    D, d = 10_000_000, 256
+    rows, work = needed_bytes(D, d, 64, 1000)
+    assert rows == 4 * D * (d + 1)
+    assert needed_bytes(D, d, 64, 1000, "bf16") == (D * (2 * d + 4), work)  # float16 rows + float32 bias
+    assert needed_bytes(D, d, 64, 1000, "int8") == (D * (d + 8), work)  # int8 rows + scale + bias
     gb = 1_000_000_000
-    with pytest.raises(DeviceMemoryError) as err:
-        check_fits("cuda", 10_000_000, 256, 64, 1000, memory=lambda device_id: (8 * gb, 80 * gb))
+    with pytest.raises(DeviceMemoryError) as err:  # 8 GB free: both smaller precisions fit
+        check_fits("cuda", D, d, 64, 1000, memory=lambda device_id: (8 * gb, 80 * gb))
     msg = str(err.value)
     assert "\n" not in msg and "10.3 GB of rows" in msg and "8.0 GB of 80.0 GB is free" in msg
-    assert "int8 (2.6 GB)" in msg and "bf16 (5.1 GB)" in msg
-    check_fits("cuda", 10_000_000, 256, 64, 1000, memory=lambda device_id: (rows + work, 80 * gb))  # just fits
-    check_fits("cpu", 10_000_000, 256, 64, 1000, memory=lambda device_id: (0, 0))  # the CPU: not asked
-    check_fits("cuda", 10_000_000, 256, 64, 1000, memory=lambda device_id: None)  # no driver to ask
+    assert f"bf16 ({(D * (2 * d + 4) + work) / gb:.1f} GB)" in msg and f"int8 ({(D * (d + 8) + work) / gb:.1f} GB)" in msg
+    with pytest.raises(DeviceMemoryError) as err:  # 6 GB: int8 alone
+        check_fits("cuda", D, d, 64, 1000, memory=lambda device_id: (6 * gb, 80 * gb))
+    assert "SLC_HEAD_PRECISION=int8" in str(err.value) and "bf16" not in str(err.value)
+    with pytest.raises(DeviceMemoryError) as err:  # 3 GB: nothing fits, the int8 head itself refused
+        check_fits("cuda", D, d, 64, 1000, memory=lambda device_id: (3 * gb, 80 * gb), precision="int8")
+    assert str(err.value).startswith("the int8 head") and "no precision of the head fits" in str(err.value)
+    check_fits("cuda", D, d, 64, 1000, memory=lambda device_id: (rows + work, 80 * gb))  # just fits
+    check_fits("cuda", D, d, 64, 1000, memory=lambda device_id: (6 * gb, 80 * gb), precision="int8")
+    check_fits("cpu", D, d, 64, 1000, memory=lambda device_id: (0, 0))  # the CPU: not asked
+    check_fits("cuda", D, d, 64, 1000, memory=lambda device_id: None)  # no driver to ask
 
 
 # ------------------------------------------------------------------------------ the server
@@ -190,7 +266,7 @@ def test_the_host_lets_go_of_the_rows_once_they_live_on_the_device(tmp_path):
 
 
 def test_on_cuda_the_auto_class_index_is_the_devices_exact_top_k():
-    """lifecycle.index_kind: auto on CUDA (float32 head, the device pass allowed) opens no index;
+    """lifecycle.index_kind: auto on CUDA (the device pass allowed) opens no index;
     elsewhere auto chooses by D as before, and a named kind is always kept."""
     from serving.core.lifecycle import index_kind
     from serving.settings import Settings
@@ -200,5 +276,6 @@ def test_on_cuda_the_auto_class_index_is_the_devices_exact_top_k():
 
     assert kind("cuda") == "exact" and kind("cuda", softmax_impl="device") == "exact"
     assert kind("cpu") is None and kind("cuda", softmax_impl="ort") is None
-    assert kind("cuda", head_precision="int8") is None
+    assert kind("cuda", head_precision="int8") == "exact"  # the int8 head on the device
+    assert kind("cuda", head_precision="bf16", softmax_impl="ort") is None
     assert kind("cuda", class_index="ivf") == "ivf" and kind("cpu", class_index="hnsw") == "hnsw"

@@ -108,12 +108,14 @@ def test_serving_a_precision_the_bundle_lacks_fails_in_one_line(client_factory):
     assert "no int8 head" in message and "slc bundle quantize" in message and "\n" not in message
 
 
-def _bound(h: np.ndarray, weight: np.ndarray, heads, precision: str) -> np.ndarray:
+def _bound(h: np.ndarray, weight: np.ndarray, heads, precision: str, device: bool = False) -> np.ndarray:
     """|quantized logit − float64 logit| per (input, class) [N, D]: the row's rounding times |h|,
-    plus for int8 the input's own rounding by the kernel times |w|."""
+    plus for int8 the input's own rounding by the kernel times |w|; for bf16 on the device (a float16
+    GEMM) also h's rounding to float16 and the logit's (2^-11 relative each, counted twice)."""
     h = h.astype(np.float64)
     if precision == "bf16":
-        return np.abs(h) @ (np.abs(weight) * 2.0 ** -8).T + 1e-5
+        hw = np.abs(h) @ np.abs(weight).T  # [N, D]
+        return hw * (2.0 ** -8 + (2 * 2.0 ** -10 if device else 0)) + 1e-5
     scale = heads["int8"]["scale"].astype(np.float64)  # [D]
     wq = np.abs(heads["int8"]["weight"].astype(np.float64)) * scale[:, None]  # |ŵ| [D, d]
     step_h = np.abs(h).max(1) / 127  # [N] the input's int8 step (MatMulNBits); uint8's (DynamicQuantizeMatMul) is smaller
@@ -121,9 +123,9 @@ def _bound(h: np.ndarray, weight: np.ndarray, heads, precision: str) -> np.ndarr
 
 
 @pytest.mark.parametrize("n", [1, 6])  # int8: MatMulNBits for one input, DynamicQuantizeMatMul for six
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("precision", ["int8", "bf16"])
-def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path, precision, threads, n):
+@pytest.mark.parametrize("threads,impl", [(1, "auto"), (2, "auto"), (1, "device")])  # device: the head on the
+@pytest.mark.parametrize("precision", ["int8", "bf16"])  # execution device (here the CPU provider; a GPU there)
+def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path, precision, threads, impl, n):
     from fastapi.testclient import TestClient
 
     from serving.http.app import create_app
@@ -133,10 +135,15 @@ def test_quantized_passes_answer_within_the_bounds_of_float64(qbundle, tmp_path,
     offline = Offline(b)
     x = np.random.default_rng(4).standard_normal((n, INPUT_DIM)).astype(np.float32)
     z = offline.logits(x)  # [N, D] float64
-    bound = _bound(offline.embed(x), offline.W, b.heads, precision)
-    with TestClient(create_app(make_settings(qbundle, tmp_path, head_precision=precision, intra_op_threads=threads))) as c:
+    bound = _bound(offline.embed(x), offline.W, b.heads, precision, device=impl == "device")
+    settings = make_settings(qbundle, tmp_path, head_precision=precision, intra_op_threads=threads, softmax_impl=impl)
+    with TestClient(create_app(settings)) as c:
         wait_ready(c.get)
-        assert c.get("/v1/model").json()["softmax_impl"] == precision
+        model = c.get("/v1/model").json()
+        assert model["softmax_impl"] == (precision if impl == "auto" else "device")
+        if impl == "device":
+            head = model["head_device"]
+            assert head["precision"] == precision and head["bytes"] == D_Q * ((2 * DIM_Q + 4) if precision == "bf16" else (DIM_Q + 8))
         full = np.asarray(c.post(f"/v2/models/{b.name}-full/infer", json={"inputs": [
             {"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}).json()
             ["outputs"][0]["data"]).reshape(z.shape)

@@ -425,14 +425,25 @@ def ab(base: Path, classes: list[int], dim: int, endpoints: list[str], rounds: i
     click.echo(f"-> {out / (name + '.md')}")
 
 
+def _precisions(ctx, param, value: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in value.split(",") if p.strip()))
+    bad = [p for p in names if p not in ("float32", "bf16", "int8")]
+    if bad or not names:
+        raise click.BadParameter(f"{', '.join(bad) or 'nothing'}: a comma list of float32, bf16, int8")
+    return names
+
+
 @click.command()
 @click.option("--classes", default="100000,1000000,10000000", show_default=True, callback=_classes, help="comma list of D")
 @click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
 @click.option("--duration", type=POSITIVE, default=2.0, show_default=True, help="measured seconds per endpoint")
 @click.option("--cpu-max-classes", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="also measure the CPU server (SLC_DEVICE=cpu) up to this D")
+@click.option("--precision", "precisions", default="float32", show_default=True, callback=_precisions,
+              help="comma list of the head's precisions on the GPU (float32, bf16, int8); the CPU server: float32")
 @click.option("--out", default="docs/results", show_default=True, help="where gpu-serving.{json,md} go", **OUT)
-def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, out: Path) -> None:
+def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, precisions: tuple[str, ...],
+           out: Path) -> None:
     """The server on a GPU against the device floor and the CPU server, as D grows: OUT/gpu-serving.{json,md}."""
     from serving.core.sessions import preload_cuda, usable_providers
     from tools.bench.device import device_markdown, run_device_bench
@@ -442,9 +453,10 @@ def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, 
         raise click.ClickException(f"no CUDA session opens here (a session gets {', '.join(usable)}): "
                                    "slc bench device needs onnxruntime-gpu and a GPU (make setup on a GPU machine)")
     with tempfile.TemporaryDirectory(prefix="slc-device-") as tmp:
-        res = run_device_bench(classes, dim, duration, cpu_max_classes, Path(tmp))
+        res = run_device_bench(classes, dim, duration, cpu_max_classes, Path(tmp), precisions)
     command = (f"slc bench device --classes {','.join(map(str, classes))} --dim {dim} --duration {duration:g} "
-               f"--cpu-max-classes {cpu_max_classes}")
+               f"--cpu-max-classes {cpu_max_classes}" + (f" --precision {','.join(precisions)}"
+                                                         if precisions != ("float32",) else ""))
     write_result(out, "gpu-serving", lambda: device_markdown(res, command), res, default=str)
     md = device_markdown(res, command)
     click.echo(md)

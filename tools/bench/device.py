@@ -68,12 +68,13 @@ def _model(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/v1/model", timeout=30).read())
 
 
-def measure(bundle: Path, device: str, duration: float, log_dir: Path) -> dict:
-    """One server on `device`: its choices, one-connection p50s, all logits, saturated softmax, RSS."""
+def measure(bundle: Path, device: str, duration: float, log_dir: Path, precision: str = "float32") -> dict:
+    """One server on `device` with the head in `precision`: its choices, one-connection p50s, all logits,
+    saturated softmax, RSS."""
     data_dir = bundle.with_name(bundle.name + f"-data-{device}")
     # the class index is not what this bench measures (exact top-k is): none is built, on either device
-    env = {"SLC_DEVICE": device, "SLC_CLASS_INDEX": "exact"}
-    with slc_server(bundle, log_dir, f"{bundle.name}-{device}", data_dir, env=env) as srv:
+    env = {"SLC_DEVICE": device, "SLC_CLASS_INDEX": "exact", "SLC_HEAD_PRECISION": precision}
+    with slc_server(bundle, log_dir, f"{bundle.name}-{device}-{precision}", data_dir, env=env) as srv:
         ready_s = srv.wait_ready(1800)
         model = _model(srv.url)
         one = lt.run_loadtest(srv.url, SINGLE, concurrency=1, duration=duration * len(SINGLE), warmup=1.0,
@@ -82,7 +83,7 @@ def measure(bundle: Path, device: str, duration: float, log_dir: Path) -> dict:
         sat = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
         rss = process_tree_memory(srv.proc.pid)["rss"]
     single = endpoint_summary(one.report)
-    return {"device": device, "ready_s": ready_s, "rss": rss,
+    return {"device": device, "precision": precision, "ready_s": ready_s, "rss": rss,
             "chosen": {"softmax_impl": model["softmax_impl"], "head_device": model.get("head_device"),
                        "providers": model["providers"],
                        "small_batch_backbone": model["batching"].get("small_batch_backbone"),
@@ -92,19 +93,37 @@ def measure(bundle: Path, device: str, duration: float, log_dir: Path) -> dict:
             "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"]}
 
 
-def run_device_bench(classes: Sequence[int], dim: int, duration: float, cpu_max_classes: int, log_dir: Path) -> dict:
+def with_heads(bundle: Path, precisions: Sequence[str]) -> Path:
+    """The cached bundle with the quantized heads asked for (added once, kept in the cache)."""
+    from serving.bundle.format import MANIFEST
+    from serving.bundle.quantize import add_heads
+
+    have = json.loads((bundle / MANIFEST).read_text()).get("heads") or {}
+    missing = tuple(p for p in precisions if p != "float32" and p not in have)
+    if missing:
+        log.info("adding the %s head(s) to %s", ", ".join(missing), bundle.name)
+        add_heads(bundle, missing)
+    return bundle
+
+
+def run_device_bench(classes: Sequence[int], dim: int, duration: float, cpu_max_classes: int, log_dir: Path,
+                     precisions: Sequence[str] = ("float32",)) -> dict:
+    """Per D and head precision, the GPU server (and up to cpu_max_classes, the float32 CPU server)."""
+    from serving.core.device_head import resident_bytes
+
     t0 = time.perf_counter()
     bandwidth = device_bandwidth()
     rows = []
     for D in classes:
-        bundle = cached_bundle(D, dim)
-        head_bytes = 4 * D * (dim + 1)
-        row = {"classes": D, "dim": dim, "head_bytes": head_bytes,
-               "floor_ms": 1e3 * head_bytes / bandwidth if bandwidth else None, "servers": []}
-        for device in ["cuda"] + (["cpu"] if D <= cpu_max_classes else []):
-            log.info("D=%d on %s", D, device)
-            row["servers"].append(measure(bundle, device, duration, log_dir))
-        rows.append(row)
+        bundle = with_heads(cached_bundle(D, dim), precisions)
+        for precision in precisions:
+            head_bytes = resident_bytes(D, dim, precision)
+            row = {"classes": D, "dim": dim, "precision": precision, "head_bytes": head_bytes,
+                   "floor_ms": 1e3 * head_bytes / bandwidth if bandwidth else None, "servers": []}
+            for device in ["cuda"] + (["cpu"] if D <= cpu_max_classes and precision == "float32" else []):
+                log.info("D=%d %s on %s", D, precision, device)
+                row["servers"].append(measure(bundle, device, duration, log_dir, precision))
+            rows.append(row)
     return {"machine": machine_info(), "device_read_bytes_per_s": bandwidth, "input_dim": INPUT_DIM,
             "duration_s": duration, "rows": rows, "elapsed_s": time.perf_counter() - t0}
 
@@ -115,13 +134,13 @@ def device_markdown(res: dict, command: str) -> str:
              f"Command: `{command}`  \nMachine: {res['machine']}  \n"
              f"Device read bandwidth (onnxruntime ReduceSum over 1 GiB on the GPU): "
              f"{fmt(bw / 1e12 if bw else None, 2)} TB/s. Floor = head bytes / that bandwidth.\n"]
-    head = ["D", "server", "softmax pass", "small batches", "detect p50", "softmax p50", "top-k exact p50",
+    head = ["D", "head", "server", "softmax pass", "small batches", "detect p50", "softmax p50", "top-k exact p50",
             "all logits p50", "floor", "sat. softmax req/s", "detect / softmax", "RSS MB"]
     body = []
     for row in res["rows"]:
         for s in row["servers"]:
             p = s["p50_ms"]
-            body.append([f"{row['classes']:,}", s["device"], s["chosen"]["softmax_impl"],
+            body.append([f"{row['classes']:,}", row.get("precision", "float32"), s["device"], s["chosen"]["softmax_impl"],
                          str(s["chosen"]["small_batch_backbone"]), fmt(p["detect"], 3), fmt(p["softmax"], 3),
                          fmt(p["topk_exact"], 3), fmt(p["all_logits"], 3), fmt(row["floor_ms"], 3),
                          fmt(s["saturated_softmax_rps"], 0), fmt(p["detect"] / p["softmax"], 3),

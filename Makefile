@@ -57,7 +57,7 @@ gpu-check: setup
 	$(BIN)/python tools/gpu_check.py
 	@if $(BIN)/python -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then \
 		$(BIN)/slc bench device --classes $(GPU_CLASSES) --out docs/results && \
-		$(BIN)/python -m tools.bench.device_profile --out docs/results/gpu-device-profile.jsonl; fi
+		$(BIN)/python -m tools.bench.device_profile --precision float32,bf16,int8 --out docs/results/gpu-device-profile.jsonl; fi
 
 lint: setup
 	$(BIN)/ruff check --select F,E9 slc serving trainer models tests

@@ -307,8 +307,10 @@ class HeadPass:
             self._packed = None
         if self.name != "device":
             self._device = None
-        else:
-            drop_host_pages(self.bundle.weight)  # the warm-up's CPU passes read every row: not needed now
+        else:  # the warm-up's CPU passes read every float32 row, the upload every quantized one: not needed now
+            drop_host_pages(self.bundle.weight)
+            if self.precision != "float32":
+                drop_host_pages(self.bundle.heads[self.precision]["weight"])
         if self.name not in ("ort_pair", "packed_pair") and self.precision == "float32":
             self._pair_bufs = None
 

@@ -102,9 +102,17 @@ def wait_http_ready(url: str, proc: Optional[subprocess.Popen] = None, timeout: 
     raise AssertionError(f"{url} not ready after {timeout} s")
 
 
+def server_env(tmp_path: Path, **env_extra: str) -> dict:
+    """A server process's environment: this one's, its own SLC_HOME, and the repository first on a
+    PYTHONPATH that keeps this one's entries (a machine whose packages come from PYTHONPATH: without
+    them `slc serve` exited at once on the first GPU machine, docs/results/gpu-serving.md)."""
+    path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return dict(os.environ, SLC_HOME=str(tmp_path / "home"), SLC_INTRA_OP_THREADS="1", PYTHONPATH=path, **env_extra)
+
+
 def serve_process(bundle: Path, tmp_path: Path, port: int, *flags: str, **env_extra: str) -> subprocess.Popen:
     """`python -m slc serve BUNDLE` as a real process (its own SLC_HOME and data dir under tmp_path)."""
-    env = dict(os.environ, SLC_HOME=str(tmp_path / "home"), SLC_INTRA_OP_THREADS="1", PYTHONPATH=str(ROOT), **env_extra)
+    env = server_env(tmp_path, **env_extra)
     cmd = [sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port),
            "--data-dir", str(tmp_path / "data"), *flags]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

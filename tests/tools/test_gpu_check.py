@@ -39,3 +39,23 @@ def test_the_whole_pipeline_passes_with_the_cpu_in_bf16_standing_in_for_the_gpu(
     assert len(rows) >= 10 and all(r.rstrip().endswith(" ok") for r in rows), result.stdout
     for name in ("loss at step 0", "smoothed loss curve", "test accuracy", "server providers", "detect", "softmax"):
         assert any(r.startswith(name) for r in rows), (name, result.stdout)
+
+
+def test_the_server_process_keeps_the_pythonpath_it_was_given(tmp_path, monkeypatch):
+    """A second process started with the server's environment imports both the repository and a
+    package found only through the caller's PYTHONPATH (how the GPU machine's packages were installed;
+    replacing PYTHONPATH made `slc serve` exit at once there)."""
+
+    from tests.serving.helpers import ROOT, server_env
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "only_on_the_callers_path.py").write_text("VALUE = 7\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    env = server_env(tmp_path)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    code = "import only_on_the_callers_path as m, serving; print(m.VALUE, serving.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    value, where = out.stdout.split()
+    assert value == "7" and where.startswith(str(ROOT))

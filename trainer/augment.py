@@ -4,6 +4,10 @@
 stroke weight (thicker or thinner by a 3x3 max / min filter, or as drawn), a Gaussian blur of a
 random width (half of them), and a contrast; `geometry+style` applies both.
 
+`elastic` (issue 37): every image warped by a smooth random displacement field, the distortion of
+handwriting (Simard, Steinkraus and Platt 2003): strokes bend and the glyph's proportions shift, as
+a brush or a hand draws them and the printed training faces never do; `geometry+elastic` applies both.
+
 `geometry`: every image is scaled by a factor drawn in [scale_min, scale_max] and shifted
 anywhere its content can go (a glyph filling a third of the image, or all of it, wherever it
 sits: what crops, scans and photos send), with a small rotation. One affine warp per batch
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-AUGMENTS = ("none", "geometry", "style", "geometry+style")
+AUGMENTS = ("none", "geometry", "style", "elastic", "geometry+style", "geometry+elastic")
+PARTS = ("geometry", "style", "elastic")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,41 @@ class Style:
         return (mean + (x - mean) * (0.7 + 0.3 * u[:, 3]).view(b, 1, 1, 1)).clamp(0, 255)
 
 
+@dataclass(frozen=True)
+class Elastic:
+    max_px: float = 2.0  # the largest displacement of an image's field, in pixels (drawn: 0 to this)
+    sigma: float = 3.0  # the field's smoothness: a Gaussian of this many pixels over uniform noise
+    dark_background: bool = True
+
+    def field(self, b: int, h: int, w: int, generator: torch.Generator) -> torch.Tensor:
+        """[B, 2, H, W] displacements in pixels (x, then y): uniform noise smoothed, scaled so that each
+        image's largest displacement is its own draw in [0, max_px]."""
+        noise = torch.rand(b, 2, h, w, generator=generator) * 2 - 1  # [B, 2, H, W]
+        amount = torch.rand(b, generator=generator) * self.max_px  # [B]
+        smooth = _gaussian(noise.reshape(b * 2, 1, h, w), self.sigma).reshape(b, 2, h, w)
+        peak = smooth.abs().amax(dim=(1, 2, 3), keepdim=True).clamp(min=1e-6)  # [B, 1, 1, 1]
+        return smooth / peak * amount.view(b, 1, 1, 1)
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """x [B, C, H, W] raw pixels -> the same shape, each image resampled at (pixel + its displacement)."""
+        b, _, h, w = x.shape
+        disp = self.field(b, h, w, generator).to(device=x.device, dtype=x.dtype)  # [B, 2, H, W]
+        eye = torch.tensor([[1.0, 0, 0], [0, 1.0, 0]], device=x.device, dtype=x.dtype).expand(b, 2, 3)
+        base = F.affine_grid(eye, list(x.shape), align_corners=False)  # [B, H, W, 2] pixel centres in [-1, 1]
+        grid = base + torch.stack([disp[:, 0] * (2 / w), disp[:, 1] * (2 / h)], dim=-1)
+        mode = "zeros" if self.dark_background else "border"
+        return F.grid_sample(x, grid, mode="bilinear", padding_mode=mode, align_corners=False)
+
+
+def _gaussian(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """x [N, 1, H, W] smoothed by a separable Gaussian of sigma pixels (radius 2 sigma, edges reflected)."""
+    r = max(1, int(math.ceil(2 * sigma)))
+    taps = torch.exp(-0.5 * (torch.arange(-r, r + 1, dtype=x.dtype) / sigma) ** 2)
+    taps = taps / taps.sum()
+    y = F.conv2d(F.pad(x, (r, r, 0, 0), mode="reflect"), taps.view(1, 1, 1, -1))
+    return F.conv2d(F.pad(y, (0, 0, r, r), mode="reflect"), taps.view(1, 1, -1, 1))
+
+
 def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """x [B, C, H, W] blurred by a separable 5-tap Gaussian of its own sigma per image (0: unchanged)."""
     b, c = x.shape[:2]
@@ -93,7 +133,8 @@ def build_augment(name: str, input_shape: tuple[int, ...], image: dict | None):
         raise ValueError(f"--augment {name} needs an image dataset laid out [C, H, W]; "
                          f"this one's examples are {tuple(input_shape)}")
     dark = image.get("background", "dark") == "dark"
-    parts = [Geometry(dark_background=dark) if p == "geometry" else Style(dark_background=dark) for p in name.split("+")]
+    kinds = {"geometry": Geometry, "style": Style, "elastic": Elastic}
+    parts = [kinds[p](dark_background=dark) for p in name.split("+")]
     return parts[0] if len(parts) == 1 else _Chain(tuple(parts))
 
 

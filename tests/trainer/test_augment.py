@@ -1,5 +1,6 @@
 """Training-time augmentation (trainer/augment.py): the `style` shift (stroke weight, blur, contrast)
-against scipy's filters driven by the same draws, its determinism per (seed, step), and the
+against scipy's filters driven by the same draws, the `elastic` warp against scipy's bilinear
+resampling at the displaced coordinates, its determinism per (seed, step), and the
 names --augment takes."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from scipy import ndimage
 
-from trainer.augment import AUGMENTS, Geometry, Style, _Chain, augment_generator, build_augment
+from trainer.augment import AUGMENTS, Elastic, Geometry, Style, _Chain, augment_generator, build_augment
 
 IMAGE = {"background": "dark", "layout": "CHW"}
 
@@ -57,7 +58,9 @@ def test_style_draws_are_a_function_of_seed_and_step():
 
 
 def test_augment_names():
-    assert set(AUGMENTS) == {"none", "geometry", "style", "geometry+style"}
+    assert set(AUGMENTS) == {"none", "geometry", "style", "elastic", "geometry+style", "geometry+elastic"}
+    chain = build_augment("geometry+elastic", (1, 24, 24), IMAGE)
+    assert [type(p) for p in chain.parts] == [Geometry, Elastic]
     assert build_augment("none", (1, 24, 24), IMAGE) is None
     assert isinstance(build_augment("style", (1, 24, 24), IMAGE), Style)
     both = build_augment("geometry+style", (1, 24, 24), IMAGE)
@@ -65,3 +68,24 @@ def test_augment_names():
     assert build_augment("style", (1, 24, 24), {"background": "light", "layout": "CHW"}).dark_background is False
     with pytest.raises(ValueError, match="image dataset"):
         build_augment("style", (64,), None)
+
+
+def test_elastic_resamples_each_pixel_at_its_displacement_as_scipy_does():
+    """The warp equals scipy's bilinear map_coordinates at (row + dy, col + dx), zeros outside (the dark
+    background); the field is smooth and no displacement exceeds max_px."""
+    x = _glyphs(6)
+    elastic = Elastic(max_px=2.0, sigma=3.0)
+    got = elastic(x, augment_generator(2, 9)).numpy()
+    disp = elastic.field(6, 24, 24, augment_generator(2, 9)).numpy().astype(np.float64)  # the same draws
+    assert np.abs(disp).max() <= 2.0 + 1e-6 and np.abs(disp).max() > 0.5
+    assert np.abs(np.diff(disp, axis=3)).max() < 0.5 * np.abs(disp).max()  # neighbours move alike
+    rows, cols = np.mgrid[0:24, 0:24].astype(np.float64)
+    for i in range(6):
+        want = ndimage.map_coordinates(x[i, 0].numpy().astype(np.float64), [rows + disp[i, 1], cols + disp[i, 0]],
+                                       order=1, mode="grid-constant", cval=0.0)
+        np.testing.assert_allclose(got[i, 0], want, atol=1e-2)
+
+
+def test_elastic_with_no_displacement_is_the_identity():
+    x = _glyphs(4)
+    assert torch.allclose(Elastic(max_px=0.0)(x, augment_generator(0, 0)), x, atol=1e-3)  # of 255

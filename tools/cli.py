@@ -4,6 +4,7 @@ of them runs); above trainer/ (it imports the trainer's option checks), never im
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -113,6 +114,30 @@ def thresholds_experiment(runs: tuple[Path, ...], target_precision: float, name:
         click.echo(f"{run.name}: {len(results[-1]['rows'])} rows", err=True)
     command = "slc experiment thresholds " + " ".join(str(r) for r in runs) + f" --target-precision {target_precision:g}"
     click.echo(f"threshold transfer of {len(runs)} run(s) -> {write(results, out, command, name)}")
+
+
+@experiment.command("detect-table")
+@click.argument("studies", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--name", default="detect-per-loss", show_default=True, help="OUT/NAME.{json,md}")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+def detect_table_experiment(studies: tuple[Path, ...], name: str, out: Path) -> None:
+    """Per loss and augmentation, over seeds: detect at the default threshold rule, from the JSON files of
+    slc experiment thresholds."""
+    from tools.experiments.detect_table import summarise, write
+
+    results = []
+    for path in studies:
+        try:
+            data = json.loads(path.read_text())
+            results += data if isinstance(data, list) else [data]
+        except (ValueError, OSError) as exc:
+            raise click.BadParameter(f"{path}: not the JSON of slc experiment thresholds ({exc})", param_hint="STUDIES")
+    try:
+        entries = summarise(results)
+    except (KeyError, ValueError, OSError) as exc:
+        raise click.ClickException(f"cannot summarise these studies: {exc}")
+    command = "slc experiment detect-table " + " ".join(str(p) for p in studies) + f" --name {name}"
+    click.echo(f"{len(entries)} row(s) from {len(results)} run(s) -> {write(entries, out, command, name)}")
 
 
 @experiment.command("user-calibration")

@@ -1,0 +1,77 @@
+"""The per-loss detect table (tools/experiments/detect_table.py): the default rule per loss as
+`slc export` ships it, each (loss, augment) group's mean and sample deviation over its runs against
+numpy on the same numbers, and the CLI's one-line errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools.experiments.detect_table import default_rule, summarise
+
+ROOT = Path(__file__).resolve().parents[2]
+FACES = ["Face A", "Face B"]
+RULES = ["global", "per_class", "shrink k=4"]
+
+
+def _study(tmp_path, name: str, loss: str, pols: bool, augment: str, seed: int) -> dict:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"loss": loss, "loss_pols": pols, "augment": augment, "seed": seed}))
+    rng = np.random.default_rng(seed + 10 * len(loss))
+    (run / "metrics.json").write_text(json.dumps({"test": {"accuracy": float(rng.uniform(0.5, 0.9)),
+                                                           "auprc": float(rng.uniform(0.5, 0.9))}}))
+    rows = []
+    for judged in FACES + ["test"]:
+        fitted = "calibration" if judged == "test" else f"calibration minus {judged}"
+        for decoy in (["calibration + shifted"] if judged == "test" else [f"calibration + shifted minus {judged}"]):
+            rows.append({"fitted_on": decoy, "judged_on": judged, "method": "global", "mean_recall": 9.0,
+                         "mean_precision": 9.0, "pooled_precision": 9.0, "matches": 1})  # never picked
+        for rule in RULES:
+            rows.append({"fitted_on": fitted, "judged_on": judged, "method": rule,
+                         **{k: float(rng.uniform()) for k in ("mean_recall", "mean_precision", "pooled_precision")},
+                         "matches": 5})
+    return {"run": str(run), "loss": loss, "dataset": "glyphs", "target": 0.99, "faces": FACES, "rows": rows}
+
+
+def test_each_group_is_the_default_rule_averaged_over_its_seeds(tmp_path):
+    studies = [_study(tmp_path, f"sn{s}", "self_norm", True, "none", s) for s in range(3)]
+    studies += [_study(tmp_path, "ce0", "ce", False, "none", 0), _study(tmp_path, "el0", "self_norm", True, "elastic", 0),
+                _study(tmp_path, "el1", "self_norm", True, "elastic", 1)]
+    entries = {(e["loss"], e["augment"]): e for e in summarise(studies)}
+    assert set(entries) == {("self_norm", "none"), ("ce", "none"), ("self_norm", "elastic")}
+    assert entries[("self_norm", "none")]["rule"] == "global" and entries[("ce", "none")]["rule"] == "shrink k=4"
+    for (loss, augment), entry in entries.items():
+        members = [s for s in studies if s["loss"] == loss
+                   and json.loads((tmp_path / s["run"] / "config.json").read_text())["augment"] == augment]
+        for face in FACES + ["test"]:
+            want = np.array([[r["mean_recall"] for r in s["rows"] if r["judged_on"] == face and r["method"] == entry["rule"]
+                              and r["fitted_on"] in ("calibration", f"calibration minus {face}")][0] for s in members])
+            got = entry["faces"][face]["mean_recall"]
+            assert got["mean"] == pytest.approx(want.mean()) and got["n"] == len(members)
+            assert (got["sd"] is None) if len(members) == 1 else got["sd"] == pytest.approx(want.std(ddof=1))
+    recalls = [e["faces"]["test"]["mean_recall"]["mean"] for e in summarise(studies)]
+    assert recalls == sorted(recalls, reverse=True)
+
+
+def test_the_rule_is_the_one_export_ships():
+    assert default_rule({"loss_pols": True}) == "global" and default_rule({"loss_pols": False}) == "shrink k=4"
+
+
+def _slc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slc", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_a_file_that_is_not_a_study_is_one_line(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{not json")
+    r = _slc("experiment", "detect-table", str(bad), "--out", str(tmp_path))
+    assert r.returncode == 2 and "not the JSON of slc experiment thresholds" in r.stderr
+    bad.write_text(json.dumps([{"run": str(tmp_path / "missing"), "loss": "ce", "rows": [], "faces": []}]))
+    r = _slc("experiment", "detect-table", str(bad), "--out", str(tmp_path))
+    assert r.returncode == 1 and "cannot summarise these studies" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

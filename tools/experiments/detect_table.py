@@ -1,0 +1,94 @@
+"""The per-loss detect table (issue 37 part 4; docs/results/glyphs3755-detect-per-loss.md) from the JSON
+files `slc experiment thresholds` writes: for each (loss, augmentation) its runs' mean ± sample standard
+deviation, over seeds, of detect at the rule `slc export` ships by default (trainer/export.default_method:
+one global threshold for a PoLS loss, per-class thresholds shrunk towards it with κ = 4 otherwise),
+judged on each held-out calibration face (fitted on the others) and on the test face (fitted on all),
+beside the runs' test accuracy and 1−AUPRC from their metrics.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tools.report import md_table, write_result
+
+MEASURES = ("mean_recall", "mean_precision", "pooled_precision")
+
+
+def default_rule(config: dict) -> str:
+    """The threshold rule `slc export --threshold-method auto` ships for a run of this config, as
+    threshold_transfer names it."""
+    from trainer.export import default_method
+
+    method = default_method(bool(config.get("loss_pols", False)))
+    return "global" if method["name"] == "global" else f"shrink k={method['kappa']:g}"
+
+
+def _row(study: dict, rule: str, judged: str) -> dict:
+    fitted = ("calibration", f"calibration minus {judged}")
+    for row in study["rows"]:
+        if row["method"] == rule and row["judged_on"] == judged and row["fitted_on"] in fitted:
+            return row
+    raise ValueError(f"{study['run']}: no row for rule {rule!r} judged on {judged!r}")
+
+
+def _stat(values: list[float]) -> dict:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "sd": float(a.std(ddof=1)) if len(a) > 1 else None, "n": len(a)}
+
+
+def summarise(studies: list[dict]) -> list[dict]:
+    """One entry per (loss, augment): seeds, rule, test accuracy / 1−AUPRC, and per judged face its measures."""
+    groups: dict[tuple, list] = {}
+    for study in studies:
+        config = json.loads((Path(study["run"]) / "config.json").read_text())
+        groups.setdefault((study["loss"], config.get("augment", "none")), []).append((study, config))
+    out = []
+    for (loss, augment), members in groups.items():
+        rules = {default_rule(config) for _, config in members}
+        if len(rules) != 1:
+            raise ValueError(f"{loss}: runs with different default rules {sorted(rules)}")
+        rule = rules.pop()
+        faces = [f for f in members[0][0]["faces"]] + ["test"]
+        metrics = [json.loads((Path(s["run"]) / "metrics.json").read_text())["test"] for s, _ in members]
+        entry = {"loss": loss, "augment": augment, "pols": bool(members[0][1].get("loss_pols", False)), "rule": rule,
+                 "runs": [s["run"] for s, _ in members], "accuracy": _stat([m["accuracy"] for m in metrics]),
+                 "one_minus_auprc": _stat([1 - m["auprc"] for m in metrics]), "faces": {}}
+        for face in faces:
+            rows = [_row(s, rule, face) for s, _ in members]
+            entry["faces"][face] = {k: _stat([r[k] for r in rows]) for k in MEASURES}
+        out.append(entry)
+    return sorted(out, key=lambda e: -e["faces"]["test"]["mean_recall"]["mean"])
+
+
+def _fmt(stat: dict) -> str:
+    return f"{stat['mean']:.3f}" + (f" ± {stat['sd']:.3f}" if stat["sd"] is not None else "")
+
+
+def markdown(entries: list[dict], command: str) -> str:
+    faces = list(entries[0]["faces"]) if entries else []
+    head = ["loss", "augment", "PoLS", "seeds", "threshold (auto)", "test acc", "test 1−AUPRC"]
+    for face in faces:
+        short = face.split()[0] if face != "test" else "test"
+        short = "UMing" if "UMing" in face else short
+        head += [f"{short}: recall", f"{short}: mean prec.", f"{short}: pooled prec."]
+    body = []
+    for e in entries:
+        row = [e["loss"], e["augment"], "yes" if e["pols"] else "no", str(len(e["runs"])),
+               e["rule"].replace("shrink k=", "shrink κ="), _fmt(e["accuracy"]), _fmt(e["one_minus_auprc"])]
+        for face in faces:
+            row += [_fmt(e["faces"][face][k]) for k in MEASURES]
+        body.append(row)
+    lines = ["# Detect at the default threshold, per loss", "", f"Command: `{command}`", "",
+             "Mean ± sample standard deviation over seeds; recall and precision are detect's at the rule "
+             "`slc export` ships by default, judged on each held-out calibration face (fitted on the others) "
+             "and on the test face (fitted on all). Sorted by test-face recall. (tools/experiments/detect_table.py)",
+             "", md_table(head, body, "lllrl" + "r" * (len(head) - 5)), ""]
+    lines += [f"- `{run}`" for e in entries for run in e["runs"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(entries: list[dict], out: Path, command: str, stem: str) -> Path:
+    return write_result(out, stem, lambda: markdown(entries, command), entries)[0]

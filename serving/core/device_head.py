@@ -140,17 +140,20 @@ def softmax_graph(num_classes: int, d: int, blocks: int, width: int, precision: 
 
 
 def finish_softmax(m: np.ndarray, s: np.ndarray, arg: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
-    """Stage 2 over the blocks, in float64: (lse [M], top [M] (ties to the smaller id), zmax [M], finite [M]).
+    """Stage 2 over the blocks: (lse [M], top [M] (ties to the smaller id), zmax [M], finite [M]), the sum
+    of the blocks' sums in float64. Each block's weight exp(m - zmax) is taken in float32 (in (0, 1],
+    about 1e-7 relative): numpy's float64 exp is ten times slower, a millisecond at 64 x 977 blocks.
     A NaN in a row makes its block's s NaN, a +inf its block's m inf (or s NaN): either is not finite."""
-    m = m.reshape(m.shape[0], -1).astype(np.float64)  # [M, blocks]
-    s = s.astype(np.float64)
+    m = m.reshape(m.shape[0], -1)  # [M, blocks] float32
     finite = np.isfinite(m).all(axis=1) & np.isfinite(s).all(axis=1)
     best = m.argmax(axis=1)  # [M]: the first block of the top logit (the smaller ids)
     rows = np.arange(len(m))
     zmax = m[rows, best]
     with np.errstate(invalid="ignore", over="ignore"):
-        lse = zmax + np.log((s * np.exp(m - zmax[:, None])).sum(axis=1))
-    return lse, best * width + arg[rows, best], zmax, finite
+        weight = np.exp(m - zmax[:, None])  # [M, blocks] float32
+        total = (s.astype(np.float64) * weight).sum(axis=1)  # (einsum here is several times slower)
+        lse = zmax.astype(np.float64) + np.log(total)
+    return lse, best * width + arg[rows, best], zmax.astype(np.float64), finite
 
 
 def topk_graph(num_classes: int, d: int, blocks: int, width: int, precision: str = "float32") -> bytes:

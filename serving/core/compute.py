@@ -6,7 +6,7 @@ ort_pair        two one-thread onnxruntime GEMMs taking class chunks in turn
 packed_pair     the same over pre-packed chunk sessions (serving/core/packed_head.py: a second copy)
 onnx            full.onnx: the backbone and the head in one session (a second copy of the head)
 int8 / bf16     the quantized head (SLC_HEAD_PRECISION), each answer finished on the float32 rows
-device          the float32 head resident on the execution device (serving/core/device_head.py): with
+device          the head (float32, or the int8 / bf16 one) resident on the execution device (device_head.py): with
                 --device cuda a candidate, and the one that reads no row on the host; on the CPU only
                 when named (SLC_SOFTMAX_IMPL=device), which is how make test checks its graphs
 

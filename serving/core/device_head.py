@@ -1,8 +1,9 @@
 """The head resident on the execution device: every pass over the D rows runs there, and only what
 each request answers with comes back (issue 36; docs/configuration.md "The head on a GPU").
 
-With `--device cuda` the float32 rows are uploaded once, at load, as onnxruntime values on the GPU,
-and three small ONNX graphs built here read them through IO binding (no copy per call):
+With `--device cuda` the rows are uploaded once, at load, as onnxruntime values on the GPU (float32,
+or the bundle's bf16 head as float16, or its int8 head with per-class scales: `_gemm`), and three
+small ONNX graphs built here read them through IO binding (no copy per call):
 
   softmax   h [M, d], w [D, d], b [D], j [M, 1] -> zj [M, 1], m [M, blocks, 1], s, arg [M, blocks]
   topk      h, w, b, k [1]                       -> values [M, K], ids [M, K], total [M]

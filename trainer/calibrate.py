@@ -41,8 +41,12 @@ DEFAULT_TARGET = {"precision": 0.99}
 # How class j's threshold is chosen (docs/results/calibration-glyphs3755.md compares them):
 # per_class (column j alone), global (one pooled threshold), or shrink: the per-class threshold
 # pulled toward the global one by a pseudo-count kappa, (n_j t_j + kappa t_g) / (n_j + kappa).
-METHODS = ("per_class", "global", "shrink")
+# tail: column j's threshold read off the upper tail of its negatives (an exponential fitted to the
+# TAIL_K highest), where the expected false matches keep the target precision: for classes with few
+# positives, whose own scores say little (docs/calibration.md, "The tail rule").
+METHODS = ("per_class", "global", "shrink", "tail")
 DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
+TAIL_K = 20
 PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
 # logits per class chunk: [N, c] float64 is 16 MiB; a pass holds a few such arrays (the pooled counts sort a copy)
 CHUNK_VALUES = 2 * 1024 * 1024
@@ -317,6 +321,40 @@ def _chunk_positive(y: np.ndarray, first: int, c: int) -> np.ndarray:
     return (y - first)[:, None] == np.arange(c)[None, :]  # [N, c]: example i is of class first + k
 
 
+
+def tail_thresholds(scores: np.ndarray, positive: np.ndarray, target: dict, k: int = TAIL_K) -> np.ndarray:
+    """Per column of `scores` [N, C], the tail rule's threshold [C] for a precision target p.
+
+    Column j's negatives above u (the lowest of its k highest) are taken as exponential with mean
+    excess beta (their mean excess over u), so E[negatives >= t] = k exp(-(t - u) / beta). t is where
+    that equals the false matches precision p allows if all n_j positives match: n_j (1 - p) / p,
+    i.e. t = u + beta ln(k p / (n_j (1 - p))). A class with no positive never matches (as in
+    choose_thresholds); one with under 2 negatives matches above its highest negative.
+    """
+    kind, p = _check_target(target)
+    if kind != "precision":
+        raise ValueError("the tail rule needs a precision target (--target-precision)")
+    scores = np.asarray(scores, dtype=np.float64)
+    positive = np.asarray(positive, dtype=bool)
+    n, c = scores.shape
+    n_pos = positive.sum(axis=0)  # [C]
+    neg = np.where(positive, -np.inf, scores)  # [N, C]
+    kk = min(k, n)
+    top = np.partition(neg, n - kk, axis=0)[n - kk:] if kk else np.full((1, c), -np.inf)  # [kk, C] the highest
+    finite = np.isfinite(top)
+    m = finite.sum(axis=0)  # [C] negatives among them
+    u = np.where(finite, top, np.inf).min(axis=0)  # [C]
+    beta = np.where(finite, top - np.where(m > 0, u, 0)[None, :], 0).sum(axis=0) / np.maximum(m, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = u + beta * np.log(m * p / (np.maximum(n_pos, 1) * (1 - p)))
+    top_neg = np.where(finite, top, -np.inf).max(axis=0)  # [C]
+    above = np.nextafter(top_neg.astype(np.float32), np.float32(np.inf)).astype(np.float64)
+    t = np.where((m < 2) | ~np.isfinite(t), above, t)  # few negatives, or p = 1: above every negative
+    t = np.where(m == 0, np.where(positive, scores, np.inf).min(axis=0), t)  # no negative: the lowest positive
+    none = n_pos == 0
+    t[none] = np.nextafter(scores[:, none].max(axis=0).astype(np.float32), np.float32(np.inf)) if n else np.inf
+    return t
+
 class PooledThreshold:
     """The global threshold over all N·D (example, class) pairs pooled into one column, exactly as
     choose_thresholds would choose it on that column, in O(N) memory from class chunks.
@@ -363,9 +401,9 @@ def _true_logits(chunks: Chunks, y: np.ndarray, num_classes: int, bar=None) -> n
 
 
 def _per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, pooled: PooledThreshold,
-                    bar=None) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Per-class thresholds and Platt fits chunk by chunk (each needs its own column only); the
-    pooled counts on the way."""
+                    bar=None, tail: bool = False, platt: bool = True) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Per-class thresholds (the tail rule's too if asked) and Platt fits (unless not) chunk by chunk
+    (each needs its own column only); the pooled counts on the way."""
     parts, a, b = [], [], []
     for first, z in _each_chunk(chunks, y, num_classes, bar):
         if not np.isfinite(z).all():
@@ -373,13 +411,17 @@ def _per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dic
         positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
         group = max(1, KERNEL_VALUES // len(y))
         for g in range(0, z.shape[1], group):
-            parts.append(class_thresholds(z[:, g:g + group], positive[:, g:g + group], target))
-            a_g, b_g = fit_platt(z[:, g:g + group], positive[:, g:g + group])
-            a.append(a_g)
-            b.append(b_g)
+            part = class_thresholds(z[:, g:g + group], positive[:, g:g + group], target)
+            if tail:
+                part["tail"] = tail_thresholds(z[:, g:g + group], positive[:, g:g + group], target)
+            parts.append(part)
+            if platt:
+                a_g, b_g = fit_platt(z[:, g:g + group], positive[:, g:g + group])
+                a.append(a_g)
+                b.append(b_g)
         pooled.add(z)
     per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-    return per, np.concatenate(a), np.concatenate(b)
+    return per, np.concatenate(a or [np.zeros(0)]), np.concatenate(b or [np.zeros(0)])
 
 
 def _counts_pass(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: np.ndarray, global_t: float,
@@ -474,6 +516,8 @@ def check_method(method: dict | None) -> dict:
         if not (kappa > 0 and math.isfinite(kappa)):
             raise ValueError(f"shrink needs kappa > 0, got {kappa}")
         return {"name": "shrink", "kappa": kappa}
+    if method["name"] == "tail":
+        return {"name": "tail", "k": TAIL_K}
     return {"name": method["name"]}
 
 
@@ -482,7 +526,9 @@ def _method_thresholds(per: dict, global_t: float, method: dict) -> np.ndarray:
     if method["name"] == "per_class":
         return per["threshold"]
     n = per["positives"].astype(np.float64)
-    if method["name"] == "global":
+    if method["name"] == "tail":
+        threshold = per["tail"]
+    elif method["name"] == "global":
         threshold = np.full(len(n), global_t)
     else:
         threshold = (n * per["threshold"] + method["kappa"] * global_t) / (n + method["kappa"])
@@ -520,12 +566,14 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     target = dict(target or DEFAULT_TARGET)
     kind, value = _check_target(target)
     method = check_method(method)
+    if method["name"] == "tail" and kind != "precision":
+        raise ValueError("the tail rule needs a precision target (--target-precision)")
     y_cal = _labels(y_cal, num_classes)
     passes = 3 + (test is not None)
     with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
               disable=None if progress else True) as bar:
         pooled = PooledThreshold(_true_logits(cal, y_cal, num_classes, bar))
-        per, a, b = _per_class_pass(cal, y_cal, num_classes, target, pooled, bar)
+        per, a, b = _per_class_pass(cal, y_cal, num_classes, target, pooled, bar, tail=method["name"] == "tail")
         global_entry = pooled.choose(target)
         global_t = float(global_entry["threshold"][0])
         threshold = _method_thresholds(per, global_t, method)

@@ -33,6 +33,7 @@ from trainer.calibrate import DEFAULT_METHOD, METHODS, calibrate_chunks, check_m
 SHOW_UNKNOWN = 5  # unknown class names given in the one line
 EMBED_BATCH = 64
 DRAWS, LEVEL = 1000, 0.95  # bootstrap of the pooled precision and recall
+CV = "cv"  # --threshold-method: the rule chosen by cross-validation on the user's images
 KEPT_RULE = ("a class with no image in the recalibration data keeps its entry of the calibration this one "
              "replaced (threshold, Platt parameters, rates), marked kept: true")
 
@@ -72,7 +73,8 @@ def open_source(bundle: Path) -> tuple[dict, dict]:
 
 def resolve_options(calibration: dict, target_precision: float | None, target_recall: float | None,
                     method_name: str | None, kappa: float | None, skip_bad: bool) -> Options:
-    """The bundle's target and method unless given (its kappa too, for shrink)."""
+    """The bundle's target unless given; the method given (its kappa the bundle's, for shrink), else
+    chosen by cross-validation on the images (trainer/threshold_cv.py)."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
     target = ({"precision": target_precision} if target_precision is not None else
@@ -80,7 +82,11 @@ def resolve_options(calibration: dict, target_precision: float | None, target_re
     if list(target) not in (["precision"], ["recall"]):
         raise click.UsageError(f"the bundle's target {target} is not a precision or recall: give --target-precision P")
     old = calibration.get("method") or DEFAULT_METHOD
-    name = method_name or old.get("name", DEFAULT_METHOD["name"])
+    name = method_name or CV
+    if name == CV:
+        if kappa is not None:
+            raise click.UsageError("--kappa goes with --threshold-method shrink")
+        return Options(target, {"name": CV}, skip_bad)
     if kappa is None:
         kappa = old.get("kappa", DEFAULT_METHOD["kappa"]) if old.get("name") == "shrink" else DEFAULT_METHOD["kappa"]
     try:
@@ -186,6 +192,11 @@ def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarra
     D = len(weight)
     chunk = chunk_classes(max(len(y), 0 if y_test is None else len(y_test)), D)
     has_test = y_test is not None and len(y_test) > 0
+    choice = None
+    if opts.method["name"] == CV:
+        from trainer.threshold_cv import choose
+
+        opts.method, choice = choose(lambda rows: head_chunks(h[rows], weight, bias, chunk), y, D, opts.target)
     cal = calibrate_chunks(head_chunks(h, weight, bias, chunk), y, D, opts.target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            y_test if has_test else None, method=opts.method, progress=True)
@@ -193,6 +204,8 @@ def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarra
     for j in np.flatnonzero(~present):
         cal["per_class"][j] = {**old["per_class"][j], "kept": True}
     cal["split"] = "recalibration"
+    if choice is not None:
+        cal["method_choice"] = choice
     threshold = np.array([e["threshold"] for e in cal["per_class"]], dtype=np.float32)  # [D] as the server keeps it
     return cal, threshold
 
@@ -306,7 +319,9 @@ def _line(what: str, r: dict) -> str:
               help="[default: the bundle's target]")
 @click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="a recall target instead of a precision one")
-@click.option("--threshold-method", type=click.Choice(METHODS), help="[default: the bundle's method]")
+@click.option("--threshold-method", type=click.Choice((CV,) + METHODS), default=CV, show_default=True,
+              help="cv: the rule (global, tail, shrink, per_class) that recalls the most at the target in a "
+              "2-fold cross-validation on the images")
 @click.option("--kappa", type=POSITIVE, help="shrink's pseudo-count [default: the bundle's, else 4]")
 @click.option("--skip-bad-images", is_flag=True, help="leave out files that cannot be read or decoded (one warning)")
 def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_precision: float | None,
@@ -333,11 +348,11 @@ def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_
         write_recalibrated(bundle, cal, target, note)
     except RecalibrationError as exc:
         raise click.ClickException(str(exc)) from None
-    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0)
+    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"))
 
 
 def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
-             seconds: float) -> None:
+             seconds: float, choice: dict | None = None) -> None:
     import hashlib
 
     sha = hashlib.sha256((target / "calibration.json").read_bytes()).hexdigest()
@@ -349,6 +364,10 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
         click.echo(f"{note['classes_kept']:,} of the bundle's classes have no image: their previous thresholds "
                    "are kept (calibration.json marks them kept: true)")
     click.echo(f"target {kind} {value:g}, method {method}, pooled over classes")
+    if choice is not None:
+        click.echo(f"method chosen by {choice['by']}: " + "; ".join(
+            f"{r['method']} recall {r['mean_recall']:.3f} at precision {r['pooled_precision']:.3f}"
+            + ("" if r["acceptable"] else " (short of the target)") for r in choice["candidates"]))
     click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"]))
     if "test" in report:
         click.echo(_line("on the test images (unseen by the choice)", report["test"]))

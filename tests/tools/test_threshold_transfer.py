@@ -28,3 +28,25 @@ def test_chunked_fit_and_judge_equal_dense_math(monkeypatch):
     assert j["matches"] == m.sum() and np.isclose(j["pooled_precision"], tp.sum() / m.sum())
     assert np.isclose(j["mean_recall"], np.mean(tp / 4))
     assert np.isclose(j["mean_precision"], np.mean([a / b if b else 1.0 for a, b in zip(tp, m)]))
+    from tests.trainer.test_threshold_cv import reference_tail
+
+    np.testing.assert_allclose(got["tail"], reference_tail(z.astype(np.float64), y, 0.9), rtol=1e-12)
+
+
+def test_the_user_rows_fit_on_two_per_class_and_judge_the_rest():
+    """Brute force: the sample holds 2 examples of each class; each rule's row is judge() on the
+    complement at fit() on the sample; the cv row repeats the row of the rule it names."""
+    rng = np.random.default_rng(1)
+    y = np.repeat(np.arange(40), 6)
+    z = rng.standard_normal((240, 40)).astype(np.float32)
+    z[np.arange(240), y] += 3
+    pick = tt._per_class_sample(y, 2)
+    assert (np.bincount(y[pick], minlength=40) == 2).all()
+    rows = tt._user_rows(z, y, 0.9, "F")
+    rules = tt.fit(z[pick], y[pick], {"precision": 0.9})
+    for row in rows[:-1]:
+        assert {k: row[k] for k in ("mean_recall", "mean_precision", "pooled_precision", "matches")} == \
+            tt.judge(z[~pick], y[~pick], rules[row["method"]])
+    cv = rows[-1]
+    chosen = cv["method"].removeprefix("cv (chose ").removesuffix(")")
+    assert {**next(r for r in rows if r["method"] == chosen), "method": cv["method"]} == cv

@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from tools.report import md_table, write_result
-from trainer.calibrate import PooledThreshold, _chunk_positive, _counts_at, chunk_classes, class_thresholds
+from trainer.calibrate import (PooledThreshold, _chunk_positive, _counts_at, chunk_classes, class_thresholds, dense_chunks,
+                               tail_thresholds)
 
 SHIFT_SEED = 12345
+USER_IMAGES = 2  # per class, as in the user-calibration study (issue 37 part 6)
 KAPPAS = (1.0, 4.0, 16.0)
 
 
@@ -37,7 +39,8 @@ def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
     parts = []
     for first in range(0, num_classes, chunk_classes(len(y), num_classes)):
         zc = np.asarray(z[:, first:first + chunk_classes(len(y), num_classes)], dtype=np.float64)  # [N, c]
-        parts.append(class_thresholds(zc, _chunk_positive(y, first, zc.shape[1]), target))
+        positive = _chunk_positive(y, first, zc.shape[1])
+        parts.append({**class_thresholds(zc, positive, target), "tail": tail_thresholds(zc, positive, target)})
         pooled.add(zc)
     per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     g = float(pooled.choose(target)["threshold"][0])
@@ -45,6 +48,7 @@ def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
     out = {"per_class": per["threshold"], "global": np.full(num_classes, g)}
     for kappa in KAPPAS:
         out[f"shrink k={kappa:g}"] = (n * per["threshold"] + kappa * g) / (n + kappa)
+    out["tail"] = per["tail"]
     return out
 
 
@@ -90,6 +94,34 @@ def _shifted(x: np.ndarray, image: dict) -> np.ndarray:
     return out
 
 
+def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str) -> list[dict]:
+    """A user's recalibration on one face: USER_IMAGES images per class fitted (seeded), the rest of
+    the face judged; every rule, and the one `slc calibrate`'s default (cv) picks from those images."""
+    from trainer import threshold_cv
+
+    pick = _per_class_sample(y, USER_IMAGES)
+    fitted = f"{USER_IMAGES} per class of {face}"
+    rules = fit(z[pick], y[pick], {"precision": target})
+    rows = [{"fitted_on": fitted, "judged_on": f"the rest of {face}", "method": name,
+             **judge(z[~pick], y[~pick], t)} for name, t in rules.items()]
+    zf, yf = z[pick], y[pick]
+    method, record = threshold_cv.choose(lambda r: dense_chunks(zf[r], chunk_classes(len(r), z.shape[1])), yf,
+                                         z.shape[1], {"precision": target})
+    name = f"shrink k={method['kappa']:g}" if method["name"] == "shrink" else method["name"]
+    rows.append({**next(r for r in rows if r["method"] == name), "method": f"cv (chose {name})"})
+    return rows
+
+
+def _per_class_sample(y: np.ndarray, k: int, seed: int = SHIFT_SEED) -> np.ndarray:
+    """[N] bool: k examples of each class (all of a class with fewer), drawn with a seeded shuffle."""
+    order = np.random.default_rng(seed).permutation(len(y))
+    order = order[np.argsort(y[order], kind="stable")]
+    rank = np.arange(len(y)) - np.searchsorted(y[order], y[order], side="left")
+    pick = np.zeros(len(y), dtype=bool)
+    pick[order[rank < k]] = True
+    return pick
+
+
 def _rows(fit_z: np.ndarray, fit_y: np.ndarray, judge_z: np.ndarray, judge_y: np.ndarray, target: float,
           fitted: str, judged: str) -> list[dict]:
     return [{"fitted_on": fitted, "judged_on": judged, "method": name, **judge(judge_z, judge_y, t)}
@@ -119,6 +151,9 @@ def study(run: Path, target: float = 0.99) -> dict:
         fit, out = face != k, face == k
         rows += _rows(np.concatenate([z_cal[fit], z_shift[fit]]), np.concatenate([y_cal[fit], y_cal[fit]]),
                       z_cal[out], y_cal[out], target, f"calibration + shifted minus {held}", held)
+    for k, held in enumerate(names):  # a user's recalibration, on each face
+        rows += _user_rows(z_cal[face == k], y_cal[face == k], target, held)
+    rows += _user_rows(z_test, y_test, target, "test")
     return {"run": str(run), "loss": config["loss"], "dataset": data_info["dataset"], "target": target,
             "faces": names, "rows": rows}
 

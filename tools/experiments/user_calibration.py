@@ -102,9 +102,13 @@ def study(run: Path, work: Path | None = None) -> dict:
         subprocess.run(slc + ["export", str(run), "--out", str(before)], check=True)
     listing = work / "faces.csv" if (work / "faces.csv").is_file() else write_pngs(dataset, work)
     t0 = time.perf_counter()
-    subprocess.run(slc + ["calibrate", str(before), "--data", f"csv:{listing}", "--out", str(after)], check=True)
+    done = subprocess.run(slc + ["calibrate", str(before), "--data", f"csv:{listing}", "--out", str(after)],
+                          check=True, stdout=subprocess.PIPE, text=True)
+    print(done.stdout, end="")
+    cal = json.loads((after / "calibration.json").read_text())
     out = {"run": str(run), "dataset": dataset, "per_class": PER_CLASS, "topk": TOPK,
-           "recalibrate_s": time.perf_counter() - t0}
+           "recalibrate_s": time.perf_counter() - t0, "method": cal["method"],
+           "method_choice": cal.get("method_choice"), "calibrate_output": done.stdout.splitlines()}
     for name, bundle in (("before", before), ("after", after)):
         proc, url = served(bundle, work / f"serve-{name}")
         try:
@@ -127,4 +131,12 @@ def markdown(r: dict, command: str) -> str:
         f"{r['recalibrate_s']:.0f} s), the others are measured over HTTP with PNG bodies: recall from detect, "
         f"precision from every match among each image's top {r['topk']} (tools/experiments/user_calibration.py).", "",
         md_table(["bundle", "detect recall", "achieved precision", "matches", "images", "unsure images"], body,
-                 "lrrrrr"), ""])
+                 "lrrrrr"), ""] + _calibrate_lines(r))
+
+
+def _calibrate_lines(r: dict) -> list[str]:
+    """What `slc calibrate` printed (the rule it chose and why), when the run recorded it."""
+    if not r.get("calibrate_output"):
+        return []
+    return [f"`slc calibrate` wrote the rule `{r['method']['name']}`. Its output:", "", "```",
+            *r["calibrate_output"], "```", ""]

@@ -1,0 +1,103 @@
+"""The threshold rule chosen by 2-fold cross-validation on the data it will be fitted on.
+
+Why: which rule holds depends on the data. On faces the model fits well one global threshold
+recalls the most at the target; on a face it separates poorly (a user's brush scans), the pooled
+negatives force that threshold so high that it recalls almost nothing, and per-class thresholds
+read off each column's negative tail recall several times more at the same precision
+(docs/results/threshold-rules-cv.md). The user's own images say which case they are in.
+
+Each class's examples are split in two folds (seeded); every candidate rule is fitted on one fold
+and judged on the other, both ways, by what detect would do: pooled precision (true matches over
+matches) and mean per-class recall. A rule is acceptable when its pooled precision (recall, for a
+recall target) is within two binomial standard errors of the target; among those, the one with
+the higher other figure wins; if none is, the one closest to the target. numpy only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from trainer.calibrate import (Chunks, PooledThreshold, _check_target, _chunk_positive, _counts_at, _each_chunk,
+                               _method_thresholds, _per_class_pass, _true_logits, check_method)
+
+CANDIDATES = ({"name": "global"}, {"name": "tail"}, {"name": "shrink", "kappa": 4.0}, {"name": "per_class"})
+FOLDS = 2
+SEED = 0
+
+
+def folds(y: np.ndarray, seed: int = SEED) -> np.ndarray:
+    """[N] fold of each example: each class's examples shuffled (seeded) and dealt out in turn."""
+    y = np.asarray(y, dtype=np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    order = order[np.argsort(y[order], kind="stable")]  # by class, shuffled within
+    first = np.searchsorted(y[order], y[order], side="left")  # [N] where each example's class starts
+    out = np.empty(len(y), dtype=np.int64)
+    out[order] = (np.arange(len(y)) - first) % FOLDS
+    return out
+
+
+def fit_rules(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, methods) -> list[np.ndarray]:
+    """Each method's thresholds [D] fitted on (chunks, y): two passes, no Platt fits."""
+    pooled = PooledThreshold(_true_logits(chunks, y, num_classes))
+    tail = any(m["name"] == "tail" for m in methods)
+    per, _, _ = _per_class_pass(chunks, y, num_classes, target, pooled, tail=tail, platt=False)
+    g = float(pooled.choose(target)["threshold"][0])
+    return [_method_thresholds(per, g, m) for m in methods]
+
+
+def counts(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: list[np.ndarray]) -> list[tuple]:
+    """(true matches, matches, positives) [D] per class at each set of thresholds, in one pass."""
+    parts: list[list] = [[] for _ in thresholds]
+    for first, z in _each_chunk(chunks, y, num_classes):
+        positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
+        for part, t in zip(parts, thresholds):
+            part.append(_counts_at(z, positive, t[first:first + z.shape[1]]))
+    return [tuple(map(np.concatenate, zip(*part))) for part in parts]
+
+
+def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes: int, target: dict,
+           candidates=CANDIDATES, seed: int = SEED) -> tuple[dict, dict]:
+    """(the chosen method, the record of every candidate's cross-validated figures).
+    `chunks_of(rows)` gives the logits of those rows in class chunks."""
+    kind, value = _check_target(target)
+    methods = [check_method(m) for m in candidates if kind == "precision" or m["name"] != "tail"]
+    fold = folds(y, seed)
+    tp, matches, positives = (np.zeros((len(methods), num_classes)) for _ in range(3))
+    for f in range(FOLDS):
+        fit_rows, judge_rows = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+        if len(fit_rows) == 0 or len(judge_rows) == 0:
+            raise ValueError("cross-validation needs at least 2 images of some class")
+        fitted = fit_rules(chunks_of(fit_rows), y[fit_rows], num_classes, target, methods)
+        for i, c in enumerate(counts(chunks_of(judge_rows), y[judge_rows], num_classes, fitted)):
+            tp[i] += c[0]
+            matches[i] += c[1]
+            positives[i] += c[2]
+    rows = [_figures(m, tp[i], matches[i], positives[i], kind, value) for i, m in enumerate(methods)]
+    best = _pick(rows)
+    return methods[best], {"by": f"{FOLDS}-fold cross-validation on the fitted images (seed {seed})",
+                           "chosen": rows[best]["method"], "candidates": rows}
+
+
+def _figures(method: dict, tp: np.ndarray, matches: np.ndarray, positives: np.ndarray, kind: str,
+             value: float) -> dict:
+    has = positives > 0
+    precision = float(tp.sum() / matches.sum()) if matches.sum() else 1.0
+    recall = float((tp[has] / positives[has]).mean()) if has.any() else 0.0
+    n = matches.sum() if kind == "precision" else positives.sum()
+    primary = precision if kind == "precision" else float(tp.sum() / max(positives.sum(), 1))
+    slack = 2 * math.sqrt(value * (1 - value) / max(n, 1))  # two binomial standard errors at the target
+    return {"method": method["name"], "pooled_precision": precision, "mean_recall": recall,
+            "matches": int(matches.sum()), "acceptable": bool(primary >= value - slack),
+            "_primary": primary, "_secondary": recall if kind == "precision" else precision}
+
+
+def _pick(rows: list[dict]) -> int:
+    """The acceptable row with the best secondary figure, else the row with the best primary one."""
+    ok = [i for i, r in enumerate(rows) if r["acceptable"]]
+    best = max(ok, key=lambda i: rows[i]["_secondary"]) if ok else max(range(len(rows)), key=lambda i: rows[i]["_primary"])
+    for r in rows:
+        r.pop("_primary")
+        r.pop("_secondary")
+    return best

@@ -87,6 +87,8 @@ def resolve_options(calibration: dict, target_precision: float | None, target_re
         if kappa is not None:
             raise click.UsageError("--kappa goes with --threshold-method shrink")
         return Options(target, {"name": CV}, skip_bad)
+    if name == "tail" and "recall" in target:
+        raise click.UsageError("--threshold-method tail needs a precision target: give --target-precision P")
     if kappa is None:
         kappa = old.get("kappa", DEFAULT_METHOD["kappa"]) if old.get("name") == "shrink" else DEFAULT_METHOD["kappa"]
     try:

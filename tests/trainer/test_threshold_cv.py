@@ -139,3 +139,17 @@ def test_the_folds_split_every_class_in_two_and_a_recall_target_leaves_tail_out(
     _, record = threshold_cv.choose(lambda r: dense_chunks(z[r], chunk_classes(len(r), z.shape[1])), y, z.shape[1],
                                     {"recall": 0.9})
     assert "tail" not in [r["method"] for r in record["candidates"]]
+
+
+def test_slc_calibrate_options_default_to_cv_and_refuse_what_cannot_work():
+    import click
+
+    from trainer.recalibrate import resolve_options
+
+    old = {"target": {"precision": 0.99}, "method": {"name": "global"}}
+    assert resolve_options(old, None, None, None, None, False).method == {"name": "cv"}
+    assert resolve_options(old, None, None, "tail", None, False).method == {"name": "tail", "k": 20}
+    with pytest.raises(click.UsageError, match="needs a precision target"):
+        resolve_options(old, None, 0.9, "tail", None, False)
+    with pytest.raises(click.UsageError, match="--kappa goes with"):
+        resolve_options(old, None, None, None, 8.0, False)

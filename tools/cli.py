@@ -153,7 +153,8 @@ def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out:
     if not (run / "checkpoint.pt").is_file():
         raise click.BadParameter(f"{run} is not a run directory (no checkpoint.pt)", param_hint="RUN")
     r = study(run, work)
-    command = f"slc experiment user-calibration {run}" + (f" --work {work}" if work else "")
+    command = f"slc experiment user-calibration {run}" + (f" --work {work}" if work else "") + (
+        f" --name {name}" if name != "user-calibration" else "")
     path = write_result(out, name, lambda: markdown(r, command), r)[0]
     click.echo(f"recall {r['before']['recall']:.3f} -> {r['after']['recall']:.3f}, precision "
                f"{r['before']['precision']:.3f} -> {r['after']['precision']:.3f} -> {path}")

@@ -3,8 +3,8 @@
 Why: which rule holds depends on the data. On faces the model fits well one global threshold
 recalls the most at the target; on a face it separates poorly (a user's brush scans), the pooled
 negatives force that threshold so high that it recalls almost nothing, and per-class thresholds
-read off each column's negative tail recall several times more at the same precision
-(docs/results/threshold-rules-cv.md). The user's own images say which case they are in.
+read off each column's negative tail recall more at the same precision
+(docs/calibration.md, "The tail rule"). The user's own images say which case they are in.
 
 Each class's examples are split in two folds (seeded); every candidate rule is fitted on one fold
 and judged on the other, both ways, by what detect would do: pooled precision (true matches over

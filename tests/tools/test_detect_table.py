@@ -18,10 +18,11 @@ FACES = ["Face A", "Face B"]
 RULES = ["global", "per_class", "shrink k=4"]
 
 
-def _study(tmp_path, name: str, loss: str, pols: bool, augment: str, seed: int) -> dict:
+def _study(tmp_path, name: str, loss: str, pols: bool, augment: str, seed: int, epochs: int = 2) -> dict:
     run = tmp_path / name
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"loss": loss, "loss_pols": pols, "augment": augment, "seed": seed}))
+    (run / "config.json").write_text(json.dumps({"loss": loss, "loss_pols": pols, "augment": augment, "seed": seed,
+                                                 "epochs": epochs}))
     rng = np.random.default_rng(seed + 10 * len(loss))
     (run / "metrics.json").write_text(json.dumps({"test": {"accuracy": float(rng.uniform(0.5, 0.9)),
                                                            "auprc": float(rng.uniform(0.5, 0.9))}}))
@@ -42,6 +43,8 @@ def test_each_group_is_the_default_rule_averaged_over_its_seeds(tmp_path):
     studies = [_study(tmp_path, f"sn{s}", "self_norm", True, "none", s) for s in range(3)]
     studies += [_study(tmp_path, "ce0", "ce", False, "none", 0), _study(tmp_path, "el0", "self_norm", True, "elastic", 0),
                 _study(tmp_path, "el1", "self_norm", True, "elastic", 1)]
+    longer = _study(tmp_path, "el6", "self_norm", True, "elastic", 0, epochs=6)  # a longer run: a group of its own
+    assert [(e["epochs"], e["runs"]) for e in summarise(studies + [longer]) if e["epochs"] == 6] == [(6, [longer["run"]])]
     entries = {(e["loss"], e["augment"]): e for e in summarise(studies)}
     assert set(entries) == {("self_norm", "none"), ("ce", "none"), ("self_norm", "elastic")}
     assert entries[("self_norm", "none")]["rule"] == "global" and entries[("ce", "none")]["rule"] == "shrink k=4"

@@ -1,5 +1,5 @@
 """The per-loss detect table (issue 37 part 4; docs/results/glyphs3755-detect-per-loss.md) from the JSON
-files `slc experiment thresholds` writes: for each (loss, augmentation) its runs' mean ± sample standard
+files `slc experiment thresholds` writes: for each (loss, augmentation, epochs) its runs' mean ± sample standard
 deviation, over seeds, of detect at the rule `slc export` ships by default (trainer/export.default_method:
 one global threshold for a PoLS loss, per-class thresholds shrunk towards it with κ = 4 otherwise),
 judged on each held-out calibration face (fitted on the others) and on the test face (fitted on all),
@@ -40,20 +40,21 @@ def _stat(values: list[float]) -> dict:
 
 
 def summarise(studies: list[dict]) -> list[dict]:
-    """One entry per (loss, augment): seeds, rule, test accuracy / 1−AUPRC, and per judged face its measures."""
+    """One entry per (loss, augment, epochs): seeds, rule, test accuracy / 1−AUPRC, and per judged face its measures."""
     groups: dict[tuple, list] = {}
     for study in studies:
         config = json.loads((Path(study["run"]) / "config.json").read_text())
-        groups.setdefault((study["loss"], config.get("augment", "none")), []).append((study, config))
+        key = (study["loss"], config.get("augment", "none"), config.get("epochs"))
+        groups.setdefault(key, []).append((study, config))
     out = []
-    for (loss, augment), members in groups.items():
+    for (loss, augment, epochs), members in groups.items():
         rules = {default_rule(config) for _, config in members}
         if len(rules) != 1:
             raise ValueError(f"{loss}: runs with different default rules {sorted(rules)}")
         rule = rules.pop()
         faces = [f for f in members[0][0]["faces"]] + ["test"]
         metrics = [json.loads((Path(s["run"]) / "metrics.json").read_text())["test"] for s, _ in members]
-        entry = {"loss": loss, "augment": augment, "pols": bool(members[0][1].get("loss_pols", False)), "rule": rule,
+        entry = {"loss": loss, "augment": augment, "epochs": epochs, "pols": bool(members[0][1].get("loss_pols", False)), "rule": rule,
                  "runs": [s["run"] for s, _ in members], "accuracy": _stat([m["accuracy"] for m in metrics]),
                  "one_minus_auprc": _stat([1 - m["auprc"] for m in metrics]), "faces": {}}
         for face in faces:
@@ -69,14 +70,14 @@ def _fmt(stat: dict) -> str:
 
 def markdown(entries: list[dict], command: str) -> str:
     faces = list(entries[0]["faces"]) if entries else []
-    head = ["loss", "augment", "PoLS", "seeds", "threshold (auto)", "test acc", "test 1−AUPRC"]
+    head = ["loss", "augment", "epochs", "PoLS", "seeds", "threshold (auto)", "test acc", "test 1−AUPRC"]
     for face in faces:
         short = face.split()[0] if face != "test" else "test"
         short = "UMing" if "UMing" in face else short
         head += [f"{short}: recall", f"{short}: mean prec.", f"{short}: pooled prec."]
     body = []
     for e in entries:
-        row = [e["loss"], e["augment"], "yes" if e["pols"] else "no", str(len(e["runs"])),
+        row = [e["loss"], e["augment"], str(e.get("epochs")), "yes" if e["pols"] else "no", str(len(e["runs"])),
                e["rule"].replace("shrink k=", "shrink κ="), _fmt(e["accuracy"]), _fmt(e["one_minus_auprc"])]
         for face in faces:
             row += [_fmt(e["faces"][face][k]) for k in MEASURES]
@@ -85,7 +86,7 @@ def markdown(entries: list[dict], command: str) -> str:
              "Mean ± sample standard deviation over seeds; recall and precision are detect's at the rule "
              "`slc export` ships by default, judged on each held-out calibration face (fitted on the others) "
              "and on the test face (fitted on all). Sorted by test-face recall. (tools/experiments/detect_table.py)",
-             "", md_table(head, body, "lllrl" + "r" * (len(head) - 5)), ""]
+             "", md_table(head, body, "llrlrl" + "r" * (len(head) - 6)), ""]
     lines += [f"- `{run}`" for e in entries for run in e["runs"]]
     return "\n".join(lines) + "\n"
 

@@ -195,7 +195,13 @@ def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarra
     chunk = chunk_classes(max(len(y), 0 if y_test is None else len(y_test)), D)
     has_test = y_test is not None and len(y_test) > 0
     choice = None
-    if opts.method["name"] == CV:
+    if opts.method["name"] == CV and np.bincount(y).max(initial=0) < 2:  # nothing to cross-validate on
+        opts.method = check_method(old.get("method") or DEFAULT_METHOD)
+        if opts.method["name"] == "tail" and "recall" in opts.target:
+            opts.method = check_method(DEFAULT_METHOD)
+        choice = {"by": "the bundle's rule (no class has 2 images to cross-validate on)",
+                  "chosen": opts.method["name"], "candidates": []}
+    elif opts.method["name"] == CV:
         from trainer.threshold_cv import choose
 
         opts.method, choice = choose(lambda rows: head_chunks(h[rows], weight, bias, chunk), y, D, opts.target)
@@ -339,7 +345,10 @@ def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_
     opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images)
     images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
     h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
-    cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts)
+    try:
+        cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts)
+    except ValueError as exc:  # the estimator refusing these data (say, non-finite logits): one line
+        raise click.ClickException(f"{bundle}: {exc}") from None
     report = _report(bundle, h, y, h_test, y_test, threshold)
     D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
     note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": absolute_name(data),
@@ -367,7 +376,7 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
                    "are kept (calibration.json marks them kept: true)")
     click.echo(f"target {kind} {value:g}, method {method}, pooled over classes")
     if choice is not None:
-        click.echo(f"method chosen by {choice['by']}: " + "; ".join(
+        click.echo(f"method chosen by {choice['by']}" + (": " if choice["candidates"] else "") + "; ".join(
             f"{r['method']} recall {r['mean_recall']:.3f} at precision {r['pooled_precision']:.3f}"
             + ("" if r["acceptable"] else " (short of the target)") for r in choice["candidates"]))
     click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"]))

@@ -254,3 +254,29 @@ def test_it_runs_where_torch_and_scikit_learn_cannot_be_imported(trained, images
     assert run.returncode == 0, run.stderr
     assert "recalibrated 8 classes, kept 2, 48 images" in run.stdout
     assert decisions(tmp_path / "b") == decisions(recalibrated)  # as in this process, where torch is importable
+
+
+def test_with_one_image_per_class_the_bundles_rule_is_kept_and_said(trained, tmp_path, capsys):
+    """Nothing to cross-validate on: the default cv keeps the bundle's own rule, says so in the
+    summary and in calibration.json, and the thresholds are that rule's on these images."""
+    import onnxruntime as ort
+
+    from serving.bundle import load_bundle
+    from trainer.calibrate import calibrate
+
+    folder = render(tmp_path / "one", per_class=1)
+    out = tmp_path / "out"
+    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(out)])
+    printed = capsys.readouterr().out
+    old, new = cal_of(trained[1]), cal_of(out)
+    assert new["method"] == old["method"] and new["method_choice"]["candidates"] == []
+    assert "no class has 2 images" in printed
+    b = load_bundle(out)
+    paths, y = files_and_labels(folder, list(b.classes))
+    x = np.stack([load_image_file(p, b.image) for p in paths])
+    h = ort.InferenceSession(str(out / "backbone.onnx"), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    want = calibrate(h.astype(np.float64) @ np.asarray(b.weight, np.float64).T + np.asarray(b.bias, np.float64), y,
+                     old["target"], method=old["method"])
+    seen = np.array([c in SEEN for c in b.classes])
+    got = np.array([e["threshold"] for e in new["per_class"]])
+    np.testing.assert_array_equal(got[seen], np.array([e["threshold"] for e in want["per_class"]])[seen])

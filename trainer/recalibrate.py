@@ -204,7 +204,8 @@ def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarra
     elif opts.method["name"] == CV:
         from trainer.threshold_cv import choose
 
-        opts.method, choice = choose(lambda rows: head_chunks(h[rows], weight, bias, chunk), y, D, opts.target)
+        opts.method, choice = choose(lambda rows: head_chunks(h[rows], weight, bias, chunk), y, D, opts.target,
+                                     progress=True)
     cal = calibrate_chunks(head_chunks(h, weight, bias, chunk), y, D, opts.target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            y_test if has_test else None, method=opts.method, progress=True)

@@ -38,19 +38,19 @@ def folds(y: np.ndarray, seed: int = SEED) -> np.ndarray:
     return out
 
 
-def fit_rules(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, methods) -> list[np.ndarray]:
+def fit_rules(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, methods, bar=None) -> list[np.ndarray]:
     """Each method's thresholds [D] fitted on (chunks, y): two passes, no Platt fits."""
-    pooled = PooledThreshold(_true_logits(chunks, y, num_classes))
+    pooled = PooledThreshold(_true_logits(chunks, y, num_classes, bar))
     tail = any(m["name"] == "tail" for m in methods)
-    per, _, _ = _per_class_pass(chunks, y, num_classes, target, pooled, tail=tail, platt=False)
+    per, _, _ = _per_class_pass(chunks, y, num_classes, target, pooled, bar, tail=tail, platt=False)
     g = float(pooled.choose(target)["threshold"][0])
     return [_method_thresholds(per, g, m) for m in methods]
 
 
-def counts(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: list[np.ndarray]) -> list[tuple]:
+def counts(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: list[np.ndarray], bar=None) -> list[tuple]:
     """(true matches, matches, positives) [D] per class at each set of thresholds, in one pass."""
     parts: list[list] = [[] for _ in thresholds]
-    for first, z in _each_chunk(chunks, y, num_classes):
+    for first, z in _each_chunk(chunks, y, num_classes, bar):
         positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
         for part, t in zip(parts, thresholds):
             part.append(_counts_at(z, positive, t[first:first + z.shape[1]]))
@@ -58,9 +58,17 @@ def counts(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: list[np.
 
 
 def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes: int, target: dict,
-           candidates=CANDIDATES, seed: int = SEED) -> tuple[dict, dict]:
+           candidates=CANDIDATES, seed: int = SEED, progress: bool = False) -> tuple[dict, dict]:
     """(the chosen method, the record of every candidate's cross-validated figures).
     `chunks_of(rows)` gives the logits of those rows in class chunks."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=3 * FOLDS * num_classes, desc="choosing the rule", unit="class", leave=False,
+              disable=None if progress else True) as bar:
+        return _choose(chunks_of, y, num_classes, target, candidates, seed, bar)
+
+
+def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates, seed: int, bar) -> tuple[dict, dict]:
     kind, value = _check_target(target)
     methods = [check_method(m) for m in candidates if kind == "precision" or m["name"] != "tail"]
     fold = folds(y, seed)
@@ -69,8 +77,8 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
         fit_rows, judge_rows = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
         if len(fit_rows) == 0 or len(judge_rows) == 0:
             raise ValueError("cross-validation needs at least 2 images of some class")
-        fitted = fit_rules(chunks_of(fit_rows), y[fit_rows], num_classes, target, methods)
-        for i, c in enumerate(counts(chunks_of(judge_rows), y[judge_rows], num_classes, fitted)):
+        fitted = fit_rules(chunks_of(fit_rows), y[fit_rows], num_classes, target, methods, bar)
+        for i, c in enumerate(counts(chunks_of(judge_rows), y[judge_rows], num_classes, fitted, bar)):
             tp[i] += c[0]
             matches[i] += c[1]
             positives[i] += c[2]

@@ -44,9 +44,10 @@ DEFAULT_TARGET = {"precision": 0.99}
 # tail: column j's threshold read off the upper tail of its negatives (an exponential fitted to the
 # TAIL_K highest), where the expected false matches keep the target precision: for classes with few
 # positives, whose own scores say little (docs/calibration.md, "The tail rule").
-METHODS = ("per_class", "global", "shrink", "tail")
+METHODS = ("per_class", "global", "shrink", "tail", "norm")
 DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
 TAIL_K = 20
+NORM_K = 100  # the norm rule: the highest negatives per column whose mean and spread standardise it
 PLATT_RIDGE = 1e-3  # on the standardised slope; a tiny prior, only matters when separable
 # logits per class chunk: [N, c] float64 is 16 MiB; a pass holds a few such arrays (the pooled counts sort a copy)
 CHUNK_VALUES = 2 * 1024 * 1024
@@ -518,6 +519,8 @@ def check_method(method: dict | None) -> dict:
         return {"name": "shrink", "kappa": kappa}
     if method["name"] == "tail":
         return {"name": "tail", "k": TAIL_K}
+    if method["name"] == "norm":
+        return {"name": "norm", "k": NORM_K}
     return {"name": method["name"]}
 
 
@@ -526,8 +529,8 @@ def _method_thresholds(per: dict, global_t: float, method: dict) -> np.ndarray:
     if method["name"] == "per_class":
         return per["threshold"]
     n = per["positives"].astype(np.float64)
-    if method["name"] == "tail":
-        threshold = per["tail"]
+    if method["name"] in ("tail", "norm"):
+        threshold = per[method["name"]]
     elif method["name"] == "global":
         threshold = np.full(len(n), global_t)
     else:
@@ -558,8 +561,8 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     """calibration.json content from logits in class chunks (`Chunks`): [N, c] at a time, never [N, D].
 
     Three passes over `cal` (the true logits; thresholds, Platt and the pooled counts; the rates at
-    the method's thresholds, which need the global one) and one over `test`, which is only measured.
-    Equal to the dense computation (tests/trainer/test_calibrate.py).
+    the method's thresholds, which need the global one), three more for the norm rule
+    (trainer/threshold_norm.py), and one over `test`, which is only measured. Equal to the dense computation (tests/trainer/test_calibrate.py).
     """
     from tqdm.auto import tqdm
 
@@ -569,11 +572,15 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     if method["name"] == "tail" and kind != "precision":
         raise ValueError("the tail rule needs a precision target (--target-precision)")
     y_cal = _labels(y_cal, num_classes)
-    passes = 3 + (test is not None)
+    norm = method["name"] == "norm"
+    passes = 3 + 3 * norm + (test is not None)
     with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
               disable=None if progress else True) as bar:
         pooled = PooledThreshold(_true_logits(cal, y_cal, num_classes, bar))
         per, a, b = _per_class_pass(cal, y_cal, num_classes, target, pooled, bar, tail=method["name"] == "tail")
+        if norm:
+            from trainer.threshold_norm import norm_thresholds
+            per["norm"] = norm_thresholds(cal, y_cal, num_classes, target, bar)
         global_entry = pooled.choose(target)
         global_t = float(global_entry["threshold"][0])
         threshold = _method_thresholds(per, global_t, method)

@@ -298,10 +298,10 @@ def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> 
               help="calibrate thresholds for this precision [default: 0.99]")
 @click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="or for this recall (not with --target-precision)")
-@click.option("--threshold-method", type=click.Choice(["auto", "shrink", "per_class", "global", "tail"]), default="auto",
-              show_default=True, help="per-class thresholds pulled toward the global one (shrink), alone, one for "
-              "all, or read off each class's negatives (tail); auto: global for a PoLS loss, shrink otherwise "
-              "(docs/bundle-format.md)")
+@click.option("--threshold-method", type=click.Choice(["auto", "shrink", "per_class", "global", "tail", "norm"]),
+              default="auto", show_default=True, help="per-class thresholds pulled toward the global one (shrink), "
+              "alone, one for all, read off each class's negatives (tail), or one on logits standardised by each "
+              "class's highest negatives (norm); auto: global for a PoLS loss, shrink otherwise (docs/bundle-format.md)")
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")

@@ -34,6 +34,7 @@ SHOW_UNKNOWN = 5  # unknown class names given in the one line
 EMBED_BATCH = 64
 DRAWS, LEVEL = 1000, 0.95  # bootstrap of the pooled precision and recall
 CV = "cv"  # --threshold-method: the rule chosen by cross-validation on the user's images
+DEFAULT_RULE = "norm"  # docs/calibration.md, "The norm rule": why it is slc calibrate's default
 KEPT_RULE = ("a class with no image in the recalibration data keeps its entry of the calibration this one "
              "replaced (threshold, Platt parameters, rates), marked kept: true")
 
@@ -73,8 +74,8 @@ def open_source(bundle: Path) -> tuple[dict, dict]:
 
 def resolve_options(calibration: dict, target_precision: float | None, target_recall: float | None,
                     method_name: str | None, kappa: float | None, skip_bad: bool) -> Options:
-    """The bundle's target unless given; the method given (its kappa the bundle's, for shrink), else
-    chosen by cross-validation on the images (trainer/threshold_cv.py)."""
+    """The bundle's target unless given; the method given (its kappa the bundle's, for shrink), else the
+    norm rule (trainer/threshold_norm.py); cv: chosen by cross-validation on the images (trainer/threshold_cv.py)."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
     target = ({"precision": target_precision} if target_precision is not None else
@@ -82,10 +83,10 @@ def resolve_options(calibration: dict, target_precision: float | None, target_re
     if list(target) not in (["precision"], ["recall"]):
         raise click.UsageError(f"the bundle's target {target} is not a precision or recall: give --target-precision P")
     old = calibration.get("method") or DEFAULT_METHOD
-    name = method_name or CV
+    name = method_name or DEFAULT_RULE
+    if kappa is not None and name != "shrink":
+        raise click.UsageError("--kappa goes with --threshold-method shrink")
     if name == CV:
-        if kappa is not None:
-            raise click.UsageError("--kappa goes with --threshold-method shrink")
         return Options(target, {"name": CV}, skip_bad)
     if name == "tail" and "recall" in target:
         raise click.UsageError("--threshold-method tail needs a precision target: give --target-precision P")
@@ -328,9 +329,10 @@ def _line(what: str, r: dict) -> str:
               help="[default: the bundle's target]")
 @click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="a recall target instead of a precision one")
-@click.option("--threshold-method", type=click.Choice((CV,) + METHODS), default=CV, show_default=True,
-              help="cv: the rule (global, tail, shrink, per_class) that recalls the most at the target in a "
-              "2-fold cross-validation on the images")
+@click.option("--threshold-method", type=click.Choice((CV,) + METHODS), default=DEFAULT_RULE, show_default=True,
+              help="norm: one threshold on logits standardised by each class's highest negatives; cv: the rule "
+              "(global, tail, norm, shrink, per_class) that recalls the most at the target in a 2-fold "
+              "cross-validation on the images")
 @click.option("--kappa", type=POSITIVE, help="shrink's pseudo-count [default: the bundle's, else 4]")
 @click.option("--skip-bad-images", is_flag=True, help="leave out files that cannot be read or decoded (one warning)")
 def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_precision: float | None,

@@ -22,7 +22,8 @@ import numpy as np
 from trainer.calibrate import (Chunks, PooledThreshold, _check_target, _chunk_positive, _counts_at, _each_chunk,
                                _method_thresholds, _per_class_pass, _true_logits, check_method)
 
-CANDIDATES = ({"name": "global"}, {"name": "tail"}, {"name": "shrink", "kappa": 4.0}, {"name": "per_class"})
+CANDIDATES = ({"name": "global"}, {"name": "tail"}, {"name": "norm"}, {"name": "shrink", "kappa": 4.0},
+              {"name": "per_class"})
 FOLDS = 2
 SEED = 0
 
@@ -39,10 +40,13 @@ def folds(y: np.ndarray, seed: int = SEED) -> np.ndarray:
 
 
 def fit_rules(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, methods, bar=None) -> list[np.ndarray]:
-    """Each method's thresholds [D] fitted on (chunks, y): two passes, no Platt fits."""
+    """Each method's thresholds [D] fitted on (chunks, y): two passes (three more for norm), no Platt fits."""
     pooled = PooledThreshold(_true_logits(chunks, y, num_classes, bar))
     tail = any(m["name"] == "tail" for m in methods)
     per, _, _ = _per_class_pass(chunks, y, num_classes, target, pooled, bar, tail=tail, platt=False)
+    if any(m["name"] == "norm" for m in methods):
+        from trainer.threshold_norm import norm_thresholds
+        per["norm"] = norm_thresholds(chunks, y, num_classes, target, bar)
     g = float(pooled.choose(target)["threshold"][0])
     return [_method_thresholds(per, g, m) for m in methods]
 
@@ -63,7 +67,8 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
     `chunks_of(rows)` gives the logits of those rows in class chunks."""
     from tqdm.auto import tqdm
 
-    with tqdm(total=3 * FOLDS * num_classes, desc="choosing the rule", unit="class", leave=False,
+    passes = 3 + 3 * any(m["name"] == "norm" for m in candidates)  # per fold: fit (2, + 3 for norm), judge (1)
+    with tqdm(total=passes * FOLDS * num_classes, desc="choosing the rule", unit="class", leave=False,
               disable=None if progress else True) as bar:
         return _choose(chunks_of, y, num_classes, target, candidates, seed, bar)
 

@@ -31,6 +31,9 @@ def test_chunked_fit_and_judge_equal_dense_math(monkeypatch):
     from tests.trainer.test_threshold_cv import reference_tail
 
     np.testing.assert_allclose(got["tail"], reference_tail(z.astype(np.float64), y, 0.9), rtol=1e-12)
+    from tests.trainer.test_threshold_norm import reference_norm
+
+    np.testing.assert_allclose(got["norm"], reference_norm(z.astype(np.float64), y, target), rtol=1e-10)
 
 
 def test_the_user_rows_fit_on_two_per_class_and_judge_the_rest():

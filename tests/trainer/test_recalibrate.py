@@ -152,9 +152,8 @@ def test_the_thresholds_are_the_estimators_on_independently_computed_embeddings(
     for j in np.flatnonzero(~seen):
         assert new["per_class"][j] == {**old["per_class"][j], "kept": True}
     assert new["target"] == old["target"] and new["examples"] == len(y)
-    # the default --threshold-method cv: the rule written is the one its record chose (the choice itself is
-    # checked against a brute-force cross-validation in tests/trainer/test_threshold_cv.py)
-    assert new["method"]["name"] == new["method_choice"]["chosen"]
+    # the default --threshold-method norm (checked against a per-column reference in test_threshold_norm.py)
+    assert new["method"] == {"name": "norm", "k": 100} and "method_choice" not in new
 
 
 def test_an_unknown_class_is_one_line_and_exit_2_before_any_image_is_decoded(trained, tmp_path, capsys, monkeypatch):
@@ -194,10 +193,14 @@ def test_with_split_folders_val_is_fitted_test_measured_train_left_out(trained, 
     folder = tmp_path / "splits"
     for split, n in (("train", 2), ("val", 3), ("test", 2)):
         render(folder, per_class=n, split=split)
-    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(tmp_path / "b")])
+    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(tmp_path / "b"),
+          "--threshold-method", "cv"])
     out = capsys.readouterr().out
     cal = cal_of(tmp_path / "b")
     assert cal["examples"] == 3 * len(SEEN) and cal["test_examples"] == 2 * len(SEEN)
+    # cv: the rule written is the one its record chose (the choice itself is checked against a brute-force
+    # cross-validation in tests/trainer/test_threshold_cv.py)
+    assert cal["method"]["name"] == cal["method_choice"]["chosen"] and len(cal["method_choice"]["candidates"]) == 5
     assert cal["recalibration"]["pooled"]["test"]["images"] == 2 * len(SEEN)
     assert "16 train-split images left out" in out and "on the test images" in out
 
@@ -257,7 +260,7 @@ def test_it_runs_where_torch_and_scikit_learn_cannot_be_imported(trained, images
 
 
 def test_with_one_image_per_class_the_bundles_rule_is_kept_and_said(trained, tmp_path, capsys):
-    """Nothing to cross-validate on: the default cv keeps the bundle's own rule, says so in the
+    """Nothing to cross-validate on: cv keeps the bundle's own rule, says so in the
     summary and in calibration.json, and the thresholds are that rule's on these images."""
     import onnxruntime as ort
 
@@ -266,7 +269,7 @@ def test_with_one_image_per_class_the_bundles_rule_is_kept_and_said(trained, tmp
 
     folder = render(tmp_path / "one", per_class=1)
     out = tmp_path / "out"
-    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(out)])
+    main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(out), "--threshold-method", "cv"])
     printed = capsys.readouterr().out
     old, new = cal_of(trained[1]), cal_of(out)
     assert new["method"] == old["method"] and new["method_choice"]["candidates"] == []

@@ -9,7 +9,9 @@ blur and contrast (trainer/augment.py `style`), pooled with the clean ones.
 
 Rules (trainer/calibrate.py's estimators, as `slc export` uses them): per_class (column j alone),
 global (one threshold for all classes: PoLS's promise that single logits are comparable), and
-shrink k=κ (per class pulled toward the global one by a pseudo-count κ).
+shrink k=κ (per class pulled toward the global one by a pseudo-count κ), tail (each column's
+negative tail extrapolated) and norm (one threshold on logits standardised by each column's highest
+negatives, trainer/threshold_norm.py).
 
 Judged by what the detect route does at the thresholds: per-class mean recall and precision
 (a class that never matches has precision 1), and the pooled precision (true matches over all
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.report import md_table, write_result
+from trainer.threshold_norm import norm_thresholds
 from trainer.calibrate import (PooledThreshold, _chunk_positive, _counts_at, chunk_classes, class_thresholds, dense_chunks,
                                tail_thresholds)
 
@@ -49,6 +52,7 @@ def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
     for kappa in KAPPAS:
         out[f"shrink k={kappa:g}"] = (n * per["threshold"] + kappa * g) / (n + kappa)
     out["tail"] = per["tail"]
+    out["norm"] = norm_thresholds(dense_chunks(z, chunk_classes(len(y), num_classes)), y, num_classes, target)
     return out
 
 
@@ -96,7 +100,7 @@ def _shifted(x: np.ndarray, image: dict) -> np.ndarray:
 
 def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str) -> list[dict]:
     """A user's recalibration on one face: USER_IMAGES images per class fitted (seeded), the rest of
-    the face judged; every rule, and the one `slc calibrate`'s default (cv) picks from those images."""
+    the face judged; every rule (norm is `slc calibrate`'s default), and the one cv picks from those images."""
     from trainer import threshold_cv
 
     pick = _per_class_sample(y, USER_IMAGES)

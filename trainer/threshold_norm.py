@@ -1,0 +1,108 @@
+"""The norm rule: each class's logits standardised by its own negative tail, one threshold on the
+standardised scale, chosen on scores the standardisation never saw.
+
+Why: on a face the model separates poorly, the columns differ. A confusable class has high
+negatives, a distinctive one low, so one raw threshold is too strict for most classes, and
+per-class rules read off few positives (or extrapolate each tail alone, as the tail rule does) are
+noisy or conservative. Standardising column j by the mean mu_j and spread sd_j of its NORM_K highest
+negatives puts every column's negative tail on one scale; a single threshold tau there is then
+chosen like the global one, over all D columns pooled. So each class gets its own threshold
+t_j = mu_j + sd_j tau, while tau rests on every (example, class) pair (docs/calibration.md, "The
+norm rule").
+
+tau is cross-fitted: the examples are split in two halves (each class's images dealt in turn);
+each half's scores are standardised with the other half's (mu, sd) and tau is chosen there, and the
+two choices are averaged. Chosen on the same negatives that set (mu, sd), tau would see tails
+lighter than fresh images have, and precision on new images would fall short of the target.
+numpy only.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from trainer.calibrate import (NORM_K, Chunks, PooledThreshold, _check_target, _chunk_positive, _each_chunk,
+                               _true_logits)
+
+SEED = 0
+MIN_SD = 1e-6  # a column whose top negatives are all equal keeps a finite scale
+
+
+def halves(y: np.ndarray, seed: int = SEED) -> list[np.ndarray]:
+    """Two row sets: the examples sorted by class (shuffled within, seeded) and dealt out in turn, so
+    every class is split evenly (to one) and the halves differ in size by at most one."""
+    y = np.asarray(y, dtype=np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    order = order[np.argsort(y[order], kind="stable")]  # by class, shuffled within
+    return [np.sort(order[h::2]) for h in (0, 1)]
+
+
+def top_stats(z: np.ndarray, positive: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean [c], spread [c], count [c]) of each column's k highest negatives (fewer if it has fewer)."""
+    n = z.shape[0]
+    neg = np.where(positive, -np.inf, z)  # [n, c]
+    kk = max(1, min(k, n))
+    top = np.partition(neg, n - kk, axis=0)[n - kk:] if n else np.full((1, z.shape[1]), -np.inf)  # [kk, c]
+    finite = np.isfinite(top)
+    m = finite.sum(axis=0)  # [c]
+    mu = np.where(finite, top, 0).sum(axis=0) / np.maximum(m, 1)
+    var = np.where(finite, (top - mu) ** 2, 0).sum(axis=0) / np.maximum(m, 1)
+    sd = np.where(m >= 2, np.maximum(np.sqrt(var), MIN_SD), 1.0)  # under 2 negatives: no spread to read
+    return mu, sd, m
+
+
+def _half_k(k: int, rows: int, n: int) -> int:
+    return max(2, round(k * rows / max(n, 1)))
+
+
+def _stats_pass(chunks: Chunks, y: np.ndarray, num_classes: int, row_sets: list[np.ndarray], k: int, bar=None):
+    """(mu, sd, count) [D] on all rows, and (mu, sd) [D] on each half's rows, plus the lowest positive and
+    the highest score per column: one pass."""
+    n = len(y)
+    full, parts, low, high = [], [[] for _ in row_sets], [], []
+    for first, z in _each_chunk(chunks, y, num_classes, bar):
+        positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
+        full.append(top_stats(z, positive, k))
+        for part, rows in zip(parts, row_sets):
+            part.append(top_stats(z[rows], positive[rows], _half_k(k, len(rows), n))[:2])
+        low.append(np.where(positive, z, np.inf).min(axis=0))
+        high.append(z.max(axis=0))
+    cat = lambda items: tuple(np.concatenate(a) for a in zip(*items))  # noqa: E731
+    return cat(full), [cat(p) for p in parts], np.concatenate(low), np.concatenate(high)
+
+
+def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row_sets: list[np.ndarray],
+          other: list[tuple], target: dict, bar=None) -> list[float]:
+    """Per half, the pooled threshold on its standardised scores, with (mu, sd) [D] of the other half:
+    one pass."""
+    pooled = []
+    for rows, (mu, sd) in zip(row_sets, other):
+        yr = y[rows]
+        pooled.append(PooledThreshold((true[rows] - mu[yr]) / sd[yr]))  # [n_h] standardised own logits
+    for first, z in _each_chunk(chunks, y, num_classes, bar):
+        cols = slice(first, first + z.shape[1])
+        for p, rows, (mu, sd) in zip(pooled, row_sets, other):
+            p.add((z[rows] - mu[cols]) / sd[cols])  # [n_h, c]
+    return [float(p.choose(target)["threshold"][0]) for p in pooled]
+
+
+def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, bar=None,
+                    k: int = NORM_K) -> np.ndarray:
+    """The norm rule's thresholds [D] (float64) from logits in class chunks: three passes (the true
+    logits, the column statistics, the cross-fitted tau). A class with no positive never matches (as
+    everywhere); one with under 2 negatives matches above its highest negative, or from its lowest
+    positive if it has none."""
+    _check_target(target)
+    y = np.asarray(y, dtype=np.int64)
+    parts = halves(y)
+    if min(len(rows) for rows in parts) == 0:
+        raise ValueError("the norm rule needs at least 2 images")
+    true = _true_logits(chunks, y, num_classes, bar)
+    (mu, sd, m), half_stats, low, high = _stats_pass(chunks, y, num_classes, parts, k, bar)
+    tau = float(np.mean(_taus(chunks, y, num_classes, true, parts, half_stats[::-1], target, bar)))
+    t = mu + sd * tau
+    t = np.where(m < 2, np.nextafter(mu.astype(np.float32), np.float32(np.inf)).astype(np.float64), t)
+    t = np.where(m == 0, low, t)
+    n_pos = np.bincount(y, minlength=num_classes)
+    none = n_pos == 0
+    t[none] = np.nextafter(high[none].astype(np.float32), np.float32(np.inf))
+    return t

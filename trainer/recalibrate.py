@@ -347,6 +347,9 @@ def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_
     manifest, old = open_source(bundle)
     opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images)
     images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
+    if opts.method["name"] == "norm" and len(y_fit) < 2:
+        raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
+                               "--threshold-method (global, shrink, per_class)")
     h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
     try:
         cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts)

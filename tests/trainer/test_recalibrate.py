@@ -171,6 +171,15 @@ def test_an_unknown_class_is_one_line_and_exit_2_before_any_image_is_decoded(tra
     assert not (tmp_path / "out").exists()
 
 
+def test_the_norm_rule_on_a_single_image_is_one_line_and_exit_2(trained, tmp_path, capsys):
+    folder = render(tmp_path / "one", classes="A", per_class=1)
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", str(trained[1]), "--data", f"imagefolder:{folder}", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "at least 2 images" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--out", "{bundle}"], "pass --in-place"),
     ([], "give --out NEW_BUNDLE, or --in-place"),

@@ -43,7 +43,9 @@ DEFAULT_TARGET = {"precision": 0.99}
 # pulled toward the global one by a pseudo-count kappa, (n_j t_j + kappa t_g) / (n_j + kappa).
 # tail: column j's threshold read off the upper tail of its negatives (an exponential fitted to the
 # TAIL_K highest), where the expected false matches keep the target precision: for classes with few
-# positives, whose own scores say little (docs/calibration.md, "The tail rule").
+# positives, whose own scores say little (docs/calibration.md, "The tail rule"). norm: one threshold
+# on the logits standardised by each column's NORM_K highest negatives, cross-fitted
+# (trainer/threshold_norm.py; docs/calibration.md, "The norm rule").
 METHODS = ("per_class", "global", "shrink", "tail", "norm")
 DEFAULT_METHOD = {"name": "shrink", "kappa": 4.0}
 TAIL_K = 20
@@ -562,7 +564,8 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
 
     Three passes over `cal` (the true logits; thresholds, Platt and the pooled counts; the rates at
     the method's thresholds, which need the global one), three more for the norm rule
-    (trainer/threshold_norm.py), and one over `test`, which is only measured. Equal to the dense computation (tests/trainer/test_calibrate.py).
+    (trainer/threshold_norm.py), and one over `test`, which is only measured. Equal to the dense
+    computation (tests/trainer/test_calibrate.py).
     """
     from tqdm.auto import tqdm
 

@@ -3,8 +3,9 @@
 Why: which rule holds depends on the data. On faces the model fits well one global threshold
 recalls the most at the target; on a face it separates poorly (a user's brush scans), the pooled
 negatives force that threshold so high that it recalls almost nothing, and per-class thresholds
-read off each column's negative tail recall more at the same precision
-(docs/calibration.md, "The tail rule"). The user's own images say which case they are in.
+read off each column's negative tail (tail), or one threshold on logits standardised by each
+column's negatives (norm), recall more at the same precision (docs/calibration.md, "The tail
+rule", "The norm rule"). The user's own images say which case they are in.
 
 Each class's examples are split in two folds (seeded); every candidate rule is fitted on one fold
 and judged on the other, both ways, by what detect would do: pooled precision (true matches over
@@ -75,8 +76,10 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
 
 def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates, seed: int, bar) -> tuple[dict, dict]:
     kind, value = _check_target(target)
-    methods = [check_method(m) for m in candidates if kind == "precision" or m["name"] != "tail"]
     fold = folds(y, seed)
+    few = min(int((fold != f).sum()) for f in range(FOLDS)) < 2  # a fold fitted on one image: norm cannot be
+    methods = [check_method(m) for m in candidates
+               if (kind == "precision" or m["name"] != "tail") and not (few and m["name"] == "norm")]
     tp, matches, positives = (np.zeros((len(methods), num_classes)) for _ in range(3))
     for f in range(FOLDS):
         fit_rows, judge_rows = np.flatnonzero(fold != f), np.flatnonzero(fold == f)

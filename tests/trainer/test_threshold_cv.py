@@ -142,6 +142,14 @@ def test_the_folds_split_every_class_in_two_and_a_recall_target_leaves_tail_out(
     assert "tail" not in [r["method"] for r in record["candidates"]]
 
 
+def test_with_one_image_to_fit_per_fold_cv_leaves_norm_out_and_still_chooses():
+    z = np.array([[3.0, 0.1], [2.5, -0.2]])  # two images of class 0: each fold is fitted on one
+    y = np.array([0, 0])
+    method, record = threshold_cv.choose(lambda r: dense_chunks(z[r], 2), y, 2, {"precision": P})
+    names = [r["method"] for r in record["candidates"]]
+    assert "norm" not in names and "global" in names and method["name"] in names
+
+
 def test_slc_calibrate_options_default_to_norm_and_refuse_what_cannot_work():
     import click
 

@@ -145,16 +145,17 @@ def detect_table_experiment(studies: tuple[Path, ...], name: str, out: Path) -> 
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), help="where the bundles and PNGs go [temp]")
 @click.option("--name", default="user-calibration", show_default=True, help="OUT/NAME.{json,md}")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
-def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out: Path) -> None:
+@click.option("--adapt-rows", is_flag=True, help="recalibrate with slc calibrate --adapt-rows")
+def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out: Path, adapt_rows: bool) -> None:
     """Detect on the test face over HTTP with PNG bodies, before and after slc calibrate on 2 images per class."""
     from tools.experiments.user_calibration import markdown, study
     from tools.report import write_result
 
     if not (run / "checkpoint.pt").is_file():
         raise click.BadParameter(f"{run} is not a run directory (no checkpoint.pt)", param_hint="RUN")
-    r = study(run, work)
+    r = study(run, work, ["--adapt-rows"] if adapt_rows else [])
     command = f"slc experiment user-calibration {run}" + (f" --work {work}" if work else "") + (
-        f" --name {name}" if name != "user-calibration" else "")
+        f" --name {name}" if name != "user-calibration" else "") + (" --adapt-rows" if adapt_rows else "")
     path = write_result(out, name, lambda: markdown(r, command), r)[0]
     click.echo(f"recall {r['before']['recall']:.3f} -> {r['after']['recall']:.3f}, precision "
                f"{r['before']['precision']:.3f} -> {r['after']['precision']:.3f} -> {path}")

@@ -559,13 +559,14 @@ def _labels(y: np.ndarray, num_classes: int) -> np.ndarray:
 
 def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: dict | None = None,
                      test: Chunks | None = None, y_test: np.ndarray | None = None, method: dict | None = None,
-                     progress: bool = False) -> dict:
+                     progress: bool = False, cross: list[Chunks] | None = None) -> dict:
     """calibration.json content from logits in class chunks (`Chunks`): [N, c] at a time, never [N, D].
 
     Three passes over `cal` (the true logits; thresholds, Platt and the pooled counts; the rates at
     the method's thresholds, which need the global one), three more for the norm rule
-    (trainer/threshold_norm.py), and one over `test`, which is only measured. Equal to the dense
-    computation (tests/trainer/test_calibrate.py).
+    (trainer/threshold_norm.py; eight with `cross`, the logits each half's tau is chosen on when a
+    head was adapted on the other half: trainer/row_adapt.py), and one over `test`, which is only
+    measured. Equal to the dense computation (tests/trainer/test_calibrate.py).
     """
     from tqdm.auto import tqdm
 
@@ -576,14 +577,16 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
         raise ValueError("the tail rule needs a precision target (--target-precision)")
     y_cal = _labels(y_cal, num_classes)
     norm = method["name"] == "norm"
-    passes = 3 + 3 * norm + (test is not None)
+    if cross is not None and not norm:
+        raise ValueError("cross-fitted logits go with the norm rule")
+    passes = 3 + (3 if cross is None else 8) * norm + (test is not None)
     with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
               disable=None if progress else True) as bar:
         pooled = PooledThreshold(_true_logits(cal, y_cal, num_classes, bar))
         per, a, b = _per_class_pass(cal, y_cal, num_classes, target, pooled, bar, tail=method["name"] == "tail")
         if norm:
             from trainer.threshold_norm import norm_thresholds
-            per["norm"] = norm_thresholds(cal, y_cal, num_classes, target, bar)
+            per["norm"] = norm_thresholds(cal, y_cal, num_classes, target, bar, cross=cross)
         global_entry = pooled.choose(target)
         global_t = float(global_entry["threshold"][0])
         threshold = _method_thresholds(per, global_t, method)

@@ -301,14 +301,19 @@ def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> 
 @click.option("--threshold-method", type=click.Choice(["auto", "shrink", "per_class", "global", "tail", "norm"]),
               default="auto", show_default=True, help="per-class thresholds pulled toward the global one (shrink), "
               "alone, one for all, read off each class's negatives (tail), or one on logits standardised by each "
-              "class's highest negatives (norm); auto: global for a PoLS loss, shrink otherwise (docs/bundle-format.md)")
+              "class's highest negatives (norm); auto: norm for a PoLS loss calibrated with the style shift, global "
+              "for one without, shrink otherwise (docs/calibration.md)")
+@click.option("--calibration-shift", type=click.Choice(["auto", "style", "none"]), default="auto", show_default=True,
+              help="also calibrate on each calibration image with a seeded stroke weight, blur and contrast (style), "
+              "so that thresholds hold on images unlike the calibration faces; auto: style for a PoLS loss on images")
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
 @click.option("--head-precision", "head_precision", default="", callback=_head_precisions,
               help="also write quantized heads: int8, bf16 or both, comma-separated (docs/bundle-format.md)")
 def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float],
-           threshold_method: str, kappa: float, data: Optional[str], head_precision: tuple[str, ...]) -> None:
+           threshold_method: str, calibration_shift: str, kappa: float, data: Optional[str],
+           head_precision: tuple[str, ...]) -> None:
     """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
@@ -323,7 +328,7 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
     method = None if threshold_method == "auto" else method
     try:
         export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method, data=data,
-                      head_precisions=precisions)
+                      head_precisions=precisions, shift=calibration_shift)
     except ValueError as exc:  # the run's data gone or changed: one line
         raise click.UsageError(str(exc)) from None
     b = load_bundle(out, verify=False)
@@ -331,6 +336,7 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
     extra = (f", test per-class mean precision {test['per_class_mean_precision']:.3f} recall "
              f"{test['per_class_mean_recall']:.3f}") if test else ""
     click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}, thresholds {b.calibration.get('method', {}).get('name', '?')}"
+               f"{' on calibration + style-shifted copies' if b.calibration.get('shift') else ''}"
                f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: slc serve {out}")
 
 

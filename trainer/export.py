@@ -38,6 +38,7 @@ from serving.bundle import (
 from serving.bundle.negatives import write_negatives
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from serving.bundle.quantize import write_heads
+from trainer import calibration_shift
 from trainer.calibrate import calibrate_chunks, chunk_classes
 
 log = logging.getLogger(__name__)
@@ -236,21 +237,30 @@ def _write_head(stage: Path, weight: np.ndarray, bias: np.ndarray) -> None:
         stream.close()
 
 
-def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None) -> tuple[dict, dict]:
+def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None,
+                       shift: str = "none") -> tuple[dict, dict]:
     """Thresholds chosen on the calibration split's logits as the server's detect computes them
-    (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]. Also a
-    sample of those embeddings with their labels (serving/bundle/negatives.py: an enrolled class's
+    (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]; with
+    shift "style", on the split and its style-shifted copy (trainer/calibration_shift.py). Also a
+    sample of the clean embeddings with their labels (serving/bundle/negatives.py: an enrolled class's
     negatives); returns (calibration, the manifest's `negatives`)."""
     from trainer.metrics import head_chunks
 
     weight, bias = r.head  # [D, d], [D]
     has_test = len(r.x_test) > 0
     h_cal = _ort_embeddings(stage / "backbone.onnx", r.x_cal).astype(np.float64)  # [N, d]
+    h_fit, y_fit = h_cal, r.y_cal
+    if shift == "style":
+        shifted = calibration_shift.style_shifted(r.x_cal, r.image or {})
+        h_fit = np.concatenate([h_cal, _ort_embeddings(stage / "backbone.onnx", shifted)])  # [2N, d]
+        y_fit = np.concatenate([r.y_cal, r.y_cal])
     h_test = _ort_embeddings(stage / "backbone.onnx", r.x_test).astype(np.float64) if has_test else None  # [N', d]
-    chunk = chunk_classes(max(len(r.x_cal), len(r.x_test)), len(weight))
-    cal = calibrate_chunks(head_chunks(h_cal, weight, bias, chunk), r.y_cal, len(weight), target,
+    chunk = chunk_classes(max(len(h_fit), len(r.x_test)), len(weight))
+    cal = calibrate_chunks(head_chunks(h_fit, weight, bias, chunk), y_fit, len(weight), target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            r.y_test if has_test else None, method=method, progress=True)
+    if (entry := calibration_shift.record(shift, len(r.y_cal))) is not None:
+        cal["shift"] = entry
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
     return cal, write_negatives(stage, h_cal, r.y_cal)
 
@@ -298,24 +308,31 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         **({"image": spec} if (spec := r.data_info.get("image", r.image)) else {}))
 
 
-def default_method(pols: bool) -> dict:
-    """The thresholds' method when none is named: one global threshold for a PoLS-trained head, whose
-    logits are comparable across classes (fitted on one calibration face and judged on the other, it
-    kept 0.94-0.99 recall at the target precision where shrunk per-class thresholds kept 0.77-0.97 and
-    per-class ones 0.44-0.88: docs/results/threshold-transfer-glyphs3755.md); shrink (kappa 4) else."""
-    return {"name": "global"} if pols else {"name": "shrink", "kappa": 4.0}
+def default_method(pols: bool, shift: str = "none") -> dict:
+    """The thresholds' method when none is named. A PoLS-trained head calibrated on style-shifted
+    copies too: norm, which reads each class's widened negative tail (one global threshold there is
+    set by the most shifted negatives of all classes). A PoLS head on clean data: one global
+    threshold, its logits being comparable across classes. Otherwise shrink (kappa 4). Why, measured
+    on held-out faces: docs/calibration.md, "Calibrating for shifted images"."""
+    if pols:
+        return {"name": "norm"} if shift == "style" else {"name": "global"}
+    return {"name": "shrink", "kappa": 4.0}
 
 
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
-                  method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = ()) -> Path:
+                  method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = (),
+                  shift: str = "auto") -> Path:
     """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful.
     `data`: the run's dataset at its new place, when it has moved (trainer.data.load_run_data);
-    `head_precisions`: quantized copies of the head to add (serving/bundle/quantize.py)."""
+    `head_precisions`: quantized copies of the head to add (serving/bundle/quantize.py);
+    `shift`: calibrate on style-shifted copies too (trainer/calibration_shift.py; auto: for a PoLS loss on images)."""
     run, out = Path(run), Path(out)
     target = _target(target_precision, target_recall)
     r = _open_run(run, data)
+    pols = bool(r.config.get("loss_pols", False))
+    shift = calibration_shift.resolve(shift, pols, tuple(r.data_info["input_shape"]), r.image)
     if method is None or method.get("name") == "auto":
-        method = default_method(bool(r.config.get("loss_pols", False)))
+        method = default_method(pols, shift)
     weight, bias = r.head  # [D, d], [D]
     D, d = weight.shape
     classes = [str(c) for c in r.data_info["classes"]]
@@ -325,7 +342,7 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     try:
         parity_report = _export_graphs(r, stage, D, external=weight.nbytes > EXTERNAL_DATA_BYTES)
         _write_head(stage, weight, bias)
-        cal, negatives = _write_calibration(r, stage, target, method)
+        cal, negatives = _write_calibration(r, stage, target, method, shift)
         _write_samples(r, stage, D)
         manifest = _manifest(r, stage, classes, d, cal, parity_report)
         manifest["negatives"] = negatives

@@ -54,6 +54,7 @@ class Options:
     target: dict
     method: dict
     skip_bad: bool
+    adapt: float | str | None = None  # --adapt-rows: None (off), "auto" (step chosen) or the step
 
 
 # ------------------------------------------------------------------------------ before any decoding
@@ -73,11 +74,18 @@ def open_source(bundle: Path) -> tuple[dict, dict]:
 
 
 def resolve_options(calibration: dict, target_precision: float | None, target_recall: float | None,
-                    method_name: str | None, kappa: float | None, skip_bad: bool) -> Options:
+                    method_name: str | None, kappa: float | None, skip_bad: bool,
+                    adapt: bool = False, step: float | None = None) -> Options:
     """The bundle's target unless given; the method given (its kappa the bundle's, for shrink), else the
-    norm rule (trainer/threshold_norm.py); cv: chosen by cross-validation on the images (trainer/threshold_cv.py)."""
+    norm rule (trainer/threshold_norm.py); cv: chosen by cross-validation on the images (trainer/threshold_cv.py).
+    adapt: the rows moved toward the images too (trainer/row_adapt.py), by `step` or a chosen one."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
+    if step is not None and not adapt:
+        raise click.UsageError("--adapt-step goes with --adapt-rows")
+    if adapt and (method_name or DEFAULT_RULE) != "norm":
+        raise click.UsageError("--adapt-rows sets the norm rule's thresholds for the moved rows: "
+                               "leave out --threshold-method (or give norm)")
     target = ({"precision": target_precision} if target_precision is not None else
               {"recall": target_recall} if target_recall is not None else dict(calibration.get("target") or {}))
     if list(target) not in (["precision"], ["recall"]):
@@ -96,7 +104,7 @@ def resolve_options(calibration: dict, target_precision: float | None, target_re
         method = check_method({"name": name, "kappa": kappa})
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    return Options(target, method, skip_bad)
+    return Options(target, method, skip_bad, (step if step is not None else "auto") if adapt else None)
 
 
 def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, np.ndarray, np.ndarray]:
@@ -186,12 +194,37 @@ def head_chunks(h: np.ndarray, weight: np.ndarray, bias: np.ndarray, chunk: int)
     return chunks(np.asarray(h, dtype=np.float64), weight, bias, chunk)
 
 
+def head_rows(bundle: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(weight [D, d] memory-mapped, bias [D]) of the bundle's head."""
+    return (np.load(bundle / "head_weight.npy", mmap_mode="r", allow_pickle=False),
+            np.load(bundle / "head_bias.npy", allow_pickle=False))
+
+
+def adapt_rows(weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, opts: Options):
+    """(the rows moved toward the images, the logits each half's tau is chosen on, the manifest's and
+    calibration's `adaptation` note): trainer/row_adapt.py, the step chosen unless given."""
+    from trainer import row_adapt
+
+    if len(y) < 2:
+        raise click.UsageError("--adapt-rows needs at least 2 images")
+    candidates = []
+    step = opts.adapt
+    if step == "auto":
+        step, candidates = row_adapt.choose_beta(h, y, weight, bias, opts.target)
+    rows = row_adapt.adapt(weight, h, y, float(step))
+    note = {"step": float(step), "classes": int(len(rows.ids)), "images": int(len(y)),
+            "rule": "w_j + step * |w_j| * unit(mean of class j's images - mean of all images)",
+            "step_choice": candidates or "given (--adapt-step)"}
+    return rows, row_adapt.cross_chunks(h, y, weight, bias, float(step)), note
+
+
 def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarray | None,
-        y_test: np.ndarray | None, opts: Options) -> tuple[dict, np.ndarray]:
+        y_test: np.ndarray | None, opts: Options, weight=None, cross=None) -> tuple[dict, np.ndarray]:
     """calibration.json content from the estimator, kept entries restored for classes without an
-    image; and the thresholds [D] the server will compare with (float32, as it stores them)."""
-    weight = np.load(bundle / "head_weight.npy", mmap_mode="r", allow_pickle=False)  # [D, d]
-    bias = np.load(bundle / "head_bias.npy", allow_pickle=False)  # [D]
+    image; and the thresholds [D] the server will compare with (float32, as it stores them).
+    `weight`: the rows to calibrate (default the bundle's); `cross`: calibrate_chunks' cross-fitted logits."""
+    bundle_weight, bias = head_rows(bundle)
+    weight = bundle_weight if weight is None else weight  # [D, d]
     D = len(weight)
     chunk = chunk_classes(max(len(y), 0 if y_test is None else len(y_test)), D)
     has_test = y_test is not None and len(y_test) > 0
@@ -209,7 +242,7 @@ def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarra
                                      progress=True)
     cal = calibrate_chunks(head_chunks(h, weight, bias, chunk), y, D, opts.target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
-                           y_test if has_test else None, method=opts.method, progress=True)
+                           y_test if has_test else None, method=opts.method, progress=True, cross=cross)
     present = np.bincount(y, minlength=D) > 0  # [D]
     for j in np.flatnonzero(~present):
         cal["per_class"][j] = {**old["per_class"][j], "kept": True}
@@ -299,11 +332,11 @@ def _embed_all(bundle: Path, spec: dict, images: Images, y_fit: np.ndarray, y_te
     return h, y_fit[kept], h_test, y_test[kept_test]
 
 
-def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshold: np.ndarray) -> dict:
-    """Pooled precision and recall with intervals at the new thresholds: on the fit images, and on
-    the test images when there are some."""
-    weight = np.load(bundle / "head_weight.npy", mmap_mode="r", allow_pickle=False)
-    bias = np.load(bundle / "head_bias.npy", allow_pickle=False)
+def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshold: np.ndarray, weight=None) -> dict:
+    """Pooled precision and recall with intervals at the new thresholds (and rows, when adapted): on
+    the fit images, and on the test images when there are some."""
+    bundle_weight, bias = head_rows(bundle)
+    weight = bundle_weight if weight is None else weight
     report = {"fit": pooled(*per_image_counts(h, y, weight, bias, threshold))}
     if y_test is not None and len(y_test):
         report["test"] = pooled(*per_image_counts(h_test, y_test, weight, bias, threshold))
@@ -335,9 +368,14 @@ def _line(what: str, r: dict) -> str:
               "cross-validation on the images")
 @click.option("--kappa", type=POSITIVE, help="shrink's pseudo-count [default: the bundle's, else 4]")
 @click.option("--skip-bad-images", is_flag=True, help="leave out files that cannot be read or decoded (one warning)")
+@click.option("--adapt-rows", is_flag=True, help="also move each class's head row toward its images (a new head: "
+              "restart servers on the bundle), then the norm rule's thresholds for the moved rows "
+              "(docs/calibration.md, \"Adapting the rows\")")
+@click.option("--adapt-step", type=POSITIVE, help="the step, in units of each row's length "
+              "[default: chosen among 0.25, 0.5, 1 by cross-fitting on the images]")
 def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_precision: float | None,
               target_recall: float | None, threshold_method: str | None, kappa: float | None,
-              skip_bad_images: bool) -> None:
+              skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None) -> None:
     """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
     from serving.bundle.recalibration import PREVIOUS, RecalibrationError, write_recalibrated
     from trainer.data.imagefiles import absolute_name
@@ -345,27 +383,39 @@ def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_
     t0 = time.perf_counter()
     target = _output(bundle, out, in_place)
     manifest, old = open_source(bundle)
-    opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images)
+    opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images,
+                           adapt_rows, adapt_step)
     images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
     if opts.method["name"] == "norm" and len(y_fit) < 2:
         raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
                                "--threshold-method (global, shrink, per_class)")
     h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
+    rows, cross, adaptation = adapt_rows_of(bundle, h, y, opts)
     try:
-        cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts)
+        cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts, rows, cross)
     except ValueError as exc:  # the estimator refusing these data (say, non-finite logits): one line
         raise click.ClickException(f"{bundle}: {exc}") from None
-    report = _report(bundle, h, y, h_test, y_test, threshold)
+    report = _report(bundle, h, y, h_test, y_test, threshold, rows)
     D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
     note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": absolute_name(data),
             "images": len(y), "test_images": 0 if y_test is None else len(y_test),
             "classes_recalibrated": fitted, "classes_kept": D - fitted}
+    if adaptation is not None:
+        note["adapted_rows"] = adaptation
     cal["recalibration"] = {**note, "kept_rule": KEPT_RULE, "pooled": report, "previous_calibration": PREVIOUS}
     try:
-        write_recalibrated(bundle, cal, target, note)
+        write_recalibrated(bundle, cal, target, note, head=rows)
     except RecalibrationError as exc:
         raise click.ClickException(str(exc)) from None
     _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"))
+
+
+def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):
+    """(rows, cross-fitted logits, note) with --adapt-rows; (None, None, None) without."""
+    if opts.adapt is None:
+        return None, None, None
+    weight, bias = head_rows(bundle)
+    return adapt_rows(weight, bias, h, y, opts)
 
 
 def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
@@ -388,8 +438,15 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
     click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"]))
     if "test" in report:
         click.echo(_line("on the test images (unseen by the choice)", report["test"]))
+    if "adapted_rows" in note:
+        a = note["adapted_rows"]
+        click.echo(f"rows of {a['classes']:,} classes moved toward their images, step {a['step']:g}"
+                   + ("" if isinstance(a["step_choice"], str) else " (chosen: " + "; ".join(
+                       f"{c['beta']:g} recalls {c['recall']:.3f}" for c in a["step_choice"]) + ", cross-fitted)"))
     restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target == bundle
                else f"slc serve {target}")
+    if "adapted_rows" in note and target == bundle:
+        restart = "restart the servers on it (a new head: the reload route takes thresholds only)"
     click.echo(f"recalibrated {note['classes_recalibrated']:,} classes, kept {note['classes_kept']:,}, "
                f"{note['images'] + note['test_images']:,} images, {seconds:.1f} s -> {target} verified "
                f"(calibration.json sha256 {sha}; previous in calibration.previous.json); next: {restart}")

@@ -71,9 +71,9 @@ def _stats_pass(chunks: Chunks, y: np.ndarray, num_classes: int, row_sets: list[
 
 
 def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row_sets: list[np.ndarray],
-          other: list[tuple], target: dict, bar=None) -> list[float]:
-    """Per half, the pooled threshold on its standardised scores, with (mu, sd) [D] of the other half:
-    one pass."""
+          other: list[tuple], target: dict, bar=None) -> list[dict]:
+    """Per half, the pooled choice (threshold, precision, recall) on its standardised scores, with
+    (mu, sd) [D] of the other half: one pass."""
     pooled = []
     for rows, (mu, sd) in zip(row_sets, other):
         yr = y[rows]
@@ -82,15 +82,30 @@ def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row
         cols = slice(first, first + z.shape[1])
         for p, rows, (mu, sd) in zip(pooled, row_sets, other):
             p.add((z[rows] - mu[cols]) / sd[cols])  # [n_h, c]
-    return [float(p.choose(target)["threshold"][0]) for p in pooled]
+    return [{key: float(v[0]) for key, v in p.choose(target).items() if key in ("threshold", "precision", "recall")}
+            for p in pooled]
+
+
+def cross_choices(cross: list[Chunks], y: np.ndarray, num_classes: int, parts: list[np.ndarray], k: int,
+                target: dict, bar=None) -> list[dict]:
+    """Half h's choice on the logits cross[h] gives (say, a head adapted on the other half's images):
+    (mu, sd) from the other half's rows there, h's rows scored there. Three passes per half."""
+    out = []
+    for h, chunks in enumerate(cross):
+        _, (other,), _, _ = _stats_pass(chunks, y, num_classes, [parts[1 - h]], k, bar)
+        true = _true_logits(chunks, y, num_classes, bar)
+        out += _taus(chunks, y, num_classes, true, [parts[h]], [other], target, bar)
+    return out
 
 
 def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, bar=None,
-                    k: int = NORM_K) -> np.ndarray:
+                    k: int = NORM_K, cross: list[Chunks] | None = None, record: dict | None = None) -> np.ndarray:
     """The norm rule's thresholds [D] (float64) from logits in class chunks: three passes (the true
     logits, the column statistics, the cross-fitted tau). A class with no positive never matches (as
     everywhere); one with under 2 negatives matches above its highest negative, or from its lowest
-    positive if it has none."""
+    positive if it has none. `cross`: per half, the logits its tau is chosen on, where they are not
+    `chunks` (trainer/row_adapt.py: each half judged by a head the other half adapted); `record`, if
+    given, receives each half's choice."""
     _check_target(target)
     y = np.asarray(y, dtype=np.int64)
     parts = halves(y)
@@ -98,7 +113,13 @@ def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dic
         raise ValueError("the norm rule needs at least 2 images")
     true = _true_logits(chunks, y, num_classes, bar)
     (mu, sd, m), half_stats, low, high = _stats_pass(chunks, y, num_classes, parts, k, bar)
-    tau = float(np.mean(_taus(chunks, y, num_classes, true, parts, half_stats[::-1], target, bar)))
+    if cross is None:
+        choices = _taus(chunks, y, num_classes, true, parts, half_stats[::-1], target, bar)
+    else:
+        choices = cross_choices(cross, y, num_classes, parts, k, target, bar)
+    if record is not None:
+        record["halves"] = choices
+    tau = float(np.mean([c["threshold"] for c in choices]))
     t = mu + sd * tau
     t = np.where(m < 2, np.nextafter(mu.astype(np.float32), np.float32(np.inf)).astype(np.float64), t)
     t = np.where(m == 0, low, t)

@@ -73,9 +73,9 @@ def fold_bundle(src: Path | str, classes: list[FoldedClass], out: Path | str) ->
     try:
         _copy_others(src, stage, bundle.manifest)
         offsets = _write_head(stage, bundle, classes)
-        _write_graphs(src, stage, bundle, offsets, bundle.num_classes + len(classes))
+        write_graphs(src, stage, bundle.embed_dim, offsets, bundle.num_classes + len(classes))
         _write_calibration(src, stage, bundle, classes)
-        _write_samples(src, stage, bundle)
+        write_samples(src, stage, bundle.num_classes)
         manifest = _manifest(src, stage, bundle, classes)
         write_manifest(stage, manifest)
         if problems := verify_bundle(stage):
@@ -102,42 +102,60 @@ def _check_classes(bundle, classes: list[FoldedClass]) -> None:
         names.add(c.name)
 
 
-def _copy_others(src: Path, stage: Path, manifest: dict) -> None:
-    """Every listed file that the fold does not rewrite: backbone.onnx, negatives, ... (not the old
-    graphs' external data, nor the quantized heads, which are rewritten or dropped)."""
+def head_files(src: Path, manifest: dict) -> set[str]:
+    """The files a new head replaces: the rows, the graphs and their external data, the samples and
+    the quantized heads."""
     import onnx
 
-    skip = set(REWRITTEN)
+    skip = set(REWRITTEN) - {"calibration.json"}
     for kind in ("full", "single"):
         skip |= external_locations(onnx.load(str(src / f"{kind}.onnx"), load_external_data=False))
     for spec in (manifest.get("heads") or {}).values():
         skip |= {v for k, v in spec.items() if k != "scheme" and isinstance(v, str)}
+    return skip
+
+
+def _copy_others(src: Path, stage: Path, manifest: dict) -> None:
+    """Every listed file that the fold does not rewrite: backbone.onnx, negatives, ... (not the old
+    graphs' external data, nor the quantized heads, which are rewritten or dropped)."""
+    skip = head_files(src, manifest) | {"calibration.json"}
     for name in manifest["files"]:
         if name not in skip:
             shutil.copy2(src / name, stage / name)
 
 
+def write_head(stage: Path, blocks, shape: tuple[int, int], bias: np.ndarray) -> dict[str, int]:
+    """head_weight.npy [D, d] streamed from `blocks` (float32 row blocks in order) and head_bias.npy;
+    the data offsets of both files (the graphs' external data points there)."""
+    weight = NpyStream(stage / "head_weight.npy", tuple(shape))
+    for block in blocks:
+        weight.write(np.asarray(block, dtype=np.float32))
+    weight.close()
+    stream = NpyStream(stage / "head_bias.npy", (shape[0],))
+    stream.write(np.asarray(bias, dtype=np.float32))
+    stream.close()
+    return {"weight": weight.offset, "bias": stream.offset}
+
+
+def row_blocks(weight, rows: int = CHUNK_ROWS):
+    """weight [D, d] (an array, a memory map, or anything sliced like one) in blocks of `rows`."""
+    for start in range(0, weight.shape[0], rows):
+        yield weight[start:start + rows]
+
+
 def _write_head(stage: Path, bundle, classes: list[FoldedClass]) -> dict[str, int]:
     """The trained rows streamed, then the enrolled ones; the data offsets of both files."""
     D, d, n = bundle.num_classes, bundle.embed_dim, len(classes)
-    weight = NpyStream(stage / "head_weight.npy", (D + n, d))
-    for start in range(0, D, CHUNK_ROWS):
-        weight.write(np.asarray(bundle.weight[start:start + CHUNK_ROWS], dtype=np.float32))
-    weight.write(np.stack([c.row for c in classes]).astype(np.float32))
-    weight.close()
-    bias = NpyStream(stage / "head_bias.npy", (D + n,))
-    bias.write(np.concatenate([np.asarray(bundle.bias, dtype=np.float32),
-                               np.array([c.bias for c in classes], dtype=np.float32)]))
-    bias.close()
-    return {"weight": weight.offset, "bias": bias.offset}
+    blocks = [*row_blocks(bundle.weight), np.stack([c.row for c in classes])]
+    bias = np.concatenate([np.asarray(bundle.bias, dtype=np.float32), np.array([c.bias for c in classes], np.float32)])
+    return write_head(stage, blocks, (D + n, d), bias)
 
 
-def _write_graphs(src: Path, stage: Path, bundle, offsets: dict[str, int], total: int) -> None:
+def write_graphs(src: Path, stage: Path, d: int, offsets: dict[str, int], total: int) -> None:
     """full.onnx and single.onnx: the backbone's graph, then the head over the new rows (external data)."""
     import onnx
     from onnx import TensorProto, helper
 
-    d = bundle.embed_dim
     base = onnx.load(str(src / "backbone.onnx"))  # its own external data, if any, loaded inline
     batch = base.graph.input[0].type.tensor_type.shape.dim[0].dim_param or "N"
     opset = max([o.version for o in base.opset_import if o.domain in ("", "ai.onnx")] + [13])
@@ -185,8 +203,9 @@ def _write_calibration(src: Path, stage: Path, bundle, classes: list[FoldedClass
     (stage / "calibration.json").write_text(json.dumps(cal, allow_nan=False) + "\n")
 
 
-def _write_samples(src: Path, stage: Path, bundle) -> None:
-    """The bundle's sample inputs with outputs recomputed over the new head (an enrolled column and id included)."""
+def write_samples(src: Path, stage: Path, trained: int) -> None:
+    """The bundle's sample inputs with outputs recomputed over the new head in `stage` (the columns
+    and an id of rows after the first `trained` included, when there are some)."""
     from serving.bundle.session import ort_session
 
     with np.load(src / "samples.npz", allow_pickle=False) as f:
@@ -196,10 +215,10 @@ def _write_samples(src: Path, stage: Path, bundle) -> None:
     weight = np.load(stage / "head_weight.npy", mmap_mode="r")
     bias = np.load(stage / "head_bias.npy", mmap_mode="r")
     total = weight.shape[0]
-    added = np.arange(bundle.num_classes, total)
+    added = np.arange(trained, total)
     columns = np.unique(np.concatenate([s["logit_columns"].astype(np.int64), added[:MAX_SAMPLE_COLUMNS]]))
     cid = s["class_id"].astype(np.int64).copy()
-    cid[-1] = total - 1  # the last enrolled class through single.onnx
+    cid[-1] = total - 1  # the last row (after a fold, an enrolled class) through single.onnx
     logits = h @ np.asarray(weight[columns], dtype=np.float64).T + np.asarray(bias[columns], dtype=np.float64)
     single = (h * np.asarray(weight[cid], dtype=np.float64)).sum(axis=1) + np.asarray(bias[cid], dtype=np.float64)
     out = dict(s, embedding=h.astype(np.float32), logits=logits.astype(np.float32), logit_columns=columns,

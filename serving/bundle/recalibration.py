@@ -60,9 +60,11 @@ def check_out(source: Path, out: Path, in_place: bool) -> None:
         raise RecalibrationError(f"{out} exists and is not a bundle; refusing to overwrite it")
 
 
-def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict) -> Path:
+def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, head=None) -> Path:
     """Write the bundle `source` with `calibration` to `out` (`out == source`: replaced in place);
-    `note` goes into the manifest's `recalibration` entry. Verified before it takes `out`'s place."""
+    `note` goes into the manifest's `recalibration` entry. `head`: new rows [D, d] (sliced like an
+    array: trainer/row_adapt.py), written with the graphs, samples and quantized heads that read
+    them (serving/bundle/fold.py). Verified before it takes `out`'s place."""
     source, out = Path(source), Path(out)
     in_place = out.resolve() == source.resolve()
     check_out(source, out, in_place)
@@ -72,10 +74,13 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict) -
         shutil.rmtree(stage)
     stage.mkdir(parents=True)
     try:
-        known = _carry(source, stage, manifest["files"])
+        skip = set() if head is None else _head_files(source, manifest)
+        known = _carry(source, stage, {k: v for k, v in manifest["files"].items() if k not in skip})
         (stage / CALIBRATION).write_text(json.dumps(calibration, indent=1, allow_nan=False) + "\n")
         manifest = {**manifest, "calibration_target": calibration["target"],
                     "recalibration": {**note, "previous_calibration": PREVIOUS}}
+        if head is not None:
+            manifest = _write_new_head(source, stage, manifest, head)
         write_manifest(stage, manifest, known_hashes=known)
         if problems := verify_bundle(stage):
             raise RecalibrationError("the recalibrated bundle fails verification, nothing was written: "
@@ -85,6 +90,34 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict) -
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _head_files(source: Path, manifest: dict) -> set[str]:
+    from serving.bundle.fold import head_files
+
+    return head_files(source, manifest)
+
+
+def _write_new_head(source: Path, stage: Path, manifest: dict, head) -> dict:
+    """The rows, the graphs over them, the samples and the quantized heads in `stage`; the manifest
+    pointing at them."""
+    import numpy as np
+
+    from serving.bundle.fold import row_blocks, write_graphs, write_head, write_samples
+
+    D, d = head.shape
+    bias = np.load(source / "head_bias.npy", allow_pickle=False)
+    offsets = write_head(stage, row_blocks(head), (D, d), bias)
+    write_graphs(source, stage, d, offsets, D)
+    write_samples(source, stage, D)
+    external = dict(manifest.get("external_data") or {})
+    external.update({g: ["head_weight.npy", "head_bias.npy"] for g in ("full.onnx", "single.onnx")})
+    manifest = {**manifest, "external_data": external}
+    if manifest.get("heads"):
+        from serving.bundle.quantize import write_heads
+
+        manifest["heads"] = write_heads(stage, np.load(stage / "head_weight.npy", mmap_mode="r"), tuple(manifest["heads"]))
+    return manifest
 
 
 def _carry(source: Path, stage: Path, files: dict) -> dict[str, tuple[str, int]]:

@@ -1,6 +1,7 @@
 """The transfer study's chunked fit and judge (tools/experiments/threshold_transfer.py) equal the dense
 estimators of trainer/calibrate.py and a brute-force count."""
 import numpy as np
+import pytest
 
 from tools.experiments import threshold_transfer as tt
 from trainer.calibrate import choose_thresholds
@@ -53,3 +54,26 @@ def test_the_user_rows_fit_on_two_per_class_and_judge_the_rest():
     cv = rows[-1]
     chosen = cv["method"].removeprefix("cv (chose ").removesuffix(")")
     assert {**next(r for r in rows if r["method"] == chosen), "method": cv["method"]} == cv
+
+
+def test_the_adapted_user_row_moves_the_rows_and_judges_the_rest_with_them():
+    """With embeddings: one more row, the rows moved and thresholds set as the dense references do
+    (tests/trainer/test_row_adapt.py) at the step chosen, judged on the complement under the moved rows."""
+    from tests.trainer.test_row_adapt import reference_rows, reference_thresholds, shifted_face
+    from trainer import row_adapt
+
+    rng = np.random.default_rng(2)
+    W = rng.normal(size=(30, 12)).astype(np.float32)
+    h, y = shifted_face(rng, W, 6, rng.normal(size=(30, 12)))
+    b = np.zeros(30)
+    z = (h @ W.T + b).astype(np.float32)
+    rows = tt._user_rows(z, y, 0.9, "F", (h, W, b))
+    assert len(rows) == len(tt._user_rows(z, y, 0.9, "F")) + 1
+    pick = tt._per_class_sample(y, 2)
+    beta, _ = row_adapt.choose_beta(h[pick], y[pick], W, b, {"precision": 0.9})
+    assert rows[-1]["method"] == f"norm, rows adapted (step {beta:g})"
+    moved = reference_rows(W, h[pick], y[pick], beta)
+    t = reference_thresholds(h[pick], y[pick], W.astype(np.float64), b, beta, {"precision": 0.9})
+    want = tt.judge((h[~pick] @ moved.T + b).astype(np.float32), y[~pick], t)
+    assert rows[-1]["mean_recall"] == pytest.approx(want["mean_recall"], abs=0.02)
+    assert rows[-1]["pooled_precision"] == pytest.approx(want["pooled_precision"], abs=0.02)

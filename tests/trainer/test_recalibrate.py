@@ -292,3 +292,85 @@ def test_with_one_image_per_class_the_bundles_rule_is_kept_and_said(trained, tmp
     seen = np.array([c in SEEN for c in b.classes])
     got = np.array([e["threshold"] for e in new["per_class"]])
     np.testing.assert_array_equal(got[seen], np.array([e["threshold"] for e in want["per_class"]])[seen])
+
+
+def test_adapted_rows_are_written_with_the_graphs_that_read_them_and_served(trained, images, tmp_path, capsys):
+    """--adapt-rows: the new rows equal the per-class reference on onnxruntime embeddings of the files
+    (classes without an image keep theirs), the thresholds the dense cross-fitted reference, full.onnx
+    gives h·W' + b, the bundle verifies, and a served detect answers with the moved row's logit."""
+    from urllib.parse import quote
+
+    from fastapi.testclient import TestClient
+
+    from serving.bundle import load_bundle, ort_session, verify_bundle
+    from serving.http.app import create_app
+    from tests.serving.helpers import make_settings, wait_ready
+    from tests.trainer.test_row_adapt import reference_rows, reference_thresholds
+
+    source, out = trained[1], tmp_path / "adapted"
+    main(["calibrate", str(source), "--data", f"imagefolder:{images}", "--out", str(out), "--adapt-rows",
+          "--adapt-step", "0.5"])
+    assert f"rows of {len(SEEN)} classes moved toward their images, step 0.5" in capsys.readouterr().out
+    assert verify_bundle(out) == []
+    b0, b1 = load_bundle(source), load_bundle(out)
+    paths, y = files_and_labels(images, list(b0.classes))
+    x = np.stack([load_image_file(p, b0.image) for p in paths])  # [N, 1, 32, 32]
+    h = ort_session(source / "backbone.onnx").run(None, {"input": x})[0].astype(np.float64)
+    W0, bias = np.asarray(b0.weight, np.float64), np.asarray(b0.bias, np.float64)
+    rows = reference_rows(W0, h, y, 0.5)
+    np.testing.assert_allclose(np.asarray(b1.weight, np.float64), rows, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(b1.bias), np.asarray(b0.bias))
+    seen = np.array([c in SEEN for c in b0.classes])
+    np.testing.assert_array_equal(np.asarray(b1.weight)[~seen], np.asarray(b0.weight)[~seen])
+    old, new = cal_of(source), cal_of(out)
+    want = reference_thresholds(h, y, W0, bias, 0.5, old["target"])
+    got = np.array([e["threshold"] for e in new["per_class"]])
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5)
+    assert all(new["per_class"][j] == {**old["per_class"][j], "kept": True} for j in np.flatnonzero(~seen))
+    note = json.loads((out / "manifest.json").read_text())["recalibration"]["adapted_rows"]
+    assert note["step"] == 0.5 and note["classes"] == len(SEEN) and note["images"] == len(y)
+    logits = h @ rows.T + bias  # [N, D]
+    full = ort_session(out / "full.onnx").run(None, {"input": x})[0]
+    np.testing.assert_allclose(full, logits, rtol=1e-4, atol=1e-4)
+    app = create_app(make_settings(out, tmp_path / "serve", max_inputs=64))
+    with TestClient(app) as client:
+        wait_ready(client.get)
+        for i in (0, len(y) // 2, len(y) - 1):
+            r = client.post(f"/v1/classes/{quote(b0.classes[y[i]], safe='')}/detect", content=paths[i].read_bytes(),
+                            headers={"content-type": "image/png"})
+            assert r.status_code == 200, r.text
+            assert r.json()["results"][0]["logit"] == pytest.approx(logits[i, y[i]], rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--adapt-step", "0.5"], "--adapt-step goes with --adapt-rows"),
+    (["--adapt-rows", "--threshold-method", "cv"], "--adapt-rows sets the norm rule's thresholds"),
+])
+def test_adapt_options_out_of_place_are_one_line_before_any_image_is_read(trained, images, tmp_path, capsys, args,
+                                                                        message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", str(trained[1]), "--data", f"imagefolder:{images}", "--out", str(tmp_path / "o"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_running_server_refuses_to_reload_adapted_rows_and_keeps_answering_as_before(trained, images, tmp_path,
+                                                                                     capsys):
+    """--adapt-rows --in-place under a running server: the summary says restart; the reload route answers
+    409 bundle_changed; detect keeps the logits and thresholds it had."""
+    from fastapi.testclient import TestClient
+
+    from serving.http.app import create_app
+    from tests.serving.helpers import assert_envelope, make_settings, wait_ready
+
+    live = Path(shutil.copytree(trained[1], tmp_path / "live"))
+    body = {"inputs": np.zeros((1, 32 * 32)).tolist()}
+    with TestClient(create_app(make_settings(live, tmp_path / "s", max_inputs=64, api_key="k"))) as client:
+        wait_ready(client.get)
+        before = client.post("/v1/classes/0/detect", json=body).json()
+        main(["calibrate", str(live), "--data", f"imagefolder:{images}", "--in-place", "--adapt-rows"])
+        assert "restart the servers on it" in capsys.readouterr().out
+        r = client.post("/v1/admin/reload-calibration", headers={"authorization": "Bearer k"})
+        assert_envelope(r, 409, "bundle_changed")
+        assert client.post("/v1/classes/0/detect", json=body).json() == before

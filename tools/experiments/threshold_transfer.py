@@ -5,7 +5,7 @@ rule is fitted on one of them and judged on the other (hold one face out, both w
 holds there is one that transfers, and the choice is made there, never on the test face. The test
 face (a brush face) is then judged with every rule fitted on both calibration faces, for the
 record. A third fit models users' shifts: the calibration images with a seeded stroke weight,
-blur and contrast (trainer/augment.py `style`), pooled with the clean ones.
+blur and contrast (trainer/calibration_shift.py, as `slc export` draws it), pooled with the clean ones.
 
 Rules (trainer/calibrate.py's estimators, as `slc export` uses them): per_class (column j alone),
 global (one threshold for all classes: PoLS's promise that single logits are comparable), and
@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from tools.report import md_table, write_result
+from trainer.calibration_shift import SHIFT_SEED, style_shifted
 from trainer.threshold_norm import norm_thresholds
 from trainer.calibrate import (PooledThreshold, _chunk_positive, _counts_at, chunk_classes, class_thresholds, dense_chunks,
                                tail_thresholds)
 
-SHIFT_SEED = 12345
 USER_IMAGES = 2  # per class, as in the user-calibration study (issue 37 part 6)
 KAPPAS = (1.0, 4.0, 16.0)
 
@@ -83,24 +83,10 @@ def _faces(dataset: str, split: str, n: int) -> tuple[np.ndarray, list[str]]:
     return face, [f"{f['family']} {f['style']}".strip() for f in info]
 
 
-def _shifted(x: np.ndarray, image: dict) -> np.ndarray:
-    """The images with a seeded style shift (stroke weight, blur, contrast), uint8 like x."""
-    import torch
-
-    from trainer.augment import Style
-
-    style = Style(dark_background=image.get("background", "dark") == "dark")
-    gen = torch.Generator().manual_seed(SHIFT_SEED)
-    out = np.empty_like(np.asarray(x[:0]), shape=x.shape)
-    for i in range(0, len(x), 4096):
-        batch = torch.tensor(np.asarray(x[i:i + 4096], dtype=np.float32))
-        out[i:i + 4096] = style(batch, gen).round().clamp(0, 255).to(torch.uint8).numpy()
-    return out
-
-
-def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str) -> list[dict]:
+def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str, embedded: tuple | None = None) -> list[dict]:
     """A user's recalibration on one face: USER_IMAGES images per class fitted (seeded), the rest of
-    the face judged; every rule (norm is `slc calibrate`'s default), and the one cv picks from those images."""
+    the face judged; every rule (norm is `slc calibrate`'s default), the one cv picks from those images,
+    and with `embedded` (h [N, d], W, b) the rows adapted too (`slc calibrate --adapt-rows`)."""
     from trainer import threshold_cv
 
     pick = _per_class_sample(y, USER_IMAGES)
@@ -113,7 +99,30 @@ def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str) -> list[d
                                          z.shape[1], {"precision": target})
     name = f"shrink k={method['kappa']:g}" if method["name"] == "shrink" else method["name"]
     rows.append({**next(r for r in rows if r["method"] == name), "method": f"cv (chose {name})"})
+    if embedded is not None:
+        rows.append({"fitted_on": fitted, "judged_on": f"the rest of {face}", **_adapted(*embedded, y, pick, target)})
     return rows
+
+
+def _adapted(h: np.ndarray, W: np.ndarray, b: np.ndarray, y: np.ndarray, pick: np.ndarray, target: float) -> dict:
+    """`slc calibrate --adapt-rows` on the picked images (trainer/row_adapt.py, the step chosen there),
+    judged on the others with the moved rows."""
+    from trainer import row_adapt
+
+    goal = {"precision": target}
+    beta, _ = row_adapt.choose_beta(h[pick], y[pick], W, b, goal)
+    rows, t = row_adapt.thresholds(h[pick], y[pick], W, b, beta, goal)
+    z = (h[~pick].astype(np.float64) @ np.asarray(rows[0:len(W)], np.float64).T + b).astype(np.float32)  # [n, D]
+    return {"method": f"norm, rows adapted (step {beta:g})", **judge(z, y[~pick], t)}
+
+
+def _embeddings(model, x: np.ndarray, batch: int = 2048) -> np.ndarray:
+    """Embeddings float32 [N, d] of raw inputs x, batch by batch."""
+    import torch
+
+    with torch.no_grad():
+        return np.concatenate([model.embed(torch.tensor(np.asarray(x[i:i + batch], dtype=np.float32))).numpy()
+                               for i in range(0, len(x), batch)])
 
 
 def _per_class_sample(y: np.ndarray, k: int, seed: int = SHIFT_SEED) -> np.ndarray:
@@ -148,16 +157,23 @@ def study(run: Path, target: float = 0.99) -> dict:
         fit, out = face != k, face == k
         rows += _rows(z_cal[fit], y_cal[fit], z_cal[out], y_cal[out], target, f"calibration minus {held}", held)
     rows += _rows(z_cal, y_cal, z_test, y_test, target, "calibration", "test")
-    z_shift = run_logits(model, _shifted(x_cal, splits.image))
+    z_shift = run_logits(model, style_shifted(x_cal, splits.image))
     rows += _rows(np.concatenate([z_cal, z_shift]), np.concatenate([y_cal, y_cal]), z_test, y_test, target,
                   "calibration + shifted", "test")
     for k, held in enumerate(names):  # the shift's own transfer: clean + shifted of one face, judged on the other
         fit, out = face != k, face == k
-        rows += _rows(np.concatenate([z_cal[fit], z_shift[fit]]), np.concatenate([y_cal[fit], y_cal[fit]]),
-                      z_cal[out], y_cal[out], target, f"calibration + shifted minus {held}", held)
+        fit_z, fit_y = np.concatenate([z_cal[fit], z_shift[fit]]), np.concatenate([y_cal[fit], y_cal[fit]])
+        rows += _rows(fit_z, fit_y, z_cal[out], y_cal[out], target, f"calibration + shifted minus {held}", held)
+        # a user's shift on a face no rule was fitted on: the held-out face's shifted copies
+        rows += _rows(z_cal[fit], y_cal[fit], z_shift[out], y_cal[out], target, f"calibration minus {held}",
+                      f"{held} shifted")
+        rows += _rows(fit_z, fit_y, z_shift[out], y_cal[out], target, f"calibration + shifted minus {held}",
+                      f"{held} shifted")
+    head = (model.head.weight.detach().numpy().astype(np.float32), model.head.bias.detach().numpy().astype(np.float64))
+    h_cal, h_test = _embeddings(model.eval(), x_cal), _embeddings(model.eval(), x_test)
     for k, held in enumerate(names):  # a user's recalibration, on each face
-        rows += _user_rows(z_cal[face == k], y_cal[face == k], target, held)
-    rows += _user_rows(z_test, y_test, target, "test")
+        rows += _user_rows(z_cal[face == k], y_cal[face == k], target, held, (h_cal[face == k], *head))
+    rows += _user_rows(z_test, y_test, target, "test", (h_test, *head))
     return {"run": str(run), "loss": config["loss"], "dataset": data_info["dataset"], "target": target,
             "faces": names, "rows": rows}
 

@@ -92,8 +92,9 @@ def served(bundle: Path, work: Path):
     return proc, f"http://127.0.0.1:{port}"
 
 
-def study(run: Path, work: Path | None = None) -> dict:
-    """Export the run, write the PNGs, recalibrate, measure both bundles over HTTP."""
+def study(run: Path, work: Path | None = None, options: list[str] | None = None) -> dict:
+    """Export the run, write the PNGs, recalibrate (`options`: more slc calibrate options), measure both
+    bundles over HTTP."""
     work = Path(work or tempfile.mkdtemp(prefix="slc-user-cal-"))
     dataset = json.loads((run / "config.json").read_text())["dataset"]
     slc = [sys.executable, "-m", "slc"]
@@ -102,13 +103,16 @@ def study(run: Path, work: Path | None = None) -> dict:
         subprocess.run(slc + ["export", str(run), "--out", str(before)], check=True)
     listing = work / "faces.csv" if (work / "faces.csv").is_file() else write_pngs(dataset, work)
     t0 = time.perf_counter()
-    done = subprocess.run(slc + ["calibrate", str(before), "--data", f"csv:{listing}", "--out", str(after)],
+    done = subprocess.run(slc + ["calibrate", str(before), "--data", f"csv:{listing}", "--out", str(after),
+                                 *(options or [])],
                           check=True, stdout=subprocess.PIPE, text=True)
     print(done.stdout, end="")
     cal = json.loads((after / "calibration.json").read_text())
     out = {"run": str(run), "dataset": dataset, "per_class": PER_CLASS, "topk": TOPK,
            "recalibrate_s": time.perf_counter() - t0, "method": cal["method"],
-           "method_choice": cal.get("method_choice"), "calibrate_output": done.stdout.splitlines()}
+           "method_choice": cal.get("method_choice"), "calibrate_output": done.stdout.splitlines(),
+           "calibrate_options": list(options or []),
+           "adapted_rows": (cal.get("recalibration") or {}).get("adapted_rows")}
     for name, bundle in (("before", before), ("after", after)):
         proc, url = served(bundle, work / f"serve-{name}")
         try:
@@ -127,7 +131,8 @@ def markdown(r: dict, command: str) -> str:
     return "\n".join([
         "# A user's view: detect on an unseen face, before and after `slc calibrate`", "",
         f"Command: `{command}`  \nRun: `{r['run']}` ({r['dataset']}). The test face's renderings as PNG files: "
-        f"{r['per_class']['calibration']} per class recalibrate the bundle (`slc calibrate`, "
+        f"{r['per_class']['calibration']} per class recalibrate the bundle (`slc calibrate"
+        f"{''.join(' ' + o for o in r.get('calibrate_options', []))}`, "
         f"{r['recalibrate_s']:.0f} s), the others are measured over HTTP with PNG bodies: recall from detect, "
         f"precision from every match among each image's top {r['topk']} (tools/experiments/user_calibration.py).", "",
         md_table(["bundle", "detect recall", "achieved precision", "matches", "images", "unsure images"], body,

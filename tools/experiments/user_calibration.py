@@ -83,13 +83,17 @@ def measure(url: str, bundle: Path, listing: Path) -> dict:
 
 
 def served(bundle: Path, work: Path):
-    """`slc serve BUNDLE` on a free port (tests' helper), ready; the process to stop."""
-    from tests.serving.helpers import free_port, serve_process, wait_http_ready
+    """`slc serve BUNDLE` on a free port, its own SLC_HOME and data dir under `work`, ready
+    (tools/bench/server.py; its log in work/server.log); the process to stop."""
+    from tools.bench.server import ServerProcess, free_port
 
+    work.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = serve_process(bundle, work, port)
-    wait_http_ready(f"http://127.0.0.1:{port}", timeout=600)
-    return proc, f"http://127.0.0.1:{port}"
+    srv = ServerProcess([sys.executable, "-m", "slc", "serve", str(bundle), "--port", str(port),
+                         "--data-dir", str(work / "data")], port, work / "server.log",
+                        env={"SLC_HOME": str(work / "home"), "SLC_INTRA_OP_THREADS": "1"})
+    srv.wait_ready(600)
+    return srv
 
 
 def study(run: Path, work: Path | None = None, options: list[str] | None = None) -> dict:
@@ -114,12 +118,8 @@ def study(run: Path, work: Path | None = None, options: list[str] | None = None)
            "calibrate_options": list(options or []),
            "adapted_rows": (cal.get("recalibration") or {}).get("adapted_rows")}
     for name, bundle in (("before", before), ("after", after)):
-        proc, url = served(bundle, work / f"serve-{name}")
-        try:
-            out[name] = measure(url, bundle, listing)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        with served(bundle, work / f"serve-{name}") as srv:
+            out[name] = measure(srv.url, bundle, listing)
     return out
 
 

@@ -374,3 +374,23 @@ def test_a_running_server_refuses_to_reload_adapted_rows_and_keeps_answering_as_
         r = client.post("/v1/admin/reload-calibration", headers={"authorization": "Bearer k"})
         assert_envelope(r, 409, "bundle_changed")
         assert client.post("/v1/classes/0/detect", json=body).json() == before
+
+
+def test_adapted_rows_requantize_the_heads_a_bundle_had(trained, images, tmp_path):
+    """A bundle with int8 and bf16 heads: after --adapt-rows both are the quantization of the moved rows
+    (serving/bundle/quantize.py's own functions on the new float32 rows), and the bundle verifies."""
+    from serving.bundle import verify_bundle
+    from serving.bundle.quantize import bf16_bits, int8_rows
+
+    source = Path(shutil.copytree(trained[1], tmp_path / "q"))
+    main(["bundle", "quantize", str(source), "--precision", "int8,bf16"])
+    out = tmp_path / "adapted"
+    main(["calibrate", str(source), "--data", f"imagefolder:{images}", "--out", str(out), "--adapt-rows"])
+    assert verify_bundle(out) == []
+    heads = json.loads((out / "manifest.json").read_text())["heads"]
+    new = np.load(out / "head_weight.npy")
+    assert not np.array_equal(new, np.load(source / "head_weight.npy"))
+    q, scale = int8_rows(new)
+    np.testing.assert_array_equal(np.load(out / heads["int8"]["weight"]), q)
+    np.testing.assert_array_equal(np.load(out / heads["int8"]["scale"]), scale)
+    np.testing.assert_array_equal(np.load(out / heads["bf16"]["weight"]), bf16_bits(new))

@@ -60,3 +60,19 @@ def record(name: str, images: int) -> dict | None:
         return None
     return {"name": name, "seed": SHIFT_SEED, "images": int(images),
             "what": "each calibration image again with a seeded stroke weight, blur and contrast"}
+
+
+def with_clean_global(cal: dict, clean: dict, entry: dict) -> dict:
+    """`cal` (fitted on the clean and shifted copies) with its `shift` entry, and its global threshold
+    and the summary's global figures taken from `clean` (the clean split alone). The server uses the
+    global threshold for enrolled classes, whose rows are scaled on the clean calibration negatives
+    (docs/api.md "Enroll a class"); pooled over the shifted copies it is set by the most shifted
+    negatives of all classes, far above what an enrolled class's positives reach."""
+    out = dict(cal, shift=entry, **{"global": {**clean["global"], "fitted_on": "the calibration split alone"}})
+    summary = dict(out["summary"])
+    summary.update({k: v for k, v in clean["summary"].items() if k.startswith("global")})
+    if "test" in summary and "test" in clean["summary"]:
+        summary["test"] = {**summary["test"], **{k: v for k, v in clean["summary"]["test"].items()
+                                                 if k.startswith("global")}}
+    out["summary"] = summary
+    return out

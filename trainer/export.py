@@ -260,7 +260,10 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            r.y_test if has_test else None, method=method, progress=True)
     if (entry := calibration_shift.record(shift, len(r.y_cal))) is not None:
-        cal["shift"] = entry
+        clean = calibrate_chunks(head_chunks(h_cal, weight, bias, chunk), r.y_cal, len(weight), target,
+                                 head_chunks(h_test, weight, bias, chunk) if has_test else None,
+                                 r.y_test if has_test else None, method={"name": "global"}, progress=True)
+        cal = calibration_shift.with_clean_global(cal, clean, entry)
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
     return cal, write_negatives(stage, h_cal, r.y_cal)
 

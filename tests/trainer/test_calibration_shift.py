@@ -99,6 +99,13 @@ def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path
     want = calibrate(both, yy, {"precision": 0.9}, method=cal["method"])
     np.testing.assert_allclose([e["threshold"] for e in cal["per_class"]],
                                [e["threshold"] for e in want["per_class"]], rtol=1e-4, atol=1e-4)
+    # the global threshold (enrolled classes use it) is the clean split's, not the pooled shifted one's
+    clean = calibrate(run_logits(net, x).astype(np.float64), y, {"precision": 0.9}, method={"name": "global"})
+    assert cal["global"]["threshold"] == pytest.approx(clean["global"]["threshold"], rel=1e-4, abs=1e-4)
+    assert abs(want["global"]["threshold"] - clean["global"]["threshold"]) > 1e-3  # the two differ here
+    assert cal["global"]["fitted_on"] == "the calibration split alone"
+    assert cal["summary"]["global_threshold_per_class_mean_recall"] == pytest.approx(
+        clean["summary"]["global_threshold_per_class_mean_recall"], abs=1e-6)
 
     plain = export_mod.export_bundle(run, tmp_path / "p", target_precision=0.9, shift="none")
     cal = json.loads((plain / "calibration.json").read_text())

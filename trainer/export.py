@@ -259,7 +259,10 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
     cal = calibrate_chunks(head_chunks(h_fit, weight, bias, chunk), y_fit, len(weight), target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            r.y_test if has_test else None, method=method, progress=True)
-    if (entry := calibration_shift.record(shift, len(r.y_cal))) is not None:
+    entry = calibration_shift.record(shift, len(r.y_cal))
+    if entry is not None and cal["method"]["name"] == "global":  # asked for: one threshold, shifted copies in
+        cal = dict(cal, shift=entry)
+    elif entry is not None:
         clean = calibrate_chunks(head_chunks(h_cal, weight, bias, chunk), r.y_cal, len(weight), target,
                                  head_chunks(h_test, weight, bias, chunk) if has_test else None,
                                  r.y_test if has_test else None, method={"name": "global"}, progress=True)

@@ -107,6 +107,11 @@ def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path
     assert cal["summary"]["global_threshold_per_class_mean_recall"] == pytest.approx(
         clean["summary"]["global_threshold_per_class_mean_recall"], abs=1e-6)
 
+    asked = export_mod.export_bundle(run, tmp_path / "g", target_precision=0.9, method={"name": "global"})
+    cal = json.loads((asked / "calibration.json").read_text())  # global asked for: pooled over both copies
+    assert cal["shift"]["images"] == len(y) and "fitted_on" not in cal["global"]
+    assert cal["global"]["threshold"] == pytest.approx(want["global"]["threshold"], rel=1e-4, abs=1e-4)
+
     plain = export_mod.export_bundle(run, tmp_path / "p", target_precision=0.9, shift="none")
     cal = json.loads((plain / "calibration.json").read_text())
     assert cal["method"] == {"name": "global"} and "shift" not in cal and cal["examples"] == len(y)

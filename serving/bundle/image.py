@@ -19,7 +19,8 @@ rows at a time: no wide copy of the image); transparency
 flattened onto the background colour (black for `dark`, white for `light` and `any`); converted to
 grey (channels 1) or RGB (3); for a spec with `content_box` (grey only), cropped to the square
 around what is drawn plus that margin (`crop_to_content`: a character filling a third of the
-image or all of it, anywhere, gives the same crop); resized to width × height when it differs (`resample`, after an
+image or all of it, anywhere, gives the same crop; an image already at the spec's size whose square
+lies within FRAMED_PIXELS of its edges is kept as it is, not resampled again); resized to width × height when it differs (`resample`, after an
 integer box reduction down to REDUCE_GAP times the size: Pillow's `reducing_gap`); for grey
 images of a `dark` (`light`) background spec whose border is brighter (darker) than mid-grey,
 inverted, so dark-on-light drawings and scans work too (`any`: never inverted); multiplied by
@@ -45,6 +46,7 @@ FILE_MAX_PIXELS = 89_478_485  # of an image file (Pillow's own decompression-bom
 FILE_MAX_DECODED_BYTES = 128 << 20
 CONTENT_PROBE = 256  # the content box is found on a copy at most this many pixels on a side
 CONTENT_MIN_CONTRAST = 24  # an image whose pixels differ less from its border than this is blank
+FRAMED_PIXELS = 2  # an image at the spec's size whose content box is this close to every edge: framed already
 REDUCE_GAP = 3  # large images are reduced cheaply to >= 3x the target size before resampling (10x faster
 #                 on a 12-megapixel photo, a mean difference of 0.1 grey level: tests/serving/bundle/test_image.py)
 # Structure limits (check_structure), far above what encoders write: libjpeg writes 6 (grey) to 18
@@ -283,10 +285,12 @@ def content_box(grey: np.ndarray, margin: float) -> tuple[float, float, float, f
     return cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2, bg
 
 
-def crop_to_content(img, margin: float):
+def crop_to_content(img, margin: float, framed_within: float = 0.0):
     """A grey PIL image cropped to its content box (`content_box`), padded with its background
     where the square leaves the image: wherever a character sits and whatever its size, the same
-    crop. The trainer's glyph renderings and the server's image bodies both go through here."""
+    crop. The trainer's glyph renderings and the server's image bodies both go through here.
+    An image whose box lies within `framed_within` pixels of each of its edges is framed already
+    and returned as it is: cropping it again would only resample it (a training image sent back)."""
     from PIL import Image
 
     small = img if max(img.size) <= CONTENT_PROBE else img.reduce(-(-max(img.size) // CONTENT_PROBE))
@@ -294,6 +298,9 @@ def crop_to_content(img, margin: float):
     if box is None:
         return img
     fx, fy = img.width / small.width, img.height / small.height
+    frame = (0, 0, img.width, img.height)
+    if all(abs(v * f - e) <= framed_within for v, f, e in zip(box[:4], (fx, fy, fx, fy), frame)):
+        return img
     left, top, right, bottom = (round(v * f) for v, f in zip(box[:4], (fx, fy, fx, fy)))
     side = max(right - left, bottom - top, 1)
     out = Image.new("L", (side, side), box[4])
@@ -312,8 +319,8 @@ def preprocess(img, spec: dict) -> np.ndarray:
     if img.mode.startswith("I;16"):  # 16-bit grey: scaled to 8 bits, not clipped at 255
         img = _sixteen_to_eight_bits(img)
     img = _flatten_transparency(img, background).convert("L" if c == 1 else "RGB")
-    if c == 1 and spec.get("content_box") is not None:
-        img = crop_to_content(img, float(spec["content_box"]))
+    if c == 1 and spec.get("content_box") is not None:  # at the spec's size, a crop would resample it
+        img = crop_to_content(img, float(spec["content_box"]), FRAMED_PIXELS if img.size == (w, h) else 0.0)
     if img.size != (w, h):
         method = {"lanczos": Image.LANCZOS, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}
         img = img.resize((w, h), method[spec.get("resample", "lanczos")], reducing_gap=REDUCE_GAP or None)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from serving.bundle.image import CONTENT_PROBE, content_box, crop_to_content, preprocess
+from serving.bundle.image import CONTENT_PROBE, REDUCE_GAP, content_box, crop_to_content, preprocess
 
 SPEC = {"height": 32, "width": 32, "channels": 1, "layout": "CHW", "scale": 1.0, "background": "dark",
         "content_box": 0.1}
@@ -87,3 +87,52 @@ def test_a_spec_without_content_box_leaves_images_uncropped():
     img = _shape((32, 32), (2, 2, 12, 12))
     plain = {k: v for k, v in SPEC.items() if k != "content_box"}
     assert np.array_equal(preprocess(img, plain)[0], np.asarray(img, dtype=np.float32))
+
+
+def _framed(side: int, fg: int = 255, bg: int = 0) -> Image.Image:
+    """A drawing framed as the content box frames it: its square plus 10% on each side fills the image."""
+    inner = round(side / 1.2)
+    off = (side - inner) // 2
+    return _shape((side, side), (off, off, off + inner - 1, off + inner - 1), fg=fg, bg=bg)
+
+
+def test_a_training_rendering_sent_as_an_image_comes_back_unchanged():
+    """Idempotence on the trainer's own glyphs (content view, augmented, a matplotlib face): each
+    32x32 training image sent back as an image body is the same example. Before the framed rule,
+    about half were boxed a pixel off again and resampled."""
+    from trainer.data import glyphs
+    font = glyphs.Face("DejaVuSans.ttf").load(glyphs.font_size("content"))
+    rng = np.random.default_rng(0)
+    for c in "ABGKQRWagkmsw2358#&@%":
+        for _ in range(4):
+            a = glyphs.render(font, c, rng, view="content")  # [32, 32] uint8
+            assert np.array_equal(preprocess(Image.fromarray(a), SPEC)[0], a.astype(np.float32)), c
+
+
+def test_framed_within_two_pixels_at_the_spec_size_is_kept_beyond_that_cropped():
+    """The rule by enumeration: a framed 32x32 drawing shifted by s pixels is kept while every box
+    edge stays within FRAMED_PIXELS of the frame, cropped (so recentred) once one does not."""
+    from serving.bundle.image import FRAMED_PIXELS
+    base = np.asarray(_framed(32))
+    for s in range(0, 5):
+        img = Image.fromarray(np.roll(base, s, axis=1))
+        left, top, right, bottom, _ = content_box(np.asarray(img), SPEC["content_box"])
+        kept = max(abs(left), abs(top), abs(right - 32), abs(bottom - 32)) <= FRAMED_PIXELS
+        out = preprocess(img, SPEC)[0]
+        assert np.array_equal(out, np.asarray(img, dtype=np.float32)) == kept, s
+        if not kept:
+            l2, _, r2, _ = _bbox(np.rint(out).astype(np.uint8) > 127, False)
+            assert abs((l2 + r2) / 2 - 16) <= 1  # recentred
+
+
+def test_only_an_image_at_the_spec_size_is_kept_and_a_tight_or_small_drawing_is_still_cropped():
+    """A larger image is resized anyway, so it is cropped exactly as before (the trainer's renderings too)."""
+    from serving.bundle.image import crop_to_content as crop
+    big = Image.fromarray(np.roll(np.asarray(_framed(320)), 10, axis=1))  # within 2 px at 32 x 32, not at 320
+    resized = crop(big, SPEC["content_box"]).resize((32, 32), Image.LANCZOS, reducing_gap=REDUCE_GAP)
+    assert np.array_equal(preprocess(big, SPEC)[0], np.asarray(resized, dtype=np.float32))
+    assert not np.array_equal(preprocess(big, SPEC), preprocess(big, {**SPEC, "content_box": None}))
+    tight = _shape((32, 32), (0, 0, 31, 31))  # touches every edge: the margin must be added
+    small = _shape((32, 32), (2, 2, 12, 12))  # a corner of the image
+    for img in (tight, small):
+        assert not np.array_equal(preprocess(img, SPEC)[0], np.asarray(img, dtype=np.float32))

@@ -47,6 +47,7 @@ FILE_MAX_DECODED_BYTES = 128 << 20
 CONTENT_PROBE = 256  # the content box is found on a copy at most this many pixels on a side
 CONTENT_MIN_CONTRAST = 24  # an image whose pixels differ less from its border than this is blank
 FRAMED_PIXELS = 2  # an image at the spec's size whose content box is this close to every edge: framed already
+FRAMED_LEVEL = 1 / 3  # ... its box found counting fainter strokes as drawn (the crop's own box: half the peak)
 REDUCE_GAP = 3  # large images are reduced cheaply to >= 3x the target size before resampling (10x faster
 #                 on a 12-megapixel photo, a mean difference of 0.1 grey level: tests/serving/bundle/test_image.py)
 # Structure limits (check_structure), far above what encoders write: libjpeg writes 6 (grey) to 18
@@ -267,18 +268,19 @@ def _sixteen_to_eight_bits(img):
     return Image.fromarray(out)
 
 
-def content_box(grey: np.ndarray, margin: float) -> tuple[float, float, float, float, int] | None:
+def content_box(grey: np.ndarray, margin: float, level: float = 0.5) -> tuple[float, float, float, float, int] | None:
     """The square around what is drawn on grey [H, W] uint8, `margin` of its side added on each
     side: (left, top, right, bottom, background level), or None for a blank image. The background is
-    the border's median; what differs from it by more than half the largest difference is drawn,
-    light on dark or dark on light alike."""
+    the border's median; what differs from it by more than `level` of the largest difference (half)
+    is drawn, light on dark or dark on light alike."""
     a = grey.astype(np.int16)  # [H, W]
     bg = int(np.median(np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])))
     d = np.abs(a - bg)  # [H, W]
     peak = int(d.max())
     if peak < CONTENT_MIN_CONTRAST:
         return None
-    rows, cols = np.flatnonzero((d > peak // 2).any(1)), np.flatnonzero((d > peak // 2).any(0))
+    drawn = d > peak * level  # [H, W]
+    rows, cols = np.flatnonzero(drawn.any(1)), np.flatnonzero(drawn.any(0))
     top, bottom, left, right = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
     side = max(bottom - top, right - left) * (1 + 2 * margin)
     cy, cx = (top + bottom) / 2, (left + right) / 2
@@ -289,8 +291,9 @@ def crop_to_content(img, margin: float, framed_within: float = 0.0):
     """A grey PIL image cropped to its content box (`content_box`), padded with its background
     where the square leaves the image: wherever a character sits and whatever its size, the same
     crop. The trainer's glyph renderings and the server's image bodies both go through here.
-    An image whose box lies within `framed_within` pixels of each of its edges is framed already
-    and returned as it is: cropping it again would only resample it (a training image sent back)."""
+    An image whose box (fainter strokes counted: FRAMED_LEVEL) lies within `framed_within` pixels of
+    each of its edges is framed already and returned as it is: cropping it again would only
+    resample it (a training image sent back)."""
     from PIL import Image
 
     small = img if max(img.size) <= CONTENT_PROBE else img.reduce(-(-max(img.size) // CONTENT_PROBE))
@@ -298,9 +301,10 @@ def crop_to_content(img, margin: float, framed_within: float = 0.0):
     if box is None:
         return img
     fx, fy = img.width / small.width, img.height / small.height
-    frame = (0, 0, img.width, img.height)
-    if all(abs(v * f - e) <= framed_within for v, f, e in zip(box[:4], (fx, fy, fx, fy), frame)):
-        return img
+    if framed_within:
+        faint = content_box(np.asarray(small), margin, FRAMED_LEVEL)
+        if all(abs(v * f - e) <= framed_within for v, f, e in zip(faint[:4], (fx, fy, fx, fy), (0, 0) + img.size)):
+            return img
     left, top, right, bottom = (round(v * f) for v, f in zip(box[:4], (fx, fy, fx, fy)))
     side = max(right - left, bottom - top, 1)
     out = Image.new("L", (side, side), box[4])

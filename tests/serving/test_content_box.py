@@ -111,18 +111,30 @@ def test_a_training_rendering_sent_as_an_image_comes_back_unchanged():
 
 def test_framed_within_two_pixels_at_the_spec_size_is_kept_beyond_that_cropped():
     """The rule by enumeration: a framed 32x32 drawing shifted by s pixels is kept while every box
-    edge stays within FRAMED_PIXELS of the frame, cropped (so recentred) once one does not."""
-    from serving.bundle.image import FRAMED_PIXELS
+    edge (fainter strokes counted) stays within FRAMED_PIXELS of the frame, cropped (so recentred)
+    once one does not."""
+    from serving.bundle.image import FRAMED_LEVEL, FRAMED_PIXELS
     base = np.asarray(_framed(32))
     for s in range(0, 5):
         img = Image.fromarray(np.roll(base, s, axis=1))
-        left, top, right, bottom, _ = content_box(np.asarray(img), SPEC["content_box"])
+        left, top, right, bottom, _ = content_box(np.asarray(img), SPEC["content_box"], FRAMED_LEVEL)
         kept = max(abs(left), abs(top), abs(right - 32), abs(bottom - 32)) <= FRAMED_PIXELS
         out = preprocess(img, SPEC)[0]
         assert np.array_equal(out, np.asarray(img, dtype=np.float32)) == kept, s
         if not kept:
             l2, _, r2, _ = _bbox(np.rint(out).astype(np.uint8) > 127, False)
             assert abs((l2 + r2) / 2 - 16) <= 1  # recentred
+
+
+def test_faint_strokes_that_reach_the_frame_count_for_the_framed_rule():
+    """A framed drawing whose outer ring is faint (0.4 of the peak): the crop's own box (half the peak)
+    sees only the bright cross, a smaller square, but the image is framed and kept."""
+    a = np.asarray(_framed(32), dtype=np.float32) * 0.4  # [32, 32] the ring and the cross, faint
+    a[14:18, 8:24] = a[8:24, 14:18] = 255  # a bright cross inside
+    img = Image.fromarray(a.astype(np.uint8))
+    inner = content_box(np.asarray(img), SPEC["content_box"])
+    assert inner[2] - inner[0] < 24  # the half-peak box would crop it and enlarge the cross
+    assert np.array_equal(preprocess(img, SPEC)[0], np.asarray(img, dtype=np.float32))
 
 
 def test_only_an_image_at_the_spec_size_is_kept_and_a_tight_or_small_drawing_is_still_cropped():

@@ -29,6 +29,7 @@ def test_chunked_fit_and_judge_equal_dense_math(monkeypatch):
     assert j["matches"] == m.sum() and np.isclose(j["pooled_precision"], tp.sum() / m.sum())
     assert np.isclose(j["mean_recall"], np.mean(tp / 4))
     assert np.isclose(j["mean_precision"], np.mean([a / b if b else 1.0 for a, b in zip(tp, m)]))
+    assert j["top1"] == np.mean([max(range(30), key=lambda c: row[c]) == label for row, label in zip(z, y)])
     from tests.trainer.test_threshold_cv import reference_tail
 
     np.testing.assert_allclose(got["tail"], reference_tail(z.astype(np.float64), y, 0.9), rtol=1e-12)
@@ -49,7 +50,7 @@ def test_the_user_rows_fit_on_two_per_class_and_judge_the_rest():
     rows = tt._user_rows(z, y, 0.9, "F")
     rules = tt.fit(z[pick], y[pick], {"precision": 0.9})
     for row in rows[:-1]:
-        assert {k: row[k] for k in ("mean_recall", "mean_precision", "pooled_precision", "matches")} == \
+        assert {k: row[k] for k in ("mean_recall", "mean_precision", "pooled_precision", "matches", "top1")} == \
             tt.judge(z[~pick], y[~pick], rules[row["method"]])
     cv = rows[-1]
     chosen = cv["method"].removeprefix("cv (chose ").removesuffix(")")
@@ -77,3 +78,6 @@ def test_the_adapted_user_row_moves_the_rows_and_judges_the_rest_with_them():
     want = tt.judge((h[~pick] @ moved.T + b).astype(np.float32), y[~pick], t)
     assert rows[-1]["mean_recall"] == pytest.approx(want["mean_recall"], abs=0.02)
     assert rows[-1]["pooled_precision"] == pytest.approx(want["pooled_precision"], abs=0.02)
+    top1 = np.mean([np.argmax(h[i] @ moved.T + b) == y[i] for i in np.flatnonzero(~pick)])  # float64, one by one
+    assert rows[-1]["top1"] == pytest.approx(top1, abs=0.01)
+    assert rows[0]["top1"] == np.mean(np.argmax(z[~pick], axis=1) == y[~pick])  # thresholds alone: the rows as they were

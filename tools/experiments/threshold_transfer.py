@@ -58,7 +58,8 @@ def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
 
 def judge(z: np.ndarray, y: np.ndarray, thresholds: np.ndarray) -> dict:
     """Detect at `thresholds` [D] on logits z [N, D]: per-class mean recall and precision (a class with
-    no match: precision 1), pooled precision over every decision, matches."""
+    no match: precision 1), pooled precision over every decision, matches; and the top-1 accuracy of
+    z (what softmax and top-k answer: moved rows change it, thresholds do not)."""
     num_classes, step = z.shape[1], chunk_classes(len(y), z.shape[1])
     counts = [_counts_at(np.asarray(z[:, f:f + step], dtype=np.float64), _chunk_positive(y, f, min(step, num_classes - f)),
                          thresholds[f:f + step]) for f in range(0, num_classes, step)]
@@ -68,7 +69,7 @@ def judge(z: np.ndarray, y: np.ndarray, thresholds: np.ndarray) -> dict:
     has = positives > 0  # classes the judged split holds
     return {"mean_recall": float(recall[has].mean()), "mean_precision": float(precision.mean()),
             "pooled_precision": float(tp.sum() / matches.sum()) if matches.sum() else 1.0,
-            "matches": int(matches.sum())}
+            "matches": int(matches.sum()), "top1": float((z.argmax(axis=1) == y).mean()) if len(y) else 0.0}
 
 
 def _faces(dataset: str, split: str, n: int) -> tuple[np.ndarray, list[str]]:
@@ -183,14 +184,16 @@ def markdown(results: list[dict], command: str) -> str:
              "Each rule is fitted on one calibration face and judged on the other (the choice is made there), "
              "then fitted on both and judged on the test face (for the record). Detect's view: per-class mean "
              "recall and precision at the thresholds (a class with no match has precision 1), pooled precision "
-             "(true matches over all matches). Methods: tools/experiments/threshold_transfer.py.", ""]
+             "(true matches over all matches); top-1: the judged images' top-1 accuracy under the rows judged "
+             "(only adapted rows change it). Methods: tools/experiments/threshold_transfer.py.", ""]
     for r in results:
         body = [[row["fitted_on"], row["judged_on"], row["method"], f"{row['mean_recall']:.3f}",
-                 f"{row['mean_precision']:.3f}", f"{row['pooled_precision']:.3f}", f"{row['matches']:,}"]
+                 f"{row['mean_precision']:.3f}", f"{row['pooled_precision']:.3f}", f"{row['matches']:,}",
+                 f"{row['top1']:.3f}" if "top1" in row else "–"]
                 for row in r["rows"]]
         lines += [f"## {r['loss']} on {r['dataset']}, target precision {r['target']:g}: `{Path(r['run']).name}`", "",
                   md_table(["fitted on", "judged on", "rule", "mean recall", "mean precision", "pooled precision",
-                            "matches"], body, "lllrrrr"), ""]
+                            "matches", "top-1"], body, "lllrrrrr"), ""]
     return "\n".join(lines)
 
 

@@ -394,3 +394,40 @@ def test_adapted_rows_requantize_the_heads_a_bundle_had(trained, images, tmp_pat
     np.testing.assert_array_equal(np.load(out / heads["int8"]["weight"]), q)
     np.testing.assert_array_equal(np.load(out / heads["int8"]["scale"]), scale)
     np.testing.assert_array_equal(np.load(out / heads["bf16"]["weight"]), bf16_bits(new))
+
+
+def test_the_user_calibration_study_measures_over_http_what_offline_math_gives(trained, images, tmp_path):
+    """tools/experiments/user_calibration.measure, PNG bodies through a served bundle, against the
+    logits computed offline (tests/serving/helpers.Offline) at the bundle's thresholds: recall, the
+    pooled and per-class mean precision (all 10 classes are within its top 20)."""
+    import csv
+
+    from fastapi.testclient import TestClient
+
+    from serving.bundle import load_bundle
+    from serving.http.app import create_app
+    from tests.serving.helpers import Offline, make_settings, wait_ready
+    from tools.experiments.user_calibration import measure
+
+    b = load_bundle(trained[1])
+    paths, y = files_and_labels(images, list(b.classes))
+    listing = tmp_path / "listing.csv"  # absolute paths: read as listing.parent / path
+    with open(listing, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label", "split"])
+        w.writerows([str(p), p.parent.name, "test" if i % 3 else "val"]
+                    for i, p in enumerate(paths))
+    test = np.arange(len(paths)) % 3 > 0
+    z = Offline(b).logits(np.stack([load_image_file(p, b.image) for p in paths]))[test]  # [n, D]
+    t = np.array([e["threshold"] for e in cal_of(trained[1])["per_class"]], np.float32)
+    match = z >= t[None, :]  # [n, D]
+    true = match & (y[test][:, None] == np.arange(b.num_classes)[None, :])
+    per_class = [tp / m if m else 1.0 for tp, m in zip(true.sum(0), match.sum(0))]
+    with TestClient(create_app(make_settings(trained[1], tmp_path / "s", max_inputs=64))) as client:
+        wait_ready(client.get)
+        got = measure(client, trained[1], listing)
+    assert got["images"] == test.sum() and got["recall"] == true.any(1).mean()
+    assert got["matches"] == match.sum() and got["true_matches"] == true.sum() > 0
+    assert got["precision"] == pytest.approx(true.sum() / match.sum())
+    assert got["mean_precision"] == pytest.approx(np.mean(per_class)) and got["unsure_images"] == 0
+    assert got["matches"] > got["true_matches"]  # the exported thresholds let false matches through: both precisions tested

@@ -59,27 +59,31 @@ def _thresholds(bundle: Path) -> np.ndarray:
     return np.array([c["threshold"] for c in cal["per_class"]], dtype=np.float64)
 
 
-def measure(url: str, bundle: Path, listing: Path) -> dict:
-    """Detect recall and pooled precision over HTTP with PNG bodies, on the listing's test rows."""
-    import httpx
+def measure(http, bundle: Path, listing: Path) -> dict:
+    """Detect recall, pooled and per-class mean precision over HTTP with PNG bodies (`http`: an httpx
+    client on the server), on the listing's test rows (a class with no match has precision 1, as in
+    the threshold studies)."""
     from urllib.parse import quote
 
     thr = _thresholds(bundle)
     rows = [r for r in csv.DictReader(open(listing, encoding="utf-8")) if r["split"] == "test"]
-    tp = fp = unsure = hits = 0
+    tp, matches = np.zeros(len(thr), np.int64), np.zeros(len(thr), np.int64)  # [D] per class
+    unsure = hits = 0
     head = {"Content-Type": "image/png"}
-    with httpx.Client(base_url=url, timeout=60) as http:
-        for r in rows:
-            body = (listing.parent / r["path"]).read_bytes()
-            det = http.post(f"/v1/classes/{quote(r['label'], safe='')}/detect", content=body, headers=head).json()
-            hits += bool(det["results"][0]["match"])
-            top = http.post(f"/v1/topk?k={TOPK}&mode=exact", content=body, headers=head).json()["results"][0]
-            for e in top:
-                if e["logit"] >= thr[e["class_id"]]:
-                    tp, fp = tp + (e["class_name"] == r["label"]), fp + (e["class_name"] != r["label"])
-            unsure += len(top) == TOPK and top[-1]["logit"] >= thr.min()
-    return {"images": len(rows), "recall": hits / len(rows), "matches": tp + fp, "true_matches": tp,
-            "precision": tp / (tp + fp) if tp + fp else 1.0, "unsure_images": int(unsure)}
+    for r in rows:
+        body = (listing.parent / r["path"]).read_bytes()
+        det = http.post(f"/v1/classes/{quote(r['label'], safe='')}/detect", content=body, headers=head).json()
+        hits += bool(det["results"][0]["match"])
+        top = http.post(f"/v1/topk?k={TOPK}&mode=exact", content=body, headers=head).json()["results"][0]
+        for e in top:
+            if e["logit"] >= thr[e["class_id"]]:
+                matches[e["class_id"]] += 1
+                tp[e["class_id"]] += e["class_name"] == r["label"]
+        unsure += len(top) == TOPK and top[-1]["logit"] >= thr.min()
+    per_class = np.where(matches > 0, tp / np.maximum(matches, 1), 1.0)
+    return {"images": len(rows), "recall": hits / len(rows), "matches": int(matches.sum()),
+            "true_matches": int(tp.sum()), "precision": float(tp.sum() / matches.sum()) if matches.sum() else 1.0,
+            "mean_precision": float(per_class.mean()), "unsure_images": int(unsure)}
 
 
 def served(bundle: Path, work: Path):
@@ -99,6 +103,8 @@ def served(bundle: Path, work: Path):
 def study(run: Path, work: Path | None = None, options: list[str] | None = None) -> dict:
     """Export the run, write the PNGs, recalibrate (`options`: more slc calibrate options), measure both
     bundles over HTTP."""
+    import httpx
+
     work = Path(work or tempfile.mkdtemp(prefix="slc-user-cal-"))
     dataset = json.loads((run / "config.json").read_text())["dataset"]
     slc = [sys.executable, "-m", "slc"]
@@ -118,15 +124,16 @@ def study(run: Path, work: Path | None = None, options: list[str] | None = None)
            "calibrate_options": list(options or []),
            "adapted_rows": (cal.get("recalibration") or {}).get("adapted_rows")}
     for name, bundle in (("before", before), ("after", after)):
-        with served(bundle, work / f"serve-{name}") as srv:
-            out[name] = measure(srv.url, bundle, listing)
+        with served(bundle, work / f"serve-{name}") as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+            out[name] = measure(http, bundle, listing)
     return out
 
 
 def markdown(r: dict, command: str) -> str:
     from tools.report import md_table
 
-    body = [[name, f"{r[name]['recall']:.3f}", f"{r[name]['precision']:.3f}", f"{r[name]['matches']:,}",
+    body = [[name, f"{r[name]['recall']:.3f}", f"{r[name]['precision']:.3f}",
+             f"{r[name]['mean_precision']:.3f}" if "mean_precision" in r[name] else "–", f"{r[name]['matches']:,}",
              f"{r[name]['images']:,}", str(r[name]["unsure_images"])] for name in ("before", "after")]
     return "\n".join([
         "# A user's view: detect on an unseen face, before and after `slc calibrate`", "",
@@ -135,8 +142,8 @@ def markdown(r: dict, command: str) -> str:
         f"{''.join(' ' + o for o in r.get('calibrate_options', []))}`, "
         f"{r['recalibrate_s']:.0f} s), the others are measured over HTTP with PNG bodies: recall from detect, "
         f"precision from every match among each image's top {r['topk']} (tools/experiments/user_calibration.py).", "",
-        md_table(["bundle", "detect recall", "achieved precision", "matches", "images", "unsure images"], body,
-                 "lrrrrr"), ""] + _calibrate_lines(r))
+        md_table(["bundle", "detect recall", "achieved precision (pooled)", "mean per-class precision", "matches",
+                  "images", "unsure images"], body, "lrrrrrr"), ""] + _calibrate_lines(r))
 
 
 def _calibrate_lines(r: dict) -> list[str]:

@@ -19,13 +19,14 @@ rows at a time: no wide copy of the image); transparency
 flattened onto the background colour (black for `dark`, white for `light` and `any`); converted to
 grey (channels 1) or RGB (3); for a spec with `content_box` (grey only), cropped to the square
 around what is drawn plus that margin (`crop_to_content`: a character filling a third of the
-image or all of it, anywhere, gives the same crop; an image already at the spec's size whose square
-lies within FRAMED_PIXELS of its edges is kept as it is, not resampled again); resized to width × height when it differs (`resample`, after an
-integer box reduction down to REDUCE_GAP times the size: Pillow's `reducing_gap`); for grey
-images of a `dark` (`light`) background spec whose border is brighter (darker) than mid-grey,
-inverted, so dark-on-light drawings and scans work too (`any`: never inverted); multiplied by
-`scale` (pixel values 0–255 -> the training range); laid out as `layout` (`flat`, `CHW`, `HWC`,
-`HW`). A training image itself (same size, border on the training side) goes through unchanged.
+image or all of it, anywhere, gives the same crop; an image already at the spec's size whose square,
+fainter strokes counted, lies within FRAMED_PIXELS of its edges is kept as it is, not resampled
+again); resized to width × height when it differs (`resample`, after an integer box reduction
+down to REDUCE_GAP times the size: Pillow's `reducing_gap`); for grey images of a `dark` (`light`)
+background spec whose border is brighter (darker) than mid-grey, inverted, so dark-on-light
+drawings and scans work too (`any`: never inverted); multiplied by `scale` (pixel values 0–255 ->
+the training range); laid out as `layout` (`flat`, `CHW`, `HWC`, `HW`). A training image itself
+(same size, border on the training side) goes through unchanged.
 """
 from __future__ import annotations
 

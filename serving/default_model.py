@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.bundle.files import replace_dir
+from serving.bundle import output
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _build(home: Path, bundle: Path) -> None:
                                    f"the training extras are needed once: pip install 'slc[train]'; "
                                    f"or serve a bundle: slc serve BUNDLE")
         write_example(staged, example_request_path(home))
-        replace_dir(staged, bundle)
+        output.replace_cache(staged, bundle, "bundle")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("default model built in %.0f s: %s", time.perf_counter() - t0, bundle)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE
+from serving.bundle.cliopts import OUT, POSITIVE, guarded
 from tools.report import write_result
 from trainer.augment import AUGMENTS
 from trainer.cli import DATASET
@@ -58,6 +58,7 @@ def _losses(ctx: click.Context, param: click.Parameter, value: str) -> list[str]
               help="evaluate finished runs not yet evaluated (test face as users send it, detect; minutes a run), "
               "or report only the evaluations already made")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder")
 def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: str, search_steps: int, patience: int,
            augment: str, precision: str, runs_dir: Optional[Path], report_only: bool, evaluate: bool, out: Path) -> None:
     """ce, max_margin, the five PoLS losses and two sampled heads on held-out typefaces (hours; resumable)."""
@@ -83,6 +84,7 @@ def glyphs(dataset: str, seeds: int, epochs: int, lr: float, width: int, lrs: st
 @experiment.command("calibration")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder", inputs=('runs',))
 def calibration_experiment(runs: tuple[Path, ...], out: Path) -> None:
     """Per-class vs global vs shrunk thresholds, chosen on calibration, judged on the test faces."""
     from tools.experiments.calibration_study import study, write
@@ -102,6 +104,7 @@ def calibration_experiment(runs: tuple[Path, ...], out: Path) -> None:
 @click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.99, show_default=True)
 @click.option("--name", default="threshold-transfer", show_default=True, help="OUT/NAME.{json,md}")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder", inputs=('runs',))
 def thresholds_experiment(runs: tuple[Path, ...], target_precision: float, name: str, out: Path) -> None:
     """Threshold rules fitted on one calibration face and judged on the other (and on the test face)."""
     from tools.experiments.threshold_transfer import study, write
@@ -120,6 +123,7 @@ def thresholds_experiment(runs: tuple[Path, ...], target_precision: float, name:
 @click.argument("studies", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--name", default="detect-per-loss", show_default=True, help="OUT/NAME.{json,md}")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder", inputs=('studies',))
 def detect_table_experiment(studies: tuple[Path, ...], name: str, out: Path) -> None:
     """Per loss and augmentation, over seeds: detect at the default threshold rule, from the JSON files of
     slc experiment thresholds."""
@@ -146,6 +150,7 @@ def detect_table_experiment(studies: tuple[Path, ...], name: str, out: Path) -> 
 @click.option("--name", default="user-calibration", show_default=True, help="OUT/NAME.{json,md}")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
 @click.option("--adapt-rows", is_flag=True, help="recalibrate with slc calibrate --adapt-rows")
+@guarded("report folder", inputs=('run',))
 def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out: Path, adapt_rows: bool) -> None:
     """Detect on the test face over HTTP with PNG bodies, before and after slc calibrate on 2 images per class."""
     from tools.experiments.user_calibration import markdown, study
@@ -166,6 +171,7 @@ def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out:
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), required=True, help="where the bundle goes")
 @click.option("--name", default="enroll-glyphs3755", show_default=True, help="OUT/NAME.{json,md}")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder", inputs=('run',))
 def enroll_experiment(run: Path, work: Path, name: str, out: Path) -> None:
     """GB2312's 3,008 level-2 characters enrolled from 1, 2 and 5 renderings, measured on the test face."""
     from tools.experiments.enroll_glyphs import markdown, study
@@ -188,6 +194,7 @@ def enroll_experiment(run: Path, work: Path, name: str, out: Path) -> None:
               help="learning rates searched per loss on the calibration split")
 @click.option("--losses", default="", callback=_losses, help=f"comma list [default: all: {', '.join(list_losses())}]")
 @click.option("--out", required=True, **OUT)
+@guarded("report folder")
 def table1(dataset: str, seeds: int, epochs: int, lrs: list[float], losses: list[str], out: Path) -> None:
     """The PoLS paper's Table 1: every loss, raw single logits, plus the normalized-CE row."""
     from tools.experiments.table1 import table1 as run_table1
@@ -204,6 +211,7 @@ def table1(dataset: str, seeds: int, epochs: int, lrs: list[float], losses: list
 
 @click.command("losses")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder")
 def bench_losses(out: Path) -> None:
     """Forward+backward time of smooth_topk against ce (C=1000, k=5, B=256)."""
     from tools.bench.losses import run_loss_bench
@@ -224,6 +232,7 @@ def bench_losses(out: Path) -> None:
 @click.option("--train-classes", default="3755,100000", show_default=True,
               help="comma list of D for whole glyph-network training steps (empty: skip)")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder")
 def bench_head(classes: str, dim: int, batch: int, rate: float, loss_name: str, train_classes: str, out: Path) -> None:
     """Training at many classes: head time per step (full, sampled, 2 shards) as D grows, and glyph-network images/s."""
     from tools.bench.head_train import head_bench_markdown, head_step_times, train_step_rates

@@ -71,16 +71,27 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: Optio
 
 
 def write_text(path: Path, text: str) -> Path:
-    """Write text to path atomically (a sibling temporary file renamed over it), creating the directory."""
+    """Write text to path atomically (a sibling temporary file renamed over it), creating the directory;
+    a file there that slc did not write is kept and the text goes beside it (serving/bundle/output.py).
+    Returns where it went."""
+    return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_file(path: Path, write: Callable[[Path], Any]) -> Path:
+    """`write(tmp)` then rename to the report's place in its folder (output.report_file), recorded in
+    the folder's ledger; the path written."""
+    from serving.bundle import output
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    path = output.report_file(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return path
+    return output.record(path)
 
 
 def write_json(path: Path, data: Any, *, indent: Optional[int] = 2, default: Optional[Callable] = None,

@@ -16,7 +16,7 @@ from typing import Optional
 import click
 
 from models import check_backbone_name, list_backbones
-from serving.bundle.cliopts import OUT, POSITIVE, key_values
+from serving.bundle.cliopts import OUT, POSITIVE, guarded, key_values
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
 from trainer.augment import AUGMENTS
@@ -169,9 +169,10 @@ def _train_options(f):
 @click.command()
 @_train_options
 @click.option("--out", help="run directory to create (config, checkpoints, history, metrics)", **OUT)
-@click.option("--overwrite", is_flag=True, help="replace the run already in --out")
 @click.option("--resume", "resume", type=click.Path(path_type=Path, file_okay=False),
               help="continue the interrupted run RUN from its newest checkpoint (other options but --epochs ignored)")
+@guarded("run", inputs=(lambda p: _data_path(p.get("dataset")),), in_place="resume",
+         target=lambda p: p.get("out") or p.get("resume"))
 def train(out: Optional[Path], overwrite: bool, resume: Optional[Path], **options) -> None:
     """Fit a backbone + class head with a loss; writes config, checkpoints, history and metrics to OUT."""
     from trainer.train import TrainingInterrupted, train as run_train
@@ -190,6 +191,16 @@ def train(out: Optional[Path], overwrite: bool, resume: Optional[Path], **option
         from trainer.distributed import exit_rank
 
         exit_rank()  # a torchrun worker whose work is written (a rank was seen to abort in teardown)
+
+
+def _data_path(dataset: Optional[str]) -> Optional[Path]:
+    """The dataset's own folder or file, when it has one (the run folder may not hold it nor lie in it)."""
+    if not dataset or not dataset.startswith(("imagefolder:", "csv:", "npz:")):
+        return None
+    from trainer.data.imagefiles import dataset_path
+
+    path = dataset_path(dataset)
+    return path if path.exists() else None
 
 
 def _train_config(out: Optional[Path], resume: Optional[Path], options: dict):
@@ -293,7 +304,8 @@ def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> 
 
 @click.command("export")
 @click.argument("run", **RUN)
-@click.option("--out", required=True, help="bundle directory to write (replaced atomically)", **OUT)
+@click.option("--out", required=True, help="bundle directory to write (a new folder, or with --overwrite a bundle it "
+              "replaces in one atomic swap)", **OUT)
 @click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="calibrate thresholds for this precision [default: 0.99]")
 @click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
@@ -311,7 +323,8 @@ def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> 
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
 @click.option("--head-precision", "head_precision", default="", callback=_head_precisions,
               help="also write quantized heads: int8, bf16 or both, comma-separated (docs/bundle-format.md)")
-def export(run: Path, out: Path, target_precision: Optional[float], target_recall: Optional[float],
+@guarded("bundle", inputs=("run",))
+def export(run: Path, out: Path, overwrite: bool, target_precision: Optional[float], target_recall: Optional[float],
            threshold_method: str, calibration_shift: str, kappa: float, data: Optional[str],
            head_precision: tuple[str, ...]) -> None:
     """Write the ONNX bundle of a trained RUN, calibrated on its calibration split."""
@@ -328,7 +341,7 @@ def export(run: Path, out: Path, target_precision: Optional[float], target_recal
     method = None if threshold_method == "auto" else method
     try:
         export_bundle(run, out, target_precision=target_precision, target_recall=target_recall, method=method, data=data,
-                      head_precisions=precisions, shift=calibration_shift)
+                      head_precisions=precisions, shift=calibration_shift, overwrite=overwrite)
     except ValueError as exc:  # the run's data gone or changed: one line
         raise click.UsageError(str(exc)) from None
     b = load_bundle(out, verify=False)

@@ -23,7 +23,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +31,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from serving.bundle import (
-    GRAPH_IO, MANIFEST, NpyStream, base_manifest, graph_problems, ort_session, replace_dir, verify_bundle,
+    GRAPH_IO, NpyStream, base_manifest, graph_problems, ort_session, verify_bundle,
     write_manifest,
 )
+from serving.bundle import output
 from serving.bundle.negatives import write_negatives
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from serving.bundle.quantize import write_heads
@@ -163,15 +163,11 @@ def _target(target_precision: float | None, target_recall: float | None) -> dict
     return {"precision": float(0.99 if target_precision is None else target_precision)}
 
 
-def _prepare_out(out: Path) -> Path:
-    """A fresh staging directory next to `out`; refuse to overwrite something that is not a bundle."""
-    if out.exists() and not (out.is_dir() and ((out / MANIFEST).exists() or not any(out.iterdir()))):
-        raise FileExistsError(f"{out} exists and is not a bundle; refusing to overwrite it")
-    stage = out.parent / f".{out.name}.staging-{os.getpid()}"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
-    return stage
+def _verified(stage: Path) -> list[str]:
+    """The staged bundle's problems, as one ExportError: an unfaithful export is the exporter's fault."""
+    if problems := verify_bundle(stage):
+        raise ExportError("exported bundle fails verification: " + "; ".join(problems))
+    return []
 
 
 @dataclass
@@ -327,12 +323,14 @@ def default_method(pols: bool, shift: str = "none") -> dict:
 
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
                   method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = (),
-                  shift: str = "auto") -> Path:
+                  shift: str = "auto", overwrite: bool = False) -> Path:
     """Write BUNDLE (docs/bundle-format.md) from a run directory; returns `out`. Raises ExportError if unfaithful.
     `data`: the run's dataset at its new place, when it has moved (trainer.data.load_run_data);
     `head_precisions`: quantized copies of the head to add (serving/bundle/quantize.py);
-    `shift`: calibrate on style-shifted copies too (trainer/calibration_shift.py; auto: for a PoLS loss on images)."""
+    `shift`: calibrate on style-shifted copies too (trainer/calibration_shift.py; auto: for a PoLS loss on images);
+    `overwrite`: replace a bundle already at `out` (serving/bundle/output.py: checked before any work)."""
     run, out = Path(run), Path(out)
+    output.check(out, "bundle", overwrite=overwrite, inputs=[run])
     target = _target(target_precision, target_recall)
     r = _open_run(run, data)
     pols = bool(r.config.get("loss_pols", False))
@@ -344,8 +342,7 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     classes = [str(c) for c in r.data_info["classes"]]
     if len(classes) != D:
         raise ExportError(f"{len(classes)} class names for a head of {D} rows")
-    stage = _prepare_out(out)
-    try:
+    with output.staged(out, "bundle", overwrite=overwrite, inputs=[run], verify=_verified) as stage:
         parity_report = _export_graphs(r, stage, D, external=weight.nbytes > EXTERNAL_DATA_BYTES)
         _write_head(stage, weight, bias)
         cal, negatives = _write_calibration(r, stage, target, method, shift)
@@ -355,13 +352,6 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
         if head_precisions:
             manifest["heads"] = write_heads(stage, weight, tuple(head_precisions))
         write_manifest(stage, manifest)
-        problems = verify_bundle(stage)
-        if problems:
-            raise ExportError("exported bundle fails verification: " + "; ".join(problems))
-        replace_dir(stage, out)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
     log.debug("exported %s -> %s (%d classes, parity %s)", run, out, D,
              ", ".join(f"{k} {v:.1e}" for k, v in parity_report.items()))
     return out

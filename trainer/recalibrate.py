@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from serving.bundle.cliopts import POSITIVE, bundle_dir, out_dir
+from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir
 from trainer.calibrate import DEFAULT_METHOD, METHODS, calibrate_chunks, check_method, chunk_classes
 
 SHOW_UNKNOWN = 5  # unknown class names given in the one line
@@ -303,20 +303,25 @@ def _data(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-def _output(bundle: Path, out: Path | None, in_place: bool) -> Path:
-    """Where to write: --out, or BUNDLE itself with --in-place; one line for anything else."""
+def _output(bundle: Path, out: Path | None, in_place: bool, overwrite: bool) -> Path:
+    """Where to write: --out, or BUNDLE itself (its symlinks followed) with --in-place; one line for anything else."""
     from serving.bundle.recalibration import RecalibrationError, check_out
 
     if out is None and not in_place:
         raise click.UsageError("give --out NEW_BUNDLE, or --in-place to replace BUNDLE")
     if out is not None and in_place:
         raise click.UsageError("give --out or --in-place, not both")
-    target = bundle if in_place else out
     try:
-        check_out(bundle, target, in_place)
+        return check_out(bundle, bundle if in_place else out, in_place, overwrite)
     except RecalibrationError as exc:
         raise click.UsageError(str(exc)) from None
-    return target
+
+
+def _claimed(params: dict) -> Path | None:
+    """The folder `slc calibrate` writes, for its guard (the usage lines come first, from _output)."""
+    if params.get("in_place") and params.get("out") is None:
+        return params["bundle"]
+    return params.get("out") if not params.get("in_place") else None
 
 
 def _embed_all(bundle: Path, spec: dict, images: Images, y_fit: np.ndarray, y_test: np.ndarray,
@@ -355,7 +360,8 @@ def _line(what: str, r: dict) -> str:
               help="imagefolder:DIR or csv:FILE: labelled images whose folder names (label column) are class names "
                    "of the bundle; with train/val/test splits, fitted on val, measured on test (docs/calibration.md)")
 @click.option("--out", type=click.Path(path_type=Path), callback=out_dir,
-              help="the recalibrated bundle to write: a new folder, or a bundle it replaces (not BUNDLE itself)")
+              help="the recalibrated bundle to write: a new folder, or with --overwrite a bundle it replaces "
+              "(not BUNDLE itself)")
 @click.option("--in-place", is_flag=True, help="replace BUNDLE itself, in one atomic swap (a running server then "
               "takes the new thresholds with POST /v1/admin/reload-calibration)")
 @click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True),
@@ -373,7 +379,9 @@ def _line(what: str, r: dict) -> str:
               "(docs/calibration.md, \"Adapting the rows\")")
 @click.option("--adapt-step", type=POSITIVE, help="the step, in units of each row's length "
               "[default: chosen among 0.25, 0.5, 1 by cross-fitting on the images]")
-def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_precision: float | None,
+@guarded("bundle", inputs=("bundle",), in_place="in_place", target=_claimed)
+def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_place: bool,
+              target_precision: float | None,
               target_recall: float | None, threshold_method: str | None, kappa: float | None,
               skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None) -> None:
     """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
@@ -381,7 +389,7 @@ def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_
     from trainer.data.imagefiles import absolute_name
 
     t0 = time.perf_counter()
-    target = _output(bundle, out, in_place)
+    target = _output(bundle, out, in_place, overwrite)
     manifest, old = open_source(bundle)
     opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images,
                            adapt_rows, adapt_step)
@@ -404,7 +412,7 @@ def calibrate(bundle: Path, data: str, out: Path | None, in_place: bool, target_
         note["adapted_rows"] = adaptation
     cal["recalibration"] = {**note, "kept_rule": KEPT_RULE, "pooled": report, "previous_calibration": PREVIOUS}
     try:
-        write_recalibrated(bundle, cal, target, note, head=rows)
+        write_recalibrated(bundle, cal, target, note, head=rows, in_place=in_place, overwrite=overwrite)
     except RecalibrationError as exc:
         raise click.ClickException(str(exc)) from None
     _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"))
@@ -443,9 +451,9 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
         click.echo(f"rows of {a['classes']:,} classes moved toward their images, step {a['step']:g}"
                    + ("" if isinstance(a["step_choice"], str) else " (chosen: " + "; ".join(
                        f"{c['beta']:g} recalls {c['recall']:.3f}" for c in a["step_choice"]) + ", cross-fitted)"))
-    restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target == bundle
+    restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target.resolve() == bundle.resolve()
                else f"slc serve {target}")
-    if "adapted_rows" in note and target == bundle:
+    if "adapted_rows" in note and target.resolve() == bundle.resolve():
         restart = "restart the servers on it (a new head: the reload route takes thresholds only)"
     click.echo(f"recalibrated {note['classes_recalibrated']:,} classes, kept {note['classes_kept']:,}, "
                f"{note['images'] + note['test_images']:,} images, {seconds:.1f} s -> {target} verified "

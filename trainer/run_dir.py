@@ -17,11 +17,12 @@ import os
 import shutil
 from pathlib import Path
 
+from serving.bundle import output
+
 # Every name `slc train` writes into a run folder (files, then folders); `NAME.tmp` too (atomic writes).
 RUN_FILES = ("config.json", "data.json", "checkpoint.pt", "best.pt", "metrics.json", "history.csv", "curves.png")
 RUN_FOLDERS = ("checkpoints", "tensorboard")
 RUN_KEYS = ("loss", "dataset", "steps")  # of a run's config.json
-SHOW = 4  # names listed when a folder is described
 
 
 def run_config(path: Path) -> dict | None:
@@ -35,45 +36,28 @@ def run_config(path: Path) -> dict | None:
     return config
 
 
-def describe(path: Path) -> str:
-    """What a folder holds, in a few words: `data/, notes.txt and 3 more`."""
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
-    shown = ", ".join(names[:SHOW])
-    return shown + (f" and {len(names) - SHOW} more" if len(names) > SHOW else "")
+def _about(path: Path) -> str:
+    config = run_config(path) or {}
+    return f" ({config.get('loss')} on {config.get('dataset')}, {config.get('status', 'finished')})"
 
 
-def _inside(child: Path, parent: Path) -> bool:
-    return child == parent or parent in child.parents
+def run_names(path: Path) -> set[str] | None:
+    """The names of the run in `path` (RUN_FILES, RUN_FOLDERS and their .tmp present); None: not a run."""
+    if run_config(path) is None:
+        return None
+    own = set(RUN_FILES) | set(RUN_FOLDERS)
+    own |= {name + ".tmp" for name in own}
+    return {p.name for p in path.iterdir() if p.name in own}
+
+
+output.register(output.Kind("run", run_names, hint="--resume {out} to continue it, or choose another --out",
+                            about=_about))
 
 
 def check_out(out: Path, overwrite: bool, data: Path | None = None) -> None:
-    """ValueError (one line naming what is there) unless `out` may receive a new run (module doc).
-    `data`: the dataset's folder or file, when it has one on disk."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        kind = "a file" if out.is_file() else "not a folder"
-        raise ValueError(f"--out {out} is {kind} ({out.stat().st_size:,} bytes); give a new folder for the run")
-    real, cwd = out.resolve(), Path.cwd().resolve()
-    if _inside(cwd, real):
-        what = "the current folder" if real == cwd else f"a folder above the current one ({cwd})"
-        raise ValueError(f"--out {out} is {what}; give a new folder for the run, e.g. --out runs/NAME")
-    if data is not None and data.exists():
-        data = data.resolve()
-        if _inside(data, real):
-            raise ValueError(f"--out {out} holds the data ({data}); give a folder outside it for the run")
-        if data.is_dir() and _inside(real, data):
-            raise ValueError(f"--out {out} lies inside the image folder {data}; its files would become data: "
-                             "give a folder outside it")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    config = run_config(out)
-    if config is None:
-        raise ValueError(f"--out {out} is not a run of slc train (it holds {describe(out)}); give a new or empty "
-                         "folder (--overwrite replaces only a run)")
-    if not overwrite:
-        status = config.get("status", "finished")
-        raise ValueError(f"--out {out} already holds a run ({config['loss']} on {config['dataset']}, {status}); "
-                         f"add --overwrite to replace it, --resume {out} to continue it, or choose another --out")
+    """OutputRefused (a ValueError: one line naming what is there) unless `out` may receive a new run
+    (serving/bundle/output.py). `data`: the dataset's folder or file, when it has one on disk."""
+    output.check(out, "run", overwrite=overwrite, inputs=[data] if data is not None and data.exists() else [])
 
 
 def clear_run(out: Path) -> list[str]:

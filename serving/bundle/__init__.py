@@ -1,13 +1,13 @@
 """The model bundle (docs/bundle-format.md), shared by the trainer (writes) and the server (reads).
 
 numpy, onnx and onnxruntime only: no torch, no trainer. Modules:
-format (names, manifest, hashes) · files (atomic writes) · home (SLC_HOME) · npy (.npy head) ·
+format (names, manifest, hashes) · files (atomic writes) · output (the one guarded output folder) · home (SLC_HOME) · npy (.npy head) ·
 names, calibration (compact per-class data) · graphs (ONNX checks) · session (onnxruntime) ·
 image, imagespec (an image -> one input, for trainer and server alike; Pillow) ·
 verify (`slc verify`) · loader (`load_bundle`) · synthetic (random bundles for scale work).
 """
 from serving.bundle.calibration import PerClassCalibration, calibration_arrays
-from serving.bundle.files import atomic_replace, atomic_write_text, replace_dir
+from serving.bundle.files import atomic_replace, atomic_write_text
 from serving.bundle.format import (
     FORMAT, FORMAT_VERSION, GRAPH_IO, GRAPH_KINDS, MANIFEST, REQUIRED_FILES, BundleError, base_manifest,
     sha256_file, write_manifest,
@@ -24,5 +24,5 @@ __all__ = [
     "FORMAT", "FORMAT_VERSION", "GRAPH_IO", "GRAPH_KINDS", "MANIFEST", "REQUIRED_FILES", "Bundle", "BundleError",
     "IdNames", "NpyStream", "PerClassCalibration", "atomic_replace", "atomic_write_text", "base_manifest",
     "calibration_arrays", "compact_names", "graph_problems", "load_bundle", "ort_session", "release_memory",
-    "replace_dir", "sha256_file", "slc_home", "verify_bundle", "write_manifest",
+    "sha256_file", "slc_home", "verify_bundle", "write_manifest",
 ]

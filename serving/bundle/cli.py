@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from serving.bundle.cliopts import OUT, bundle_dir as existing_bundle
+from serving.bundle.cliopts import OUT, bundle_dir as existing_bundle, guarded
 from serving.bundle.synthetic import ROW_KINDS
 
 
@@ -36,19 +36,17 @@ def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple
               "(comma list; docs/bundle-format.md)")
 @click.option("--negatives", type=click.IntRange(min=0), default=0, show_default=True,
               help="also write this many calibration negatives (random inputs' embeddings, labelled by their top class)")
-@click.option("--out", required=True, help="bundle directory (replaced)", **OUT)
+@click.option("--out", required=True, help="bundle directory (a new folder, or with --overwrite a bundle)", **OUT)
+@guarded("bundle")
 def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, negatives: int,
-              out: Path) -> None:
+              out: Path, overwrite: bool) -> None:
     """A bundle with a random backbone and D random class rows, for scale work."""
-    from serving.bundle.quantize import add_heads
     from serving.bundle.synthetic import build_synthetic_bundle
 
     wanted = _precisions(None, None, precisions) if precisions else ()
     t0 = time.perf_counter()
     build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows,
-                           negatives=negatives)
-    if wanted:
-        add_heads(out, wanted, progress=True)
+                           negatives=negatives, heads=wanted, overwrite=overwrite)
     head_mb = classes * (dim + 1) * 4 / 2**20
     click.echo(f"bundle {out}: {classes:,} {rows} classes, d={dim}, head {head_mb:,.1f} MiB "
                f"({time.perf_counter() - t0:.1f} s)  -> slc verify {out}; slc serve {out}")
@@ -58,6 +56,7 @@ def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, prec
 @click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
 @click.option("--precision", "precisions", default="int8", show_default=True, callback=_precisions,
               help="int8, bf16 or both (comma list)")
+@guarded("bundle", out="bundle_dir", in_place=True)
 def quantize(bundle_dir: Path, precisions: tuple[str, ...]) -> None:
     """Add quantized copies of the head (int8, bf16) to a bundle; the float32 head stays the reference."""
     from serving.bundle.quantize import FILES, add_heads
@@ -76,15 +75,17 @@ def quantize(bundle_dir: Path, precisions: tuple[str, ...]) -> None:
 
 @bundle.command()
 @click.argument("bundle_dir", metavar="BUNDLE", type=click.Path(path_type=Path), callback=existing_bundle)
-@click.option("--out", required=True, help="model repository directory (replaced)", **OUT)
+@click.option("--out", required=True, help="model repository directory (a new folder, or with --overwrite a "
+              "repository slc wrote)", **OUT)
 @click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True, help="Triton max_batch_size")
 @click.option("--delay-us", type=click.IntRange(min=0), default=2000, show_default=True,
               help="dynamic batching: max_queue_delay_microseconds")
-def triton(bundle_dir: Path, out: Path, max_batch: int, delay_us: int) -> None:
+@guarded("Triton repository", inputs=("bundle_dir",))
+def triton(bundle_dir: Path, out: Path, overwrite: bool, max_batch: int, delay_us: int) -> None:
     """A Triton model repository (onnxruntime backend) serving the bundle's three graphs."""
     from serving.bundle.triton import write_triton_repository
 
-    models = write_triton_repository(bundle_dir, out, max_batch, delay_us)
+    models = write_triton_repository(bundle_dir, out, max_batch, delay_us, overwrite=overwrite)
     click.echo(f"triton repository {out}: {', '.join(models)}  -> tritonserver --model-repository {out}")
 
 
@@ -93,8 +94,10 @@ def triton(bundle_dir: Path, out: Path, max_batch: int, delay_us: int) -> None:
 @click.option("--from", "source", required=True, metavar="DATA_DIR|URL",
               help="where the server kept its enrolled classes: its --data-dir (SQLite), or its --gallery-url "
                    "(postgresql://...)")
-@click.option("--out", required=True, help="the new bundle directory (replaced; not BUNDLE)", **OUT)
-def fold(bundle_dir: Path, source: str, out: Path) -> None:
+@click.option("--out", required=True, help="the new bundle directory (not BUNDLE; with --overwrite a bundle it "
+              "replaces)", **OUT)
+@guarded("bundle", inputs=("bundle_dir",))
+def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
     """A new bundle with the enrolled classes of BUNDLE as ordinary rows (docs/api.md "Enroll a class")."""
     from serving.bundle.fold import FoldedClass, fold_bundle
     from serving.bundle.loader import load_bundle
@@ -118,7 +121,7 @@ def fold(bundle_dir: Path, source: str, out: Path) -> None:
         raise click.ClickException(f"{source} holds no enrolled classes of {bundle_dir} (digest {digest[:12]}…); "
                                    "nothing to fold")
     try:
-        fold_bundle(bundle_dir, classes, out)
+        fold_bundle(bundle_dir, classes, out, overwrite=overwrite)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"bundle {out}: {len(classes)} enrolled classes folded into {bundle_dir}'s head as ids "

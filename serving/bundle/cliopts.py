@@ -1,10 +1,12 @@
 """Command-line checks every package's commands share (click callbacks): an output directory
 that can be written and a bundle directory that exists, each failing as one line before any
-work starts."""
+work starts; `guarded`, the one way a command claims the folder it writes (serving/bundle/output.py)."""
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import click
 
@@ -56,3 +58,59 @@ def require(module: str, extra: str) -> None:
 
     if importlib.util.find_spec(module) is None:
         raise click.ClickException(f"this command needs {module}, which this install lacks: pip install 'slc[{extra}]'")
+
+
+def guarded(kind: str, *, inputs: Sequence[str | Callable[[dict], Optional[Path]]] = (), out: str = "out",
+            in_place: Optional[str] | bool = None,
+            target: Optional[Callable[[dict], Optional[Path]]] = None) -> Callable:
+    """Decorate a command that writes a folder: before its body runs, the folder is checked
+    (serving/bundle/output.py: one line, exit 2) and locked until the command ends. Whole kinds get
+    an `--overwrite` flag, passed on to the body as `overwrite`. `inputs`: the parameters naming the
+    command's inputs (or functions of the parameters giving one); `in_place`: the flag that makes the input itself the output
+    (True: always, as `slc bundle quantize` writes its BUNDLE); `target`: the
+    output from the parameters when it is not `out` alone (a run resumed in place)."""
+    from serving.bundle.output import kind_of
+
+    whole = kind_of(kind).whole
+
+    def wrap(body: Callable) -> Callable:
+        @functools.wraps(body)
+        def run(**params):
+            place = in_place is True or bool(in_place and params.get(in_place))
+            folder = target(params) if target else params.get(out)
+            if folder is None or os.environ.get("RANK", "0") != "0":  # a torchrun worker: rank 0 claims it
+                return body(**params)
+            with claim(folder, kind, overwrite=params.get("overwrite", False), in_place=place,
+                       inputs=_paths(name(params) if callable(name) else params.get(name) for name in inputs)):
+                return body(**params)
+
+        run.slc_output = kind  # tests/cli/test_outputs.py: every command with --out carries one
+        if whole and in_place is not True:
+            run = click.option("--overwrite", is_flag=True, help=f"replace the {kind} already in --out (only "
+                               "its own files; anything else in the folder stays)")(run)
+        return run
+
+    return wrap
+
+
+def _paths(values) -> list[Path]:
+    """The input paths among parameter values (a path, a tuple of paths, None)."""
+    out = []
+    for value in values:
+        out += [Path(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
+    return out
+
+
+def claim(folder: Path, kind: str, **how):
+    """The checked, locked output folder as a context manager; a refusal as click's one-line usage error."""
+    import contextlib
+
+    from serving.bundle.output import OutputRefused, check, lock
+
+    try:
+        real = check(folder, kind, **how)
+        stack = contextlib.ExitStack()
+        stack.enter_context(lock(real))
+    except OutputRefused as exc:
+        raise click.UsageError(str(exc)) from None
+    return stack

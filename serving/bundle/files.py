@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -29,7 +28,8 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """Persist every file of a folder, then the folder (before it is renamed into place)."""
     for p in [path, *path.rglob("*")]:
         if p.is_file():
             with open(p, "rb") as f:
@@ -60,17 +60,6 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
     return atomic_replace(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def replace_dir(staged: Path | str, target: Path | str) -> Path:
-    """Move a fully written directory into place (fsynced first); an old `target` is removed."""
-    staged, target = Path(staged), Path(target)
-    _fsync_tree(staged)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(staged, target)
-    fsync_dir(target.parent)
-    return target
-
-
 def exchange_dirs(a: Path | str, b: Path | str) -> bool:
     """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE): a reader of either
     path sees the old directory or the new one, never neither. False where the system cannot."""
@@ -88,25 +77,6 @@ def exchange_dirs(a: Path | str, b: Path | str) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system or kernel without it
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-def swap_dir(staged: Path | str, target: Path | str) -> Path:
-    """Move a fully written directory onto `target` (fsynced first). An existing `target` is exchanged
-    with it in one step where the system can (exchange_dirs), else renamed aside for the moment of
-    the second rename; the old directory is removed either way."""
-    staged, target = Path(staged), Path(target)
-    _fsync_tree(staged)
-    if not target.exists():
-        os.replace(staged, target)
-    elif exchange_dirs(staged, target):
-        shutil.rmtree(staged)  # the old directory, now under the staging name
-    else:
-        aside = target.parent / f".{target.name}.old-{os.getpid()}"
-        os.replace(target, aside)
-        os.replace(staged, target)
-        shutil.rmtree(aside)
-    fsync_dir(target.parent)
-    return target
 
 
 def check_writable_dir(path: Path | str) -> Path:

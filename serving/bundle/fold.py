@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.bundle.files import replace_dir
+from serving.bundle import output
 from serving.bundle.format import MANIFEST, SELF_HASH_KEY, json_load, write_manifest
 from serving.bundle.graphs import external_locations, external_tensor
 from serving.bundle.npy import NpyStream
@@ -52,39 +52,34 @@ class FoldedClass:
     rule: str
 
 
-def fold_bundle(src: Path | str, classes: list[FoldedClass], out: Path | str) -> Path:
+def fold_bundle(src: Path | str, classes: list[FoldedClass], out: Path | str, overwrite: bool = False) -> Path:
     """Write NEW (module docstring) from BUNDLE and its enrolled classes (in slot order); returns `out`.
     ValueError, one line, when there is nothing to fold or the result does not verify."""
     from serving.bundle.loader import load_bundle
-    from serving.bundle.verify import verify_bundle
 
     src, out = Path(src), Path(out)
     if not classes:
         raise ValueError(f"no enrolled classes of {src} to fold")
-    if out.resolve() == src.resolve():
-        raise ValueError("--out must be a new directory, not the bundle being folded")
+    output.check(out, "bundle", overwrite=overwrite, inputs=[src])  # before the bundle is read
     bundle = load_bundle(src, verify=True)
     classes = sorted(classes, key=lambda c: c.slot)
     _check_classes(bundle, classes)
-    stage = out.parent / f".{out.name}.folding"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
-    try:
+    with output.staged(out, "bundle", overwrite=overwrite, inputs=[src], verify=_verified) as stage:
         _copy_others(src, stage, bundle.manifest)
         offsets = _write_head(stage, bundle, classes)
         write_graphs(src, stage, bundle.embed_dim, offsets, bundle.num_classes + len(classes))
         _write_calibration(src, stage, bundle, classes)
         write_samples(src, stage, bundle.num_classes)
-        manifest = _manifest(src, stage, bundle, classes)
-        write_manifest(stage, manifest)
-        if problems := verify_bundle(stage):
-            raise ValueError(f"the folded bundle does not verify: {problems[0]}")
-        replace_dir(stage, out)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
+        write_manifest(stage, _manifest(src, stage, bundle, classes))
     return out
+
+
+def _verified(stage: Path) -> list[str]:
+    from serving.bundle.verify import verify_bundle
+
+    if problems := verify_bundle(stage):
+        raise ValueError(f"the folded bundle does not verify: {problems[0]}")
+    return []
 
 
 def _check_classes(bundle, classes: list[FoldedClass]) -> None:

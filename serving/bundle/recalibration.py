@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.bundle.calibration import calibration_limit, parse_calibration
-from serving.bundle.files import swap_dir
+from serving.bundle.output import OutputRefused, check, real_target, staged
 from serving.bundle.format import MANIFEST, SELF_HASH_KEY, write_manifest
 from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
 
@@ -47,49 +47,48 @@ class CalibrationInvalid(ValueError):
 
 
 # ------------------------------------------------------------------------------ writing
-def check_out(source: Path, out: Path, in_place: bool) -> None:
-    """RecalibrationError (one line) for an output that must not be written, before any work."""
-    same = out.resolve() == source.resolve()
-    if same and not in_place:
-        raise RecalibrationError(f"--out {out} is the bundle itself; pass --in-place to replace it")
-    if in_place and not same:
-        raise RecalibrationError("give --in-place or --out, not both")
-    if source.resolve() in out.resolve().parents:
-        raise RecalibrationError(f"--out {out} is inside the bundle {source}")
-    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
-        raise RecalibrationError(f"{out} exists and is not a bundle; refusing to overwrite it")
-
-
-def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, head=None) -> Path:
-    """Write the bundle `source` with `calibration` to `out` (`out == source`: replaced in place);
-    `note` goes into the manifest's `recalibration` entry. `head`: new rows [D, d] (sliced like an
-    array: trainer/row_adapt.py), written with the graphs, samples and quantized heads that read
-    them (serving/bundle/fold.py). Verified before it takes `out`'s place."""
-    source, out = Path(source), Path(out)
-    in_place = out.resolve() == source.resolve()
-    check_out(source, out, in_place)
-    manifest = json.loads((source / MANIFEST).read_text())  # as written: the full class list
-    stage = out.parent / f".{out.name}.recalibrating-{os.getpid()}"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
+def check_out(source: Path, out: Path, in_place: bool, overwrite: bool = False) -> Path:
+    """The folder to write (the real bundle with `in_place`, its symlinks followed), or
+    RecalibrationError (one line) for an output that must not be written, before any work."""
     try:
-        skip = set() if head is None else _head_files(source, manifest)
-        known = _carry(source, stage, {k: v for k, v in manifest["files"].items() if k not in skip})
-        (stage / CALIBRATION).write_text(json.dumps(calibration, indent=1, allow_nan=False) + "\n")
-        manifest = {**manifest, "calibration_target": calibration["target"],
-                    "recalibration": {**note, "previous_calibration": PREVIOUS}}
-        if head is not None:
-            manifest = _write_new_head(source, stage, manifest, head)
-        write_manifest(stage, manifest, known_hashes=known)
-        if problems := verify_bundle(stage):
-            raise RecalibrationError("the recalibrated bundle fails verification, nothing was written: "
-                                     + "; ".join(problems[:3]))
-        swap_dir(stage, out)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
-    return out
+        if not in_place and real_target(out) == Path(source).resolve():
+            raise RecalibrationError(f"--out {out} is the bundle itself; pass --in-place to replace it")
+        return check(out, "bundle", overwrite=overwrite, inputs=[source], in_place=in_place)
+    except OutputRefused as exc:
+        raise RecalibrationError(str(exc)) from None
+
+
+def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, head=None, *,
+                       in_place: bool = False, overwrite: bool = False) -> Path:
+    """Write the bundle `source` with `calibration` to `out` (`in_place`: `source` itself is replaced,
+    through its symlinks); `note` goes into the manifest's `recalibration` entry. `head`: new rows
+    [D, d] (sliced like an array: trainer/row_adapt.py), written with the graphs, samples and quantized
+    heads that read them (serving/bundle/fold.py). Verified before it takes `out`'s place."""
+    source = Path(source)
+    in_place = in_place or Path(out).resolve() == source.resolve()
+    target = check_out(source, Path(out), in_place, overwrite)
+    manifest = json.loads((source / MANIFEST).read_text())  # as written: the full class list
+    try:
+        with staged(target, "bundle", overwrite=overwrite, inputs=[source], in_place=in_place,
+                    verify=_verified) as stage:
+            skip = set() if head is None else _head_files(source, manifest)
+            known = _carry(source, stage, {k: v for k, v in manifest["files"].items() if k not in skip})
+            (stage / CALIBRATION).write_text(json.dumps(calibration, indent=1, allow_nan=False) + "\n")
+            manifest = {**manifest, "calibration_target": calibration["target"],
+                        "recalibration": {**note, "previous_calibration": PREVIOUS}}
+            if head is not None:
+                manifest = _write_new_head(source, stage, manifest, head)
+            write_manifest(stage, manifest, known_hashes=known)
+    except OutputRefused as exc:
+        raise RecalibrationError(str(exc)) from None
+    return target
+
+
+def _verified(stage: Path) -> list[str]:
+    if problems := verify_bundle(stage):
+        raise RecalibrationError("the recalibrated bundle fails verification, nothing was written: "
+                                 + "; ".join(problems[:3]))
+    return []
 
 
 def _head_files(source: Path, manifest: dict) -> set[str]:

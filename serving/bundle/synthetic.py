@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,10 +195,15 @@ def _write_head(out: Path, rng: np.random.Generator, D: int, d: int, rows: str, 
 
 
 def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle",
-                           rows: str = "clustered", image: dict | None = None, negatives: int = 0) -> Path:
+                           rows: str = "clustered", image: dict | None = None, negatives: int = 0,
+                           heads: tuple[str, ...] = (), overwrite: bool = False) -> Path:
     """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`;
     `image` (a manifest image spec with layout flat) lets it take image bodies too; `negatives`:
-    that many calibration negatives (embeddings of random inputs, labelled by their top class)."""
+    that many calibration negatives (embeddings of random inputs, labelled by their top class);
+    `heads`: quantized copies of the head too (int8, bf16). Staged and swapped into place
+    (serving/bundle/output.py); `overwrite` replaces a bundle already at `out`."""
+    from serving.bundle import output
+
     D, d = int(classes), int(dim)
     if image is not None and (bad := check_image_spec(image, (int(input_dim),))):
         raise ValueError(bad)
@@ -207,10 +211,13 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
         raise ValueError(f"rows must be one of {', '.join(ROW_KINDS)}; got {rows!r}")
     if D < 1 or d < 1 or input_dim < 1:
         raise ValueError("classes, dim and input_dim must be positive")
-    out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    with output.staged(out, "bundle", overwrite=overwrite) as stage:
+        _write_bundle(stage, D, d, int(input_dim), seed, rows, image, negatives, heads)
+    return Path(out)
+
+
+def _write_bundle(out: Path, D: int, d: int, input_dim: int, seed: int, rows: str, image: dict | None,
+                  negatives: int, heads: tuple[str, ...]) -> None:
     rng = np.random.default_rng(seed)
     params = _backbone_params(rng, input_dim, d)
     probe = backbone_numpy(params, rng.standard_normal((PROBE, input_dim)))  # [P, d]
@@ -220,6 +227,10 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
     samples.save(out / "samples.npz")
     _write_calibration(out / "calibration.json", threshold, sd)
     extra = {"negatives": _write_negatives(out, rng, params, input_dim, negatives)} if negatives else {}
+    if heads:
+        from serving.bundle.quantize import write_heads
+
+        extra["heads"] = write_heads(out, np.load(out / "head_weight.npy", mmap_mode="r"), tuple(heads), progress=True)
     manifest = base_manifest(
         f"synthetic-D{D}-d{d}-s{seed}", [input_dim], d, [str(j) for j in range(D)],
         loss={"name": "none", "params": {}, "pols": False},
@@ -229,7 +240,6 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
                        "single.onnx": ["head_weight.npy", "head_bias.npy"]},
         **({"image": image} if image is not None else {}), **extra)
     write_manifest(out, manifest, known_hashes=known)
-    return out
 
 
 def _write_negatives(out: Path, rng: np.random.Generator, params: dict, input_dim: int, n: int) -> dict:

@@ -5,6 +5,7 @@ One model per graph, `<bundle name>-backbone`, `-full`, `-single`, each:
     REPO/<model>/config.pbtxt     onnxruntime backend, dynamic batching, names and dims from the graph
     REPO/<model>/1/model.onnx     the bundle's graph, byte for byte
     REPO/<model>/1/<file>         any file the graph keeps external data in (the .npy head)
+    REPO/slc-repository.json      slc's index of the above (sha256, bytes): Triton ignores it
 
 The batch dimension (the graphs' leading `N`) is Triton's: `max_batch_size` > 0 and dims
 without it. A per-example scalar ([N] in the graph: `class_id`, `logit`) is declared with
@@ -12,12 +13,16 @@ dims [1] and `reshape { shape: [] }`, so clients send [batch, 1] as Triton expec
 """
 from __future__ import annotations
 
+import json
 import shutil
-import tempfile
 from pathlib import Path
+from typing import Optional
 
-from serving.bundle.files import check_writable_dir, replace_dir
-from serving.bundle.format import GRAPH_KINDS, BundleError
+from serving.bundle import output
+from serving.bundle.format import GRAPH_KINDS, BundleError, sha256_file
+
+REPOSITORY = "slc-repository.json"  # the index of what slc wrote: models, files with sha256 and size
+REPOSITORY_FORMAT = "slc-triton-repository"
 
 # ONNX TensorProto element types -> Triton data types
 _TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 5: "TYPE_INT16", 6: "TYPE_INT32", 7: "TYPE_INT64",
@@ -54,35 +59,58 @@ def model_config(name: str, graph, max_batch: int, delay_us: int) -> str:
             + f"dynamic_batching {{\n  max_queue_delay_microseconds: {int(delay_us)}\n}}\n")
 
 
-def write_triton_repository(bundle_dir: Path, out: Path, max_batch: int = 64, delay_us: int = 2000) -> list[str]:
-    """Write the repository for a verified bundle into `out` (replaced as a whole); returns model names."""
+def write_triton_repository(bundle_dir: Path, out: Path, max_batch: int = 64, delay_us: int = 2000,
+                            overwrite: bool = False) -> list[str]:
+    """Write the repository for a verified bundle into `out` (staged, then swapped in: serving/bundle/output.py;
+    `overwrite` replaces a repository slc wrote there); returns model names. REPOSITORY lists every file
+    with its hash, so that a later --overwrite knows the repository by its content."""
     import onnx
 
     from serving.bundle.graphs import external_locations
     from serving.bundle.loader import load_bundle
 
+    output.check(out, "Triton repository", overwrite=overwrite, inputs=[bundle_dir])
     bundle = load_bundle(bundle_dir, verify=True)  # BundleError naming the bad file otherwise
-    check_writable_dir(out)
-    bundle_dir = Path(bundle_dir)
-    models = []
-
-    out = Path(out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    bundle_dir, models = Path(bundle_dir), []
+    with output.staged(out, "Triton repository", overwrite=overwrite, inputs=[bundle_dir]) as stage:
         for kind in GRAPH_KINDS:
             name = f"{bundle.name}-{kind}"
             graph_path = bundle_dir / f"{kind}.onnx"
             graph = onnx.load(str(graph_path), load_external_data=False)
-            version = staged / name / "1"
+            version = stage / name / "1"
             version.mkdir(parents=True)
             shutil.copyfile(graph_path, version / "model.onnx")
             for location in sorted(external_locations(graph)):
                 shutil.copyfile(bundle_dir / location, version / location)
-            (staged / name / "config.pbtxt").write_text(model_config(name, graph, max_batch, delay_us))
+            (stage / name / "config.pbtxt").write_text(model_config(name, graph, max_batch, delay_us))
             models.append(name)
-        replace_dir(staged, out)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
+        _write_index(stage, bundle.name, models)
     return models
+
+
+def _write_index(stage: Path, bundle_name: str, models: list[str]) -> None:
+    files = {str(p.relative_to(stage)): dict(zip(("sha256", "bytes"), sha256_file(p)))
+             for p in sorted(stage.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+    (stage / REPOSITORY).write_text(json.dumps({"format": REPOSITORY_FORMAT, "bundle": bundle_name, "models": models,
+                                                "files": files}, indent=1) + "\n")
+
+
+def repository_names(path: Path) -> Optional[set[str]]:
+    """The names of the repository slc wrote in `path` (its index, every file listed at its hash);
+    None when `path` holds no such repository."""
+    try:
+        index = json.loads((path / REPOSITORY).read_text())
+        files, models = index["files"], [str(m) for m in index["models"]]
+        if index.get("format") != REPOSITORY_FORMAT or not isinstance(files, dict):
+            return None
+        for rel, info in files.items():
+            p = path / rel
+            if ".." in Path(rel).parts or rel.split("/")[0] not in models or p.is_symlink() or not p.is_file() \
+                    or tuple(sha256_file(p)) != (info["sha256"], info["bytes"]):
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {REPOSITORY, *models}
+
+
+output.register(output.Kind("Triton repository", repository_names))

@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, key_values, require
+from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, guarded, key_values, require
 from tools.report import write_json, write_result
 
 
@@ -45,6 +45,7 @@ def _classes(ctx: click.Context, param: click.Parameter, value: str) -> list[int
 @click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
               help="measure this one bundle (e.g. a trained model) instead of the synthetic sweep")
 @click.option("--out", default="docs/results", show_default=True, help="where scale.{json,md,png} go", **OUT)
+@guarded("report folder", inputs=('bundle_dir',))
 def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer: bool, default_model: bool,
           bundle_dir: Optional[Path], out: Path) -> None:
     """Single-logit vs full softmax as D grows: OUT/scale.{json,md,png}; or on one real bundle."""
@@ -87,6 +88,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
 @click.option("--grow", default="", help="with --bundle: comma list of head sizes grown by perturbed copies of the rows")
 @click.option("--sigma", type=POSITIVE, default=0.3, show_default=True, help="with --bundle: perturbation of the copies")
 @click.option("--out", default="docs/results", show_default=True, help="with --bundle: where the report goes", **OUT)
+@guarded("report folder", inputs=('bundle_dir', 'inputs',))
 def index(classes: int, dim: int, rows: str, kind: Optional[str], params: dict, batch: int, work: Path,
           bundle_dir: Optional[Path], inputs: Optional[Path], grow: str, sigma: float, out: Path) -> None:
     """Build time, memory, recall@10 and speed-up vs exact of the top-k index on a synthetic head
@@ -109,6 +111,7 @@ def index(classes: int, dim: int, rows: str, kind: Optional[str], params: dict, 
 @click.option("--classes", type=click.IntRange(min=2), default=1000, show_default=True, help="D of the synthetic bundle")
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True, help="load client workers")
 @click.option("--out", default="docs/results", show_default=True, help="where soak.{json,md} go", **OUT)
+@guarded("report folder")
 def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path) -> None:
     """Mixed load with kill -9 of the server during gallery writes: acknowledged writes lost (must be 0),
     memory growth, open descriptors, errors. Exit 1 if an acknowledged write was lost."""
@@ -136,6 +139,7 @@ def soak(duration: float, kills: int, classes: int, concurrency: int, out: Path)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--classes", type=click.IntRange(min=2), default=50, show_default=True, help="D of the synthetic bundle")
 @click.option("--out", default="docs/results", show_default=True, help="where fuzz.{json,md} go", **OUT)
+@guarded("report folder")
 def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
     """schemathesis against a real server from its own OpenAPI: 0 server errors, 0 responses off
     their schema, 0 undocumented statuses. Exit 1 otherwise."""
@@ -158,6 +162,7 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
 @click.option("--size-mb", type=click.FloatRange(min=0.01, max=8.0), default=7.5, show_default=True,
               help="body size (the server's limit is 8 MiB)")
 @click.option("--out", default="docs/results", show_default=True, help="where hostile.{json,md} go", **OUT)
+@guarded("report folder")
 def hostile(size_mb: float, out: Path) -> None:
     """Hostile bodies (strings, objects, nesting, counts, huge examples) against a real server: time
     to answer, peak-memory growth, and a concurrent health probe's worst latency; then hostile images
@@ -190,6 +195,7 @@ def hostile(size_mb: float, out: Path) -> None:
 @click.option("--gallery-url", required=True, help="postgresql://… (a database the benchmark may write to)")
 @click.option("--items", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder")
 def gallery(gallery_url: str, items: int, out: Path) -> None:
     """Shared gallery: delay until another replica sees a write or delete, and the write rate."""
     from tools.bench.gallery_sync import markdown, measure
@@ -228,6 +234,7 @@ def _trained_index(bundle_dir: Path, inputs: Optional[Path], grow: str, sigma: f
 @click.option("--classes", type=click.IntRange(min=1), default=50, show_default=True,
               help="classes whose detect answers are compared one by one")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder", inputs=('bundle_dir', 'inputs', 'labels',))
 def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: Path) -> None:
     """Top-1 and per-class detect precision/recall over HTTP against the offline figures of export."""
     import numpy as np
@@ -252,6 +259,7 @@ def agreement(bundle_dir: Path, inputs: Path, labels: Path, classes: int, out: P
 @click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True, help="requests per route and round")
 @click.option("--out", default="docs/results", show_default=True,
               help="where routes.{json,md} go (routes-default-model.*, routes-BUNDLE.*)", **OUT)
+@guarded("report folder", inputs=('bundle_dir',))
 def routes(bundle_dir: Optional[Path], default_model: bool, rounds: int, requests: int, out: Path) -> None:
     """Server time per request on each route (live, detect, v2 JSON and binary, softmax), the app called
     in-process one request at a time: route against route without HTTP or load-client noise."""
@@ -290,6 +298,7 @@ def routes(bundle_dir: Optional[Path], default_model: bool, rounds: int, request
 @click.option("--duration", type=POSITIVE, default=5.0, show_default=True, help="measured seconds per phase")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True, help="alternations of the two servers")
 @click.option("--out", default="docs/results", show_default=True, help="where mixed.{json,md} go", **OUT)
+@guarded("report folder")
 def mixed(classes: int, dim: int, softmax_concurrency: int, duration: float, rounds: int, out: Path) -> None:
     """Detect on one connection beside full-softmax load: one batch at a time against two lanes
     (SLC_CONCURRENT_BATCHES 1 and 2), two servers alternating."""
@@ -319,6 +328,7 @@ def mixed(classes: int, dim: int, softmax_concurrency: int, duration: float, rou
 @click.option("--samples", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--precision", "precisions", default="int8,bf16", show_default=True)
 @click.option("--out", default="docs/results", show_default=True, help="where head-precision.{json,md} go", **OUT)
+@guarded("report folder", inputs=('bundle_dir', 'inputs',))
 def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions: str, out: Path) -> None:
     """How exact the int8 / bf16 heads' answers are against float64 (no HTTP): OUT/head-precision.md."""
     import numpy as np
@@ -357,6 +367,7 @@ def precision(bundle_dir: Path, inputs: Optional[Path], samples: int, precisions
               help="SLC_CLASS_INDEX of the large server (auto builds an index at start: minutes at 10^7)")
 @click.option("--duration", type=POSITIVE, default=6.0, show_default=True, help="measured seconds per endpoint")
 @click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder")
 def replica(classes: int, dim: int, precision: str, class_index: str, duration: float, out: Path) -> None:
     """One replica of a very large synthetic head: ready time, memory, detect / softmax / top-k latency."""
     from tools.bench.replica import bench_replica, replica_markdown
@@ -393,6 +404,7 @@ def _endpoints(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 @click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="closed-loop workers")
 @click.option("--name", default="ab", show_default=True, help="the report's file stem: OUT/NAME.{json,md}")
 @click.option("--out", default="docs/results", show_default=True, help="where NAME.{json,md} go", **OUT)
+@guarded("report folder", inputs=('base',))
 def ab(base: Path, classes: list[int], dim: int, endpoints: list[str], rounds: int, block: float, concurrency: int,
        name: str, out: Path) -> None:
     """This checkout's server against the one at --base, both up, alternating blocks: req/s, CPU per request,
@@ -442,6 +454,7 @@ def _precisions(ctx, param, value: str) -> tuple[str, ...]:
 @click.option("--precision", "precisions", default="float32", show_default=True, callback=_precisions,
               help="comma list of the head's precisions on the GPU (float32, bf16, int8); the CPU server: float32")
 @click.option("--out", default="docs/results", show_default=True, help="where gpu-serving.{json,md} go", **OUT)
+@guarded("report folder")
 def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, precisions: tuple[str, ...],
            out: Path) -> None:
     """The server on a GPU against the device floor and the CPU server, as D grows: OUT/gpu-serving.{json,md}."""
@@ -471,6 +484,7 @@ def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, 
               help="calibration negatives in the synthetic bundle (the standardised rule's)")
 @click.option("--duration", type=POSITIVE, default=3.0, show_default=True, help="measured seconds per phase")
 @click.option("--out", default="docs/results", show_default=True, help="where enroll-scale.{json,md} go", **OUT)
+@guarded("report folder")
 def enroll(classes: int, enroll: int, examples: int, negatives: int, duration: float, out: Path) -> None:
     """Classes enrolled into a large server: time each, detect under enrollment, memory, the limit."""
     from tools.bench.enroll_scale import enroll_markdown, run_enroll_bench

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from tools.bench import cpu
-from tools.report import fmt, md_table
+from tools.report import fmt, md_table, write_file
 
 
 def _ratio(a, b):
@@ -364,6 +364,6 @@ def scale_plot(res: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    path = write_file(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
 

@@ -37,7 +37,7 @@ from tools.bench.head import head_alone
 from tools.bench.precision import bench_precisions, read_bandwidth
 from tools.bench.report import evaluate_targets, scale_markdown, scale_plot
 from tools.bench.server import grpc_available, peer_server, process_tree_memory, slc_server
-from serving.bundle import replace_dir, slc_home
+from serving.bundle import output, slc_home
 from tools.loadtest.stats import endpoint_summary, latency_summary
 from tools.report import write_json, write_result
 
@@ -81,7 +81,7 @@ def cached_bundle(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_R
     t0 = time.perf_counter()
     build_synthetic_bundle(classes=classes, dim=dim, input_dim=INPUT_DIM, seed=seed, out=tmp, rows=rows,
                            negatives=negatives)
-    replace_dir(tmp, path)
+    output.replace_cache(tmp, path, "bundle")
     log.info("built %s in %.1f s", path.name, time.perf_counter() - t0)
     return path
 

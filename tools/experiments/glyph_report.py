@@ -12,7 +12,7 @@ import numpy as np
 
 from tools.experiments.table1 import claim_check, format_error
 from tools.experiments.run_cache import PENDING
-from tools.report import md_table, write_text
+from tools.report import md_table, write_file, write_text
 
 METRICS = ("accuracy", "auprc", "p_at_r90", "p_at_r99")
 VIEW_TITLES = {
@@ -110,7 +110,7 @@ def plot(out: Path, dataset: str, runs: dict, search: dict, lrs: tuple[float, ..
             ax.legend(fontsize=8)
     fig.suptitle(f"{dataset}: learning curves and the learning-rate choice")
     path = out / f"{dataset}-curves.png"
-    fig.savefig(path, dpi=90)
+    path = write_file(path, lambda tmp: fig.savefig(tmp, dpi=90))
     plt.close(fig)
     return path
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.bundle import slc_home
-from tools.report import md_table, write_result
+from tools.report import md_table, write_file, write_result
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def _pr_plot(out: Path, runs: dict[str, Path]) -> str:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = out / "pr_curve.png"
-    fig.savefig(path, dpi=120)
+    path = write_file(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
     return path.name
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE, require
+from serving.bundle.cliopts import OUT, POSITIVE, guarded, require
 from tools.loadtest.client import (
     ENDPOINT_NAMES, GRPC_ENDPOINTS, RemoteTargetError, check_target, grpc_modules, normalize_url,
 )
@@ -64,6 +64,7 @@ def _check_grpc(endpoints: list[str], grpc_port: Optional[int]) -> None:
 @click.option("--grpc-port", type=click.IntRange(1, 65535),
               help="the server's gRPC port (slc serve --grpc-port), same host as --url; needed by --endpoint grpc")
 @click.option("--out", required=True, help="report directory", **OUT)
+@guarded("report folder")
 def loadtest(url: str, endpoints: list[str], class_: Optional[str], concurrency: Optional[int], rate: Optional[float],
              duration: float, warmup: float, max_requests: Optional[int], batch: int, allow_remote: bool,
              grpc_port: Optional[int], out: Path) -> None:

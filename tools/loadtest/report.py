@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.loadtest.stats import LoadtestResult
-from tools.report import fmt, md_table, write_result
+from tools.report import fmt, md_table, write_file, write_result
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -54,7 +54,7 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_latency(result: LoadtestResult, path: Path) -> None:
+def plot_latency(result: LoadtestResult, path: Path) -> Path:
     """Latency distribution per endpoint: histogram (log x) and percentile spectrum."""
     import matplotlib
 
@@ -91,14 +91,14 @@ def plot_latency(result: LoadtestResult, path: Path) -> None:
     if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    path = write_file(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
+    return path
 
 
 def write_reports(result: LoadtestResult, out: Path) -> list[Path]:
     """OUT/report.json, report.md and latency.png; their paths in that order."""
     md, js = write_result(out, "report", lambda: report_markdown(result.report), result.report, default=float)
-    png = Path(out) / "latency.png"
-    plot_latency(result, png)
+    png = plot_latency(result, Path(out) / "latency.png")
     return [js, md, png]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.bundle import replace_dir, slc_home
+from serving.bundle import output, slc_home
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, workers: i
         for done in as_completed(futures):
             bar.update(done.result())
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
-    return replace_dir(stage, out)
+    return output.replace_cache(stage, out, "glyph set")
 
 
 def cache_dir(name: str) -> Path:
@@ -342,3 +342,16 @@ def load_split(path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """(x uint8 [N, 1, 32, 32] memory-mapped, y [N]) of one split of the arrays at `path`."""
     return np.load(path / f"x_{split}.npy", mmap_mode="r", allow_pickle=False), \
         np.load(path / f"y_{split}.npy", allow_pickle=False)
+
+
+def glyph_names(path: Path) -> set[str] | None:
+    """The names of a rendered glyph set in `path` (its manifest's splits' arrays); None: not one."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        names = {"manifest.json"} | {f"{k}_{split}.npy" for split in manifest["splits"] for k in ("x", "y", "face")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return names if manifest.get("format_version") == FORMAT_VERSION else None
+
+
+output.register(output.Kind("glyph set", glyph_names))

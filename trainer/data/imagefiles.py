@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from serving.bundle import atomic_write_text, replace_dir, slc_home
+from serving.bundle import atomic_write_text, output, slc_home
 from serving.bundle.image import (EXTENSIONS, FILE_MAX_DECODED_BYTES, FILE_MAX_PIXELS, FORMATS, check_decoded_bytes,
                                   check_header, decode_image, is_grey)
 from serving.bundle.imagespec import LAYOUTS, check_image_spec, input_shape_of
@@ -478,7 +478,7 @@ def build(name: str, root: Path, entries: list[Entry], spec: dict, seed: int, sk
         (stage / "meta.json").write_text(json.dumps(meta, ensure_ascii=False) + "\n")
         final = cache_root() / fp[:24]
         if not (final / "meta.json").is_file():  # else the same data is cached already (a moved folder)
-            replace_dir(stage, final)
+            output.replace_cache(stage, final, "image cache")
         return final
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -536,3 +536,6 @@ def row_files(splits: "Splits") -> dict[str, list[str]]:
     meta = json.loads((cache_root() / splits.fingerprint[:24] / "meta.json").read_text())
     bounds = np.cumsum([0] + [meta["splits"][s] for s in SPLITS])
     return {s: meta["files"][a:b] for s, a, b in zip(SPLITS, bounds[:-1], bounds[1:])}
+
+
+output.register(output.Kind("image cache", lambda path: None))  # written once under its fingerprint, never replaced

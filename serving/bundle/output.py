@@ -160,9 +160,9 @@ def check(out: Path | str, kind: str, *, overwrite: bool = False, inputs: Iterab
 
 
 def _check_place(out: Path, target: Path, inputs: list[Path], in_place: bool, whole: bool = True) -> None:
-    """The current folder, and the inputs (which a report folder may hold: it only adds files)."""
+    """The current folder and the inputs (a report folder may be either: it only adds files)."""
     cwd = Path.cwd().resolve()
-    if _inside(cwd, target):
+    if whole and _inside(cwd, target):
         what = "the current folder" if target == cwd else f"a folder above the current one ({cwd})"
         raise OutputRefused(f"--out {out} is {what}; give a new folder, e.g. --out out/NAME")
     for src in inputs:

@@ -319,9 +319,12 @@ def _output(bundle: Path, out: Path | None, in_place: bool, overwrite: bool) -> 
 
 def _claimed(params: dict) -> Path | None:
     """The folder `slc calibrate` writes, for its guard (the usage lines come first, from _output)."""
-    if params.get("in_place") and params.get("out") is None:
-        return params["bundle"]
-    return params.get("out") if not params.get("in_place") else None
+    out, bundle = params.get("out"), params.get("bundle")
+    if params.get("in_place") and out is None:
+        return bundle
+    if params.get("in_place") or out is None or Path(out).resolve() == Path(bundle).resolve():
+        return None  # _output's line says what to do
+    return out
 
 
 def _embed_all(bundle: Path, spec: dict, images: Images, y_fit: np.ndarray, y_test: np.ndarray,

@@ -171,7 +171,7 @@ def _check_place(out: Path, target: Path, inputs: list[Path], in_place: bool, wh
         if _inside(src, target) and (whole or src == target):
             what = "is the input" if src == target else f"holds the input {src}"
             raise OutputRefused(f"--out {out} {what}; give a folder outside it")
-        if src.is_dir() and _inside(target, src):
+        if whole and src.is_dir() and _inside(target, src):
             raise OutputRefused(f"--out {out} lies inside the input {src}; give a folder outside it")
 
 

@@ -17,6 +17,7 @@ final top-k (from a few more candidates) and the asked class's logit on the floa
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -62,12 +63,35 @@ def _int8_graph(embed_dim: int, q: np.ndarray, scale: np.ndarray, bias: np.ndarr
     return model.SerializeToString()
 
 
+@functools.lru_cache(maxsize=1)
+def dynamic_kernel_exact() -> bool:
+    """Whether this processor's DynamicQuantizeMatMul adds its uint8 x int8 products without saturating.
+    On x86 without VNNI onnxruntime's kernel sums pairs of products in int16 (vpmaddubsw), which
+    saturates for full-range int8 rows (255·127·2 > 32767): logits off by 10× the quantization bound
+    were measured on such a processor (AMD EPYC, AVX2 only). Measured once, on the worst case."""
+    import onnxruntime as ort
+
+    from serving.bundle.session import ort_session_options
+
+    d, c = 64, 4
+    q = np.full((c, d), 127, np.int8)
+    q[1::2] = -127
+    scale, bias = np.full(c, 1.0 / 127, np.float32), np.zeros(c, np.float32)
+    session = ort.InferenceSession(_int8_graph(d, q, scale, bias, "dynamic"),
+                                   sess_options=ort_session_options(threads=1, spin=False, arena=False),
+                                   providers=["CPUExecutionProvider"])
+    h = np.ones((2, d), np.float32)
+    z = session.run(None, {"h": h})[0]  # [2, c]
+    return bool(np.allclose(z, h @ (scale[:, None] * q).T, rtol=1e-2, atol=1e-2))
+
+
 class Int8Head:
     """head_scan.ChunkGemm over chunks of `rows` classes of an int8 head (q [D, d] int8, scale [D],
     bias [D] float32); start must be a multiple of `rows`. Each chunk has two one-thread sessions,
     MatMulNBits for up to NBITS_MAX_BATCH inputs and DynamicQuantizeMatMul above; onnxruntime keeps
     each kernel's rows and its packed copy, about 2 bytes per weight a kernel, so a head above
-    TWO_KERNELS_MAX_VALUES weights gets MatMulNBits alone (batches then run slower than they could)."""
+    TWO_KERNELS_MAX_VALUES weights gets MatMulNBits alone (batches then run slower than they could), and
+    so does a processor whose DynamicQuantizeMatMul saturates (dynamic_kernel_exact)."""
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, bias: np.ndarray, rows: int):
         import onnxruntime as ort
@@ -77,7 +101,8 @@ class Int8Head:
         self.rows = int(rows)
         self.num_classes, self.embed_dim = q.shape
         big = self.num_classes * self.embed_dim > TWO_KERNELS_MAX_VALUES
-        self.kernels = ("nbits",) if big else ("nbits", "dynamic")  # onnxruntime keeps each its rows and packed copy
+        # onnxruntime keeps each kernel its rows and packed copy; the batch kernel only where it adds exactly
+        self.kernels = ("nbits",) if big or not dynamic_kernel_exact() else ("nbits", "dynamic")
         self._sessions: list[dict[str, object]] = []
         for start in range(0, self.num_classes, self.rows):
             stop = min(start + self.rows, self.num_classes)

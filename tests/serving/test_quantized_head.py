@@ -173,11 +173,30 @@ def test_int8_head_chunks_match_float64_within_bounds_with_one_or_two_kernels(qb
     offline = Offline(b)
     h = offline.embed(np.random.default_rng(5).standard_normal((6, INPUT_DIM)).astype(np.float32))
     head = quantized_head.Int8Head(b.heads["int8"]["weight"], b.heads["int8"]["scale"], b.bias, rows=1000)
-    assert head.kernels == (("nbits", "dynamic") if two_kernels else ("nbits",))
+    batch_kernel = two_kernels and quantized_head.dynamic_kernel_exact()
+    assert head.kernels == (("nbits", "dynamic") if batch_kernel else ("nbits",))
     z = np.concatenate([head(h, s, min(s + 1000, D_Q), np.empty((6, min(1000, D_Q - s)), np.float32))
                         for s in range(0, D_Q, 1000)], axis=1)
     exact = h.astype(np.float64) @ offline.W.T + offline.b
     assert (np.abs(z - exact) <= _bound(h, offline.W, b.heads, "int8")).all()
+
+
+def test_the_batch_kernel_is_used_only_where_it_adds_exactly():
+    """dynamic_kernel_exact against a float64 product on full-range rows and large inputs: where it says
+    the kernel is exact the kernel is within half a quantization step of the truth, where it says not,
+    the kernel is measurably wrong here (the int16 saturation of x86 without VNNI)."""
+    import onnxruntime as ort
+
+    from serving.core.quantized_head import _int8_graph, dynamic_kernel_exact
+
+    rng = np.random.default_rng(0)
+    q = rng.choice(np.array([-127, 127], np.int8), size=(64, 256))
+    scale, bias = np.full(64, 0.01, np.float32), np.zeros(64, np.float32)
+    h = np.abs(rng.standard_normal((8, 256))).astype(np.float32) + 1.0  # every input near the top of uint8
+    session = ort.InferenceSession(_int8_graph(256, q, scale, bias, "dynamic"), providers=["CPUExecutionProvider"])
+    err = np.abs(session.run(None, {"h": h})[0] - h.astype(np.float64) @ (scale[:, None] * q).T)
+    bound = (h.max(1, keepdims=True) / 255 / 2) * np.abs(scale[:, None] * q).sum(1)[None] + 1e-4  # h's rounding
+    assert (err <= bound).all() == dynamic_kernel_exact()
 
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])

@@ -103,8 +103,9 @@ def test_check_graph_rejects_gathernd_and_fixed_batch(tmp_path):
 def test_refuses_to_overwrite_a_non_bundle(tmp_path):
     (tmp_path / "precious").mkdir()
     (tmp_path / "precious" / "thesis.tex").write_text("x")
-    with pytest.raises(FileExistsError):
-        export_mod._prepare_out(tmp_path / "precious")
+    with pytest.raises(ValueError, match="is not a bundle written by slc"):  # before the run is even opened
+        export_mod.export_bundle(tmp_path / "no-run", tmp_path / "precious")
+    assert (tmp_path / "precious" / "thesis.tex").read_text() == "x"
     with pytest.raises(ValueError):
         export_mod._target(0.9, 0.9)
     assert export_mod._target(None, None) == {"precision": 0.99}

@@ -81,9 +81,9 @@ def test_out_that_is_not_a_run_is_one_line_exit_2_and_every_byte_stays(project, 
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    expected = {"holds_the_data": "holds the data", "current_folder": "current folder",
-                "not_a_run": "is not a run of slc train (it holds data/, notes.txt)", "a_file": "exists and is not a directory",
-                "inside_the_data": "inside the image folder"}[case]
+    expected = {"holds_the_data": "holds the input", "current_folder": "current folder",
+                "not_a_run": "is not a run written by slc (it holds data/, notes.txt)", "a_file": "exists and is not a directory",
+                "inside_the_data": "lies inside the input"}[case]
     assert expected in lines[0]
     assert snapshot(tmp_path) == before
 

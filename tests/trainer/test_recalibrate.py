@@ -184,7 +184,7 @@ def test_the_norm_rule_on_a_single_image_is_one_line_and_exit_2(trained, tmp_pat
     (["--out", "{bundle}"], "pass --in-place"),
     ([], "give --out NEW_BUNDLE, or --in-place"),
     (["--out", "{tmp}/b", "--in-place"], "not both"),
-    (["--out", "{tmp}/notes"], "is not a bundle; refusing to overwrite it"),
+    (["--out", "{tmp}/notes"], "is not a bundle written by slc"),
     (["--in-place", "--target-precision", "0.9", "--target-recall", "0.5"], "not both"),
 ])
 def test_output_mistakes_are_one_line_and_exit_2(trained, images, tmp_path, capsys, argv, needle):
@@ -196,6 +196,25 @@ def test_output_mistakes_are_one_line_and_exit_2(trained, images, tmp_path, caps
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_in_place_through_a_symlink_replaces_the_real_bundle_keeps_the_link_and_the_users_files(trained, images,
+                                                                                             tmp_path, capsys):
+    """The bundle reached through a symlink: the link stays a link, the real folder gets the new calibration
+    (the old one kept as calibration.previous.json), a user's file in it stays, nothing is left beside it."""
+    from serving.bundle import verify_bundle
+
+    real = tmp_path / "real"
+    shutil.copytree(trained[1], real)
+    (real / "notes.txt").write_text("mine")
+    old = (real / "calibration.json").read_bytes()
+    (tmp_path / "link").symlink_to(real)
+    main(["calibrate", str(tmp_path / "link"), "--data", f"imagefolder:{images}", "--in-place"])
+    capsys.readouterr()
+    assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == str(real)
+    assert (real / "calibration.previous.json").read_bytes() == old != (real / "calibration.json").read_bytes()
+    assert (real / "notes.txt").read_text() == "mine" and verify_bundle(real) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
 
 
 def test_with_split_folders_val_is_fitted_test_measured_train_left_out(trained, tmp_path, capsys):

@@ -113,7 +113,7 @@ def study(run: Path, work: Path | None = None, options: list[str] | None = None)
         subprocess.run(slc + ["export", str(run), "--out", str(before)], check=True)
     listing = work / "faces.csv" if (work / "faces.csv").is_file() else write_pngs(dataset, work)
     t0 = time.perf_counter()
-    done = subprocess.run(slc + ["calibrate", str(before), "--data", f"csv:{listing}", "--out", str(after),
+    done = subprocess.run(slc + ["calibrate", str(before), "--data", f"csv:{listing}", "--out", str(after), "--overwrite",
                                  *(options or [])],
                           check=True, stdout=subprocess.PIPE, text=True)
     print(done.stdout, end="")

@@ -89,11 +89,14 @@ def _import_kind(name: str) -> None:
 def bundle_names(path: Path) -> Optional[set[str]]:
     """The names of the bundle in `path`: its manifest (format, own hash) and every file it lists,
     each at its size and sha256; None when `path` holds no such bundle."""
-    from serving.bundle.format import MANIFEST, sha256_file
-    from serving.bundle.verify import read_manifest
+    from serving.bundle.format import FORMAT, MANIFEST, SELF_HASH_KEY, canonical_manifest_hash, json_load, sha256_file
 
-    manifest, _, problems = read_manifest(path)
-    if manifest is None or problems or not isinstance(manifest.get("files"), dict):
+    try:
+        manifest = json_load((path / MANIFEST).read_bytes()) if not (path / MANIFEST).is_symlink() else None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict) \
+                or canonical_manifest_hash(manifest) != manifest.get(SELF_HASH_KEY):
+            return None
+    except (OSError, ValueError):
         return None
     names = {MANIFEST}
     for name, info in manifest["files"].items():

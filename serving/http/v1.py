@@ -305,7 +305,7 @@ async def enroll(scope, body: bytes):
     return (201 if created else 200), answer
 
 
-@router.delete("/classes/{class_ref}", status_code=204, responses=error_responses(401, 403, 404, 409, 429, 503, 507),
+@router.delete("/classes/{class_ref}", status_code=204, responses=error_responses(401, 403, 404, 409, 422, 429, 503, 507),
                dependencies=[Depends(require_api_key)], tags=["classes"])
 async def unenroll(class_ref: str, request: Request, engine=Depends(ready_engine)):
     """Delete an enrolled class (by name or id); its id is never given to another class."""

@@ -2,7 +2,6 @@
 a 1M-class calibration is a million dicts, which the server must not keep."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,9 +49,36 @@ class PerClassCalibration(Sequence):
         return f"PerClassCalibration({len(self)} classes: {', '.join(self.arrays)})"
 
 
+# The largest float32: a number beyond it becomes inf in the head's precision (thresholds, Platt a/b
+# and biases are float32 arrays beside float32 rows), so it is refused, never rounded into range.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def float32_finite(values):
+    """|x| <= FLOAT32_MAX: finite once the server keeps it in float32 (NaN and inf fail too). For a
+    number or an array (then elementwise). The one rule for every number a bundle or an enrolled class
+    carries, shared by `slc verify`, the server's calibration reload, enrollment replay and `slc bundle fold`."""
+    with np.errstate(invalid="ignore"):
+        return np.abs(np.asarray(values, dtype=np.float64)) <= FLOAT32_MAX
+
 
 def is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A JSON number (not a bool) that is finite in float32 (`float32_finite`)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return bool(abs(float(x)) <= FLOAT32_MAX)
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def number_problem(what: str, x) -> str | None:
+    """`what` and why `x` is not a number the server can keep, or None: one phrase for a one-line message."""
+    if is_number(x):
+        return None
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return f"{what} is {type(x).__name__}, not a number"
+    return f"{what} {x:.6g} is not finite in float32 (|x| > {FLOAT32_MAX:.6g})"
 
 
 def calibration_arrays(calibration: dict, num_classes: int) -> dict[str, np.ndarray]:
@@ -74,23 +100,33 @@ def calibration_arrays(calibration: dict, num_classes: int) -> dict[str, np.ndar
         }
         bad = ids != np.arange(num_classes)
         for v in out.values():
-            bad |= ~np.isfinite(v)
-    except (KeyError, TypeError, ValueError):
+            bad |= ~float32_finite(v)
+    except (KeyError, TypeError, ValueError, OverflowError):
         bad = None
     if bad is None or bad.any():
         # slow path only to name the first bad entry
         for j, e in enumerate(per):
-            ok = (isinstance(e, dict) and e.get("class_id") == j and is_number(e.get("threshold"))
-                  and isinstance(e.get("platt"), dict) and is_number(e["platt"].get("a"))
-                  and is_number(e["platt"].get("b")))
-            if not ok:
-                raise ValueError(f"per_class[{j}] needs class_id {j}, a finite threshold and platt {{a, b}}")
+            if problem := _entry_problem(j, e):
+                raise ValueError(f"per_class[{j}]: {problem}")
         raise ValueError("per_class entries are not numbers")  # pragma: no cover
     for key, where in _PER_CLASS_OPTIONAL.items():
         values = _optional_field(per, where, num_classes)
         if values is not None:
             out[key] = values
     return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def _entry_problem(j: int, e) -> str | None:
+    """What is wrong with per_class entry j, or None."""
+    if not isinstance(e, dict) or e.get("class_id") != j:
+        return f"needs class_id {j}, a threshold and platt {{a, b}}"
+    platt = e.get("platt")
+    if not isinstance(platt, dict):
+        return "needs platt {a, b}"
+    for what, x in (("threshold", e.get("threshold")), ("platt a", platt.get("a")), ("platt b", platt.get("b"))):
+        if problem := number_problem(what, x):
+            return problem
+    return None
 
 
 def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.ndarray | None:
@@ -104,7 +140,7 @@ def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.n
 
     try:
         return np.fromiter((get(e) for e in per), dtype=np.float64, count=num_classes)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return None
 
 
@@ -141,7 +177,7 @@ def parse_calibration(data: bytes, num_classes: int) -> tuple[dict | None, dict 
         problems.append(f"{name}: 'target' must be {{'precision'|'recall'|'quantile': number}}")
     g = cal.get("global")
     if not (isinstance(g, dict) and is_number(g.get("threshold"))):
-        problems.append(f"{name}: 'global' needs a finite threshold")
+        problems.append(f"{name}: 'global' needs a threshold finite in float32")
     try:
         arrays = calibration_arrays(cal, num_classes)
     except ValueError as e:

@@ -30,6 +30,7 @@ import numpy as np
 from serving.bundle import output
 from serving.bundle.format import MANIFEST, SELF_HASH_KEY, json_load, write_manifest
 from serving.bundle.graphs import external_locations, external_tensor
+from serving.bundle.names import enrolled_class_problem, shown
 from serving.bundle.npy import NpyStream
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 
@@ -83,18 +84,27 @@ def _verified(stage: Path) -> list[str]:
 
 
 def _check_classes(bundle, classes: list[FoldedClass]) -> None:
+    """ValueError naming the first class fold must not carry into a bundle: one a server would refuse
+    to serve (serving/bundle/names.py and calibration.py hold the rules the server applies too), a
+    trained class's name, or a name twice. Before anything is written."""
     names = set()
     for c in classes:
-        if c.row.shape != (bundle.embed_dim,) or not np.isfinite(c.row).all():
-            raise ValueError(f"enrolled class {c.name!r}: its row is not {bundle.embed_dim} finite values")
-        try:
-            bundle.class_id(c.name)
-            raise ValueError(f"enrolled class {c.name!r} has the name of a class of the bundle")
-        except KeyError:
-            pass
-        if c.name in names:
-            raise ValueError(f"enrolled class {c.name!r} appears twice")
+        problem = enrolled_class_problem(c, bundle.embed_dim)
+        if problem is None and _is_trained(bundle, c.name):
+            problem = "its name is that of a class of the bundle"
+        if problem is None and c.name in names:
+            problem = "its name appears twice"
+        if problem:
+            raise ValueError(f"enrolled class {shown(str(c.name))} (slot {c.slot}): {problem}; nothing was folded")
         names.add(c.name)
+
+
+def _is_trained(bundle, name: str) -> bool:
+    try:
+        bundle.class_id(name)
+        return True
+    except KeyError:
+        return False
 
 
 def head_files(src: Path, manifest: dict) -> set[str]:

@@ -12,13 +12,16 @@ way. Bodies waiting for a worker are bounded: beyond `decode_queue` of them, 429
 A process that dies while decoding (killed from outside, out of memory) is the server's fault, not
 the body's: the body has passed the byte checks, and an image that fails to decode on its own is
 answered by the process (422). So the body is decoded once more, by a fresh process; when that one
-dies too, the request gets 503 `decoder_crashed` with Retry-After.
+dies too, the request gets 503 `decoder_crashed` with Retry-After. A decode that raises MemoryError is
+the server's want too (the body is within the pixel limit): 503 `decoder_unavailable` with Retry-After,
+and the process is replaced.
 
 Small images never wait behind large ones: a body of at most LIGHT_PIXELS by its header goes
 first, and larger ones (or ones whose header cannot be read cheaply) decode on all workers but
 one; a large one that would not be decoded before the request deadline (at the recent pace, per
 pixel, of large ones, and the pixels of those ahead of it) is refused at once with 429 instead of
-a 504 later.
+a 504 later. A body whose header declares more pixels than the limit can never be decoded: 413
+`image_too_large` before it is queued or paced (a 429 would tell its client to retry it).
 
 The processes are started with subprocess (fork + exec of a fresh interpreter), never by a bare
 fork of the server, whose threads may hold locks.
@@ -44,8 +47,9 @@ from typing import Optional
 import numpy as np
 
 from serving.codecs import images
+from serving.codecs.image_worker import OUT_OF_MEMORY
 from serving.bundle.image import MAX_PIXELS, header_pixels
-from serving.errors import InvalidInput, NotReady, Overloaded
+from serving.errors import InvalidInput, NotReady, Overloaded, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +236,8 @@ class _Worker:
                     self.current, doomed = None, self.doomed
             lanes.done(job, time.perf_counter() - t0)
             job.settle(result)
-            if doomed or self.proc is None or self.proc.poll() is not None:
-                self._replace()
+            if doomed or self.proc is None or self.proc.poll() is not None or _out_of_memory(result):
+                self._replace()  # after a MemoryError too: a fresh heap, not a fragmented one
         self.reap()
 
     def _replace(self) -> None:
@@ -291,6 +295,11 @@ class _Worker:
         log.warning("an image decode of a %d-byte body ran past its %g s budget: worker killed", len(job.body), budget)
         return InvalidInput(f"the image took more than {budget:g} s to decode (SLC_DECODE_BUDGET_S): "
                             "it was stopped", code="image_decode_timeout")
+
+
+def _out_of_memory(result) -> bool:
+    """A worker's answer that its decode ran out of memory (image_worker.refusal)."""
+    return isinstance(result, tuple) and result[0].get("code") == OUT_OF_MEMORY
 
 
 def _read_frame(fd: int, buffer) -> memoryview:
@@ -397,11 +406,15 @@ class DecodePool:
                      ) -> np.ndarray:
         """One example float32 [*input_shape] from an image body; 415 / 413 / 422 / 429 / 503 as the envelope."""
         fmt = images.image_format(content_type, spec)  # 415 before anything is queued
+        declared = header_pixels(body)
+        if declared is not None and declared > self.max_pixels:  # never decodable: 413 now, not 429 "retry"
+            raise PayloadTooLarge(f"the image's header declares {declared:,} pixels; the limit is {self.max_pixels:,}",
+                                  code="image_too_large")
         if self.closed:
             raise NotReady("the server is shutting down")
         if self.pending >= len(self.workers) + self.queue_limit:
             raise Overloaded(f"{self.pending} image bodies are being decoded or waiting (SLC_DECODE_QUEUE); retry", 1)
-        pixels = header_pixels(body) or self.max_pixels  # unknown: as large as allowed
+        pixels = declared or self.max_pixels  # unknown: as large as allowed
         limit = DEADLINE_SHARE * (self.deadline_s or math.inf)
         if pixels > LIGHT_PIXELS and (wait := self.lanes.heavy_wait(pixels)) > limit:
             raise Overloaded(f"the large images queued for decoding would take about {wait:.1f} s with this one, "

@@ -22,11 +22,18 @@ import numpy as np
 
 from serving.bundle.image import MAX_PIXELS, ImageTooComplex, ImageTooLarge, UnsupportedImage, decode_image
 
+OUT_OF_MEMORY = "decoder_unavailable"  # the code of a decode that ran out of memory (503)
+
+
 def refusal(exc: BaseException) -> tuple[str, str, str]:
-    """(kind, code, message) of the error for a decoding failure (serving/errors.py Kind values):
-    always the image's fault."""
+    """(kind, code, message) of the error for a decoding failure (serving/errors.py Kind values): the
+    image's fault, except a MemoryError: the body passed the pixel limit, so the memory it lacked is
+    the server's to have (503, retried later), not a reason to call the image invalid."""
     from PIL import Image
 
+    if isinstance(exc, MemoryError):
+        return ("unavailable", OUT_OF_MEMORY, "the image decoder ran out of memory on an image within the limits "
+                "(a server-side shortage, not the image's fault); retry")
     if isinstance(exc, (ImageTooLarge, Image.DecompressionBombError)):
         return "too_large", "image_too_large", (str(exc) if isinstance(exc, ImageTooLarge)
                                         else f"the image is too large to decode ({exc})")
@@ -84,7 +91,7 @@ def serve(rd, wr) -> None:
         try:
             x = decode_body(body, request["format"], request["spec"], request["max_pixels"])
             answer, data = {"ok": True, "shape": list(x.shape)}, np.ascontiguousarray(x, np.float32)
-        except Exception as exc:  # noqa: BLE001 - MemoryError and decoder errors alike are the image's
+        except Exception as exc:  # noqa: BLE001 - decoder errors are the image's; MemoryError the server's (refusal)
             (kind, code, message), data = refusal(exc), b""
             answer = {"kind": kind, "code": code, "message": message}
         del body

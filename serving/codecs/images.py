@@ -14,7 +14,7 @@ import numpy as np
 
 from serving.bundle.image import MAX_PIXELS, preprocess
 from serving.codecs.image_worker import decode_body, refusal
-from serving.errors import InvalidInput, Kind, PayloadTooLarge, SlcError, UnsupportedMediaType
+from serving.errors import InvalidInput, Kind, NotReady, PayloadTooLarge, SlcError, UnsupportedMediaType
 
 __all__ = ["IMAGE_TYPES", "MAX_PIXELS", "refusal_error", "content_type_of", "decode", "image_format", "is_image",
            "preprocess"]
@@ -44,18 +44,24 @@ def image_format(content_type: bytes, spec: Optional[dict]) -> str:
     return IMAGE_TYPES[name]
 
 
+RETRY_AFTER_S = 1  # of a decode that failed for the server's want (memory): 503 + Retry-After
+
+
 def refusal_error(kind: str, code: str, message: str) -> SlcError:
     """The error of a decoding refusal (serving/codecs/image_worker.py `refusal`)."""
+    kind = Kind(kind)
+    if kind is Kind.UNAVAILABLE:
+        return NotReady(message, code=code, retry_after=RETRY_AFTER_S)
     cls = {Kind.TOO_LARGE: PayloadTooLarge, Kind.UNSUPPORTED_MEDIA: UnsupportedMediaType,
-           Kind.INVALID: InvalidInput}.get(Kind(kind), SlcError)
-    return cls(message, code=code, kind=Kind(kind))
+           Kind.INVALID: InvalidInput}.get(kind, SlcError)
+    return cls(message, code=code, kind=kind)
 
 
 def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: tuple[int, ...]) -> np.ndarray:
     """One example float32 [*input_shape] from an image body, decoded in this thread; 415 / 413 / 422
-    as the envelope. The server decodes in worker processes instead (serving/codecs/image_decoder.py)."""
+    (503 when the decoder ran out of memory) as the envelope. The server decodes in worker processes instead (serving/codecs/image_decoder.py)."""
     fmt = image_format(content_type, spec)
     try:
         return decode_body(body, fmt, spec)
-    except Exception as exc:  # noqa: BLE001 - any decoder or EXIF failure is the image's fault, never a 500
+    except Exception as exc:  # noqa: BLE001 - a decoder or EXIF failure is the image's fault, never a 500
         raise refusal_error(*refusal(exc)) from None

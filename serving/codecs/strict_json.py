@@ -17,13 +17,13 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import orjson
 
+from serving.bundle.calibration import FLOAT32_MAX  # one bound for inputs and every number a bundle keeps
 from serving.errors import BadRequest, InvalidInput
 
 _NONFINITE_LITERAL = re.compile(rb"(?<![\w\"])-?(NaN|Infinity)(?![\w\"])")
 _BOOL_TOKEN = re.compile(rb"(?<![\w\"])(true|false)(?![\w\"])")
 _LONG_INT = re.compile(rb"(?<![\w.\"+-])-?\d{16,}(?![\w.])")
 MAX_EXACT_INT = 2**53
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 SHOWN = 3  # bad positions named in one message
 
 

@@ -20,7 +20,8 @@ class Thresholds:
     platt_a: np.ndarray  # [D] float32
     platt_b: np.ndarray  # [D] float32
     global_threshold: float
-    finite: bool  # every per-class threshold finite (else those classes fall back to the global one)
+    finite: bool  # every per-class threshold finite (else those classes fall back to the global one); True for
+    # every calibration.json read through serving/bundle/calibration.py, which refuses numbers beyond float32
     calibration: dict  # calibration.json, per_class as a PerClassCalibration view
     sha256: str  # of calibration.json as the manifest lists it
     digest: str  # sha256 of the manifest.json bytes it came with

@@ -31,6 +31,7 @@ from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
+from serving.bundle.names import refused_character, shown
 from serving.core.enrollment import check_name
 from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
 from serving.gallery import GalleryUnavailable, StorageFull
@@ -254,6 +255,9 @@ class Engine:
         pos = snap.find(ref) if snap.n else None
         if pos is None and snap.n and _DECIMAL_ID.fullmatch(ref):
             pos = snap.position_of_id(int(ref))
+        if pos is None and (bad := refused_character(ref)):  # no class can have it: the name is wrong, not unknown
+            raise InvalidInput(f"the class name {shown(ref)} holds {bad}, which no class name holds",
+                               code="invalid_class_name")
         if pos is None:
             raise NotFound(f"unknown class {ref!r} (a class name, an id 0..{self.num_classes - 1}, or an enrolled "
                            f"class's name or id)", code="unknown_class")

@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from serving.bundle.names import enrolled_class_problem, shown
 from serving.core import enrollment
 from serving.errors import InvalidInput
 from serving.gallery.enrolled import EnrolledRecord, EnrolledStore, LimitReached  # noqa: F401 (LimitReached: re-exported)
@@ -183,11 +184,14 @@ class EnrolledClasses:
             self.snapshot = _snapshot(self.num_trained, self.embed_dim, self._live, seq)
 
     def _valid(self, records: list[EnrolledRecord]) -> bool:
-        """Rows of this bundle's width (a store is keyed by digest, so anything else is a damaged row)."""
-        ok = all(r.row is not None and r.row.shape == (self.embed_dim,) for r in records)
-        if not ok:
-            log.error("enrolled classes: a stored row does not have %d values; it is ignored", self.embed_dim)
-        return ok
+        """Records this server can serve: rows of this bundle's width, names and numbers by the rule fold
+        shares (serving/bundle/names.py); anything else (a damaged row, an older writer) is ignored."""
+        for r in records:
+            if problem := enrolled_class_problem(r, self.embed_dim):
+                log.error("enrolled classes: the stored class %s (slot %d) is ignored: %s", shown(str(r.name)),
+                          r.slot, problem)
+                return False
+        return True
 
     def start_following(self) -> None:
         """Poll the store every sync_s seconds for other processes' writes (a daemon thread)."""

@@ -19,34 +19,25 @@ that cancel out) gives no direction: one 422 each (InvalidInput).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from serving.bundle.names import class_name_problem, shown
 from serving.errors import InvalidInput
 
 RULE = "imprint"  # the name the answers and the store carry
 THRESHOLD_RULES = ("global", "negatives")
 NORM_CHUNK = 65_536  # rows per chunk when the trained norms are measured (the head stays mapped)
-MAX_NAME_CHARS = 256
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_INTEGER = re.compile(r"-?[0-9]{1,18}")  # what a class path reads as an id (serving/bundle/loader.py)
 
 
 def check_name(name: str) -> str:
-    """A name every route can address: 1..256 characters, no control character, no "/" (a path
-    segment), and not an integer, which would read as a class id."""
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
-        raise InvalidInput(f"a class name has 1 to {MAX_NAME_CHARS} characters", code="invalid_class_name")
-    if (bad := _CONTROL.search(name)) or "/" in name:
-        found = bad.group() if bad else "/"
-        raise InvalidInput(f"a class name must not contain {found!r}: it must fit in a URL path segment",
-                           code="invalid_class_name")
-    if _INTEGER.fullmatch(name):
-        raise InvalidInput(f"a class name must not be an integer ({name!r} reads as a class id)",
-                           code="invalid_class_name")
+    """A name every route can address (serving/bundle/names.py `class_name_problem`, the rule fold
+    shares); 422 invalid_class_name otherwise."""
+    if problem := class_name_problem(name):
+        what = f"the class name {shown(name)}" if type(name) is str and name else "the class name"
+        raise InvalidInput(f"{what} {problem}", code="invalid_class_name")
     return name
 
 

@@ -42,8 +42,10 @@ def create_app(settings: Optional[Settings] = None, *, lifecycle: Optional[Lifec
 
     # FastAPI's native OpenTelemetry hooks are off: slc's metrics are Prometheus (/metrics), and
     # the hooks look up the global providers on every request.
+    # redirect_slashes off: `/v1/classes/` (an empty class name) answered 307 to a URL built from the
+    # Host header; a path that matches no route is the 404 envelope (errors.py), never a redirect.
     app = FastAPI(title="slc", version="1", lifespan=lifespan, default_response_class=OrjsonResponse,
-                  telemetry={"tracing": False, "metrics": False, "logs": False},
+                  redirect_slashes=False, telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Single-logit classification: one logit per query (docs/api.md).")
     app.state.slc = state
     _include_routes(app, state)

@@ -7,6 +7,7 @@ the same envelope, and an uncaught exception becomes a logged 500: a 5xx is a bu
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 
 import orjson
@@ -62,6 +63,10 @@ _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "
                503: "not_ready", 504: "deadline_exceeded", 507: "insufficient_storage"}
 
 
+# /v1/classes/ or /v1/classes//detect: a class route with an empty `{class}`, which matches no route
+_EMPTY_CLASS = re.compile(r"/v1/classes/(?:/|$)")
+
+
 def _describe_validation(errors: list[dict]) -> tuple[int, str, str]:
     """(status, code, message) of a RequestValidationError: malformed JSON is 400, NaN/inf and
     schema violations 422."""
@@ -102,6 +107,10 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 404 and request.method != "GET" and _EMPTY_CLASS.search(request.url.path):
+            count("invalid_class_name")
+            return envelope(422, "invalid_class_name", "the class name in the path is empty "
+                            "(/v1/classes/{name}: a name of 1 to 256 characters)")
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         if exc.status_code == 405:  # every method of every route on this path, not only the first match's

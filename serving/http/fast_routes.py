@@ -15,6 +15,7 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+from urllib.parse import unquote_to_bytes
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -71,6 +72,23 @@ def _description(handler: Callable, path: str, name: str, body: Any, body_defaul
     endpoint.__signature__ = inspect.Signature(params)
     endpoint.__name__, endpoint.__doc__ = name, handler.__doc__
     return endpoint
+
+
+def path_is_utf8(scope) -> bool:
+    """Whether the request path, percent-decoded, is UTF-8. The ASGI server decodes it with
+    errors="replace", so `a%FFb` and `a%FEb` both arrive as "a\ufffdb": only the raw bytes tell them
+    apart from each other and from a real U+FFFD (%EF%BF%BD). Costs one `in` on an ordinary path;
+    True when the server gives no raw_path (nothing to tell by)."""
+    if "\ufffd" not in scope["path"]:
+        return True
+    raw = scope.get("raw_path")
+    if raw is None:
+        return True
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def app_state(scope):

@@ -27,7 +27,7 @@ from serving.errors import Forbidden, InvalidInput, Unauthorized, UnsupportedMed
 from serving.gallery import bodies
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
-from serving.http.fast_routes import RawAnswer, app_state, fast_route
+from serving.http.fast_routes import RawAnswer, app_state, fast_route, path_is_utf8
 from serving.http.schemas import (CalibrationReloadRequest, CalibrationReloadResponse, ClassSearchRequest,
                              ClassSearchResponse, DetectRequest, DetectResponse, EnrolledClass, EnrolledList,
                              EnrollRequest, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest,
@@ -50,6 +50,17 @@ def _read_object(scope, body: bytes, optional: bool = False) -> dict:
     if not _is_json(scope):
         raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
     return read.parse_object(body)
+
+
+def _class_ref(scope) -> str:
+    """The `{class}` of the path; 422 invalid_class_name when its bytes are not UTF-8 (path_is_utf8):
+    two such names would otherwise be one class."""
+    params = scope["path_params"]
+    ref = params["class"] if "class" in params else params["class_ref"]
+    if not path_is_utf8(scope):
+        raise InvalidInput("the class name in the path is not UTF-8 once percent-decoded; percent-encode "
+                           "the name's UTF-8 bytes", code="invalid_class_name")
+    return ref
 
 
 _QUERY_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
@@ -158,7 +169,7 @@ def _query_string(scope) -> dict:
 async def detect(scope, body: bytes):
     """One logit per input: W[class]·h(x) + b[class] against the class's threshold."""
     engine, p, x = await _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
-    cls = engine.resolve_class(scope["path_params"]["class"])
+    cls = engine.resolve_class(_class_ref(scope))
     return 200, await engine.detect(cls, x, p["threshold"])
 
 
@@ -167,7 +178,7 @@ async def detect(scope, body: bytes):
 async def softmax(scope, body: bytes):
     """The full-softmax baseline: all D logits per input, the class's softmax entry."""
     engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
-    cls = engine.resolve_class(scope["path_params"]["class"])
+    cls = engine.resolve_class(_class_ref(scope))
     return 200, await engine.softmax(cls, x)
 
 
@@ -256,7 +267,7 @@ async def class_search(scope, body: bytes):
     read.check_keys(obj, ("limit", "threshold"))
     limit = read.integer(obj, "limit", 100, 1, 100_000)
     threshold = read.number(obj, "threshold")
-    cls = engine.resolve_class(scope["path_params"]["class"])
+    cls = engine.resolve_class(_class_ref(scope))
     return 200, RawAnswer(await engine.gallery_search(cls, threshold, limit), b"application/json")
 
 
@@ -288,17 +299,17 @@ async def enroll(scope, body: bytes):
     """Create (201) or replace (200) a class from examples: JSON {inputs} like detect, or one image
     body. Its row is computed by the server's enrollment rule; answered once committed."""
     _require_key(scope)  # 401 before the body is parsed
-    name = scope["path_params"]["class"]
+    name = _class_ref(scope)
     engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
     answer, created = await engine.enroll(name, x)
     return (201 if created else 200), answer
 
 
-@router.delete("/classes/{class_ref}", status_code=204, responses=error_responses(401, 403, 404, 409, 429, 503, 507),
+@router.delete("/classes/{class_ref}", status_code=204, responses=error_responses(401, 403, 404, 409, 422, 429, 503, 507),
                dependencies=[Depends(require_api_key)], tags=["classes"])
-async def unenroll(class_ref: str, engine=Depends(ready_engine)):
+async def unenroll(class_ref: str, request: Request, engine=Depends(ready_engine)):
     """Delete an enrolled class (by name or id); its id is never given to another class."""
-    await engine.unenroll(class_ref)
+    await engine.unenroll(_class_ref(request.scope))
     return Response(status_code=204)
 
 

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "train": ("trainer.cli:train", "Fit a backbone and class head with a loss; writes a run directory."),
     "evaluate": ("trainer.cli:evaluate", "Single-logit metrics of a trained run on a split."),
     "export": ("trainer.cli:export", "Write the ONNX bundle of a trained run, calibrated on its calibration split."),
-    "calibrate": ("trainer.recalibrate:calibrate", "Choose a bundle's thresholds again on your own labelled images (no torch)."),
+    "calibrate": ("serving.calibration.cli:calibrate", "Choose a bundle's thresholds again on your own labelled images (no torch)."),
     "experiment": ("tools.cli:experiment", "Paper experiments (table1, glyphs)."),
     "data": ("trainer.cli:data", "Datasets that are built, not downloaded (glyphs rendered from fonts)."),
     "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),

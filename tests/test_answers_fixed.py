@@ -53,7 +53,7 @@ def thresholds_of(cal: dict) -> list:
 
 
 def rule_answers() -> dict:
-    from trainer.calibrate import calibrate
+    from serving.calibration.estimator import calibrate
 
     h, y, W, b = data(0)
     ht, yt, _, _ = data(1)
@@ -69,9 +69,9 @@ def rule_answers() -> dict:
 
 
 def chooser_answers() -> dict:
-    from trainer.calibrate import dense_chunks
-    from trainer.export import default_method
-    from trainer.threshold_cv import choose
+    from serving.calibration.chunks import dense_chunks
+    from serving.calibration.defaults import default_rule as default_method
+    from serving.calibration.choose import choose
 
     h, y, W, b = data(2)
     z = h @ W.T + b
@@ -85,7 +85,7 @@ def chooser_answers() -> dict:
 
 
 def adapt_answers() -> dict:
-    from trainer.row_adapt import choose_beta, thresholds
+    from serving.calibration.adapt import choose_beta, thresholds
 
     h, y, W, b = data(3)
     out = {}
@@ -99,7 +99,7 @@ def adapt_answers() -> dict:
 
 def recalibrate_defaults() -> dict:
     from serving.settings import Settings
-    from trainer.recalibrate import resolve_options
+    from serving.calibration.recalibrate import resolve_options
 
     old = {"target": {"precision": 0.95}, "method": {"name": "shrink", "kappa": 3.0}}
     opts = resolve_options(old, None, None, None, None, False)

@@ -50,8 +50,87 @@ def test_the_server_never_imports_the_trainer_or_models():
     assert _offenders("serving", lambda n: not (_under(n, "trainer") or _under(n, "models"))) == []
 
 
-def test_the_trainer_reads_only_the_bundle_format_of_serving():
-    assert _offenders("trainer", lambda n: not _under(n, "serving") or _under(n, "serving.bundle")) == []
+def test_the_trainer_reads_only_the_bundle_format_and_the_calibration_of_serving():
+    allowed = ("serving.bundle", "serving.calibration")
+    assert _offenders("trainer", lambda n: not _under(n, "serving") or _any_under(n, allowed)) == []
+
+
+# ---------------------------------------------------------------------------- one room per idea
+PRODUCT = ("slc", "serving", "trainer", "models", "tools")
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _package_of(module: str, is_package: bool) -> str:
+    return module if is_package else module.rpartition(".")[0]
+
+
+def test_no_module_imports_another_packages_private_names():
+    """`from serving.x import _name` only inside serving/ (tests aside): a name another folder needs is
+    made public where it lives."""
+    offenders = []
+    for path in (p for pkg in PRODUCT for p in _modules(pkg)):
+        here = _package_of(_module_name(path), path.name == "__init__.py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module.split(".")[0] in PRODUCT:
+                target = (ROOT / Path(*node.module.split(".")))
+                there = node.module if target.is_dir() else node.module.rpartition(".")[0]
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private and there != here:
+                    offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import {', '.join(private)}")
+    assert offenders == []
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the product modules it imports (at the top or inside a function)."""
+    paths = {_module_name(p): p for pkg in PRODUCT for p in _modules(pkg)}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for imported in _imports(path):
+            while imported and imported not in paths:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def test_no_circle_between_modules():
+    """Tarjan's strongly connected components over every import: none holds two modules (a package's
+    __init__ re-exporting its own modules aside)."""
+    graph, index, low, stack, on, circles = _graph(), {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    import sys
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
 
 
 # ---------------------------------------------------------------------------- serving's floors

@@ -5,7 +5,7 @@ perfectly; a user's scans, photos or brush strokes make every logit lower and th
 higher. Export therefore calibrates on the calibration images *and* a seeded style-shifted copy of
 each (trainer/augment.py `Style`: stroke weight, blur, contrast), rounded to whole pixels as a saved
 image would be. The shifted copies widen each class's negative tail; the norm rule
-(trainer/threshold_norm.py) reads that tail per class, so the thresholds hold on faces unlike the
+(serving/calibration/norm.py) reads that tail per class, so the thresholds hold on faces unlike the
 calibration ones (the choice and its measurements: docs/calibration.md, "Calibrating for shifted
 images").
 """

@@ -13,7 +13,7 @@ batch of up to 256 inputs, fewer for large heads so that batch × D stays near P
 
 Calibration (thresholds, Platt) uses the logits the server's detect compares with the
 thresholds: backbone.onnx embeddings run by onnxruntime on the calibration split, times the
-head rows in float64. They stream over class chunks (trainer.calibrate.calibrate_chunks), so
+head rows in float64. They stream over class chunks (serving.calibration.calibrate_chunks), so
 memory stays O(N · chunk + D) whatever D. The test split is only measured.
 """
 from __future__ import annotations
@@ -39,7 +39,9 @@ from serving.bundle.negatives import write_negatives
 from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from serving.bundle.quantize import write_heads
 from trainer import calibration_shift
-from trainer.calibrate import calibrate_chunks, chunk_classes
+from serving.calibration.estimator import calibrate_chunks
+from serving.calibration.defaults import default_rule
+from serving.calibration.chunks import chunk_classes
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +242,7 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
     shift "style", on the split and its style-shifted copy (trainer/calibration_shift.py). Also a
     sample of the clean embeddings with their labels (serving/bundle/negatives.py: an enrolled class's
     negatives); returns (calibration, the manifest's `negatives`)."""
-    from trainer.metrics import head_chunks
+    from serving.calibration.chunks import head_chunks
 
     weight, bias = r.head  # [D, d], [D]
     has_test = len(r.x_test) > 0
@@ -310,17 +312,6 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         **({"image": spec} if (spec := r.data_info.get("image", r.image)) else {}))
 
 
-def default_method(pols: bool, shift: str = "none") -> dict:
-    """The thresholds' method when none is named. A PoLS-trained head calibrated on style-shifted
-    copies too: norm, which reads each class's widened negative tail (one global threshold there is
-    set by the most shifted negatives of all classes). A PoLS head on clean data: one global
-    threshold, its logits being comparable across classes. Otherwise shrink (kappa 4). Why, measured
-    on held-out faces: docs/calibration.md, "Calibrating for shifted images"."""
-    if pols:
-        return {"name": "norm"} if shift == "style" else {"name": "global"}
-    return {"name": "shrink", "kappa": 4.0}
-
-
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
                   method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = (),
                   shift: str = "auto", overwrite: bool = False) -> Path:
@@ -336,7 +327,7 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     pols = bool(r.config.get("loss_pols", False))
     shift = calibration_shift.resolve(shift, pols, tuple(r.data_info["input_shape"]), r.image)
     if method is None or method.get("name") == "auto":
-        method = default_method(pols, shift)
+        method = default_rule(pols, shift)
     weight, bias = r.head  # [D, d], [D]
     D, d = weight.shape
     classes = [str(c) for c in r.data_info["classes"]]

@@ -183,13 +183,3 @@ def _streaming_separation(chunks: Iterable[tuple[int, np.ndarray]], labels: np.n
         below_own = ((z < true[:, None]) & is_false).sum(axis=1)  # [N] of the same example
         below += int((below_all - below_own).sum())
     return float(below / (n * (n - 1) * (num_classes - 1)))
-
-
-def head_chunks(h: np.ndarray, weight: np.ndarray, bias: np.ndarray, chunk: int = 1024):
-    """`chunks` for streaming_slc_metrics from embeddings h [N, d] and a head W [D, d], b [D]:
-    logits of `chunk` classes at a time."""
-    def gen():
-        for first in range(0, weight.shape[0], chunk):
-            w = np.asarray(weight[first:first + chunk], dtype=np.float64)  # [c, d]
-            yield first, h @ w.T + np.asarray(bias[first:first + chunk], dtype=np.float64)  # [N, c]
-    return gen

@@ -55,7 +55,8 @@ from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadc
 from trainer.history import History, plot_curves
 from trainer.loader import EpochBatches, batch_loader
 from trainer.losses import build_loss
-from trainer.metrics import head_chunks, pooled_separation, slc_metrics, streaming_slc_metrics
+from serving.calibration.chunks import head_chunks
+from trainer.metrics import pooled_separation, slc_metrics, streaming_slc_metrics
 from trainer.run_dir import check_out, clear_run, make_out
 from trainer.sampled_head import ClassSampler
 from trainer.sharded_head import Shard, gather_head, keep_shard, sharded_losses

@@ -59,7 +59,8 @@ def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, prec
 @guarded("bundle", out="bundle_dir", in_place=True)
 def quantize(bundle_dir: Path, precisions: tuple[str, ...]) -> None:
     """Add quantized copies of the head (int8, bf16) to a bundle; the float32 head stays the reference."""
-    from serving.bundle.quantize import FILES, add_heads
+    from serving.bundle.heads import add_heads
+    from serving.bundle.quantize import FILES
     from serving.bundle.verify import verify_bundle
 
     t0 = time.perf_counter()

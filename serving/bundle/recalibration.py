@@ -62,7 +62,7 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, h
                        in_place: bool = False, overwrite: bool = False) -> Path:
     """Write the bundle `source` with `calibration` to `out` (`in_place`: `source` itself is replaced,
     through its symlinks); `note` goes into the manifest's `recalibration` entry. `head`: new rows
-    [D, d] (sliced like an array: trainer/row_adapt.py), written with the graphs, samples and quantized
+    [D, d] (sliced like an array: serving/calibration/adapt.py), written with the graphs, samples and quantized
     heads that read them (serving/bundle/fold.py). Verified before it takes `out`'s place."""
     source = Path(source)
     in_place = in_place or Path(out).resolve() == source.resolve()

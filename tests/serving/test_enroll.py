@@ -278,7 +278,7 @@ def test_a_quantized_pass_goes_on_over_the_enrolled_rows(tmp_path, inputs):
     from fastapi.testclient import TestClient
 
     from serving.bundle import load_bundle
-    from serving.bundle.quantize import add_heads
+    from serving.bundle.heads import add_heads
     from serving.bundle.synthetic import build_synthetic_bundle
     from serving.main import build
     from tests.serving.helpers import Offline, make_settings, wait_ready

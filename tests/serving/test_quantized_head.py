@@ -10,7 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from serving.bundle.quantize import add_heads, bf16_bits, bf16_to_float32, int8_rows
+from serving.bundle.heads import add_heads
+from serving.bundle.quantize import bf16_bits, bf16_to_float32, int8_rows
 from tests.serving.helpers import INPUT_DIM, Offline, make_settings, wait_ready
 
 D_Q, DIM_Q = 3000, 32

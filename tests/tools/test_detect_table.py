@@ -78,7 +78,7 @@ def test_each_group_is_the_default_rule_averaged_over_its_seeds(tmp_path):
 
 
 def test_the_rule_is_the_one_export_ships(tmp_path):
-    from trainer.export import default_method
+    from serving.calibration.defaults import default_rule as default_method
 
     images = _study(tmp_path, "a", "self_norm", True, "none", 0)
     flat = _study(tmp_path, "b", "self_norm", True, "none", 0, images=False)

@@ -1,13 +1,13 @@
 """tools/experiments/glyph_eval.py against dense float64 references: the streamed normalized-CE scores
 against scipy's log_softmax, the user-view metrics against slc_metrics of the model's logits, the
-detect rates against trainer.calibrate.calibrate on the dense logits."""
+detect rates against serving.calibration.calibrate on the dense logits."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from trainer.calibrate import calibrate
+from serving.calibration.estimator import calibrate
 from trainer.data import load_dataset
 from tools.experiments.glyph_eval import DETECT_TARGET, embed, evaluate, normalized_chunks
 from trainer.metrics import slc_metrics

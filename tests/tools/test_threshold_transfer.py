@@ -1,10 +1,10 @@
 """The transfer study's chunked fit and judge (tools/experiments/threshold_transfer.py) equal the dense
-estimators of trainer/calibrate.py and a brute-force count."""
+estimators of serving/calibration/ and a brute-force count."""
 import numpy as np
 import pytest
 
 from tools.experiments import threshold_transfer as tt
-from trainer.calibrate import choose_thresholds
+from serving.calibration.counts import choose_thresholds
 
 
 def test_chunked_fit_and_judge_equal_dense_math(monkeypatch):
@@ -30,10 +30,10 @@ def test_chunked_fit_and_judge_equal_dense_math(monkeypatch):
     assert np.isclose(j["mean_recall"], np.mean(tp / 4))
     assert np.isclose(j["mean_precision"], np.mean([a / b if b else 1.0 for a, b in zip(tp, m)]))
     assert j["top1"] == np.mean([max(range(30), key=lambda c: row[c]) == label for row, label in zip(z, y)])
-    from tests.trainer.test_threshold_cv import reference_tail
+    from tests.serving.calibration.test_choose import reference_tail
 
     np.testing.assert_allclose(got["tail"], reference_tail(z.astype(np.float64), y, 0.9), rtol=1e-12)
-    from tests.trainer.test_threshold_norm import reference_norm
+    from tests.serving.calibration.test_norm import reference_norm
 
     np.testing.assert_allclose(got["norm"], reference_norm(z.astype(np.float64), y, target), rtol=1e-10)
 
@@ -59,9 +59,9 @@ def test_the_user_rows_fit_on_two_per_class_and_judge_the_rest():
 
 def test_the_adapted_user_row_moves_the_rows_and_judges_the_rest_with_them():
     """With embeddings: one more row, the rows moved and thresholds set as the dense references do
-    (tests/trainer/test_row_adapt.py) at the step chosen, judged on the complement under the moved rows."""
-    from tests.trainer.test_row_adapt import reference_rows, reference_thresholds, shifted_face
-    from trainer import row_adapt
+    (tests/serving/calibration/test_adapt.py) at the step chosen, judged on the complement under the moved rows."""
+    from tests.serving.calibration.test_adapt import reference_rows, reference_thresholds, shifted_face
+    from serving.calibration import adapt as row_adapt
 
     rng = np.random.default_rng(2)
     W = rng.normal(size=(30, 12)).astype(np.float32)

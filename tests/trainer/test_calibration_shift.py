@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+
+from serving.calibration.defaults import default_rule
 import torch
 
 from trainer import calibration_shift as shift
@@ -28,9 +30,9 @@ def test_auto_shifts_a_pols_loss_on_images_only():
 
 
 def test_default_method_follows_the_shift():
-    assert export_mod.default_method(True, "style") == {"name": "norm"}
-    assert export_mod.default_method(True, "none") == {"name": "global"}
-    assert export_mod.default_method(False, "style") == {"name": "shrink", "kappa": 4.0}
+    assert default_rule(True, "style") == {"name": "norm"}
+    assert default_rule(True, "none") == {"name": "global"}
+    assert default_rule(False, "style") == {"name": "shrink", "kappa": 4.0}
 
 
 def _glyph_like(n: int = 12, seed: int = 0) -> np.ndarray:
@@ -77,7 +79,7 @@ def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path
     clean split's global threshold; style on examples that are not images is one line."""
     from slc.cli import main
     from tests.trainer.test_imagefolder import render_folder
-    from trainer.calibrate import calibrate
+    from serving.calibration.estimator import calibrate
     from trainer.data import load_run_data
     from trainer.train import TrainConfig, load_run, run_logits, train
 

@@ -9,13 +9,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
+from serving.calibration.defaults import default_rule
 import torch
 from onnx import TensorProto, helper
 
 from models import ClassHead, SLCNet, build_backbone
 from serving.bundle import REQUIRED_FILES, load_bundle, verify_bundle, write_manifest
 from trainer import export as export_mod
-from trainer.calibrate import rates_at
+from serving.calibration.counts import rates_at
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -302,7 +304,7 @@ def test_an_image_dataset_bundle_records_how_images_become_inputs(exported):
     assert b.image == image_spec("digits")
     # the default threshold method: one global threshold for a PoLS loss (batch_ce), shrink for ce
     assert b.calibration["method"] == ({"name": "global"} if loss == "batch_ce" else {"name": "shrink", "kappa": 4.0})
-    assert b.calibration["method"] == export_mod.default_method(b.manifest["loss"]["pols"])
+    assert b.calibration["method"] == default_rule(b.manifest["loss"]["pols"])
     for example in splits.test[0][:10]:  # [64] values 0..16
         buf = io.BytesIO()
         Image.fromarray(np.rint(example.reshape(8, 8) * 255 / 16).astype(np.uint8)).save(buf, format="PNG")

@@ -119,7 +119,8 @@ def test_separation_ignores_within_example_pairs():
 @pytest.mark.parametrize("chunk", [1, 3, 7, 50])
 @pytest.mark.parametrize("ties", [False, True])
 def test_streaming_metrics_equal_dense(chunk, ties):
-    from trainer.metrics import head_chunks, pooled_separation, streaming_slc_metrics
+    from serving.calibration.chunks import head_chunks
+    from trainer.metrics import pooled_separation, streaming_slc_metrics
 
     rng = np.random.default_rng(chunk)
     n, d, num_classes = 120, 6, 23

@@ -96,7 +96,7 @@ def measure(bundle: Path, device: str, duration: float, log_dir: Path, precision
 def with_heads(bundle: Path, precisions: Sequence[str]) -> Path:
     """The cached bundle with the quantized heads asked for (added once, kept in the cache)."""
     from serving.bundle.format import MANIFEST
-    from serving.bundle.quantize import add_heads
+    from serving.bundle.heads import add_heads
 
     have = json.loads((bundle / MANIFEST).read_text()).get("heads") or {}
     missing = tuple(p for p in precisions if p != "float32" and p not in have)

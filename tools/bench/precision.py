@@ -14,7 +14,8 @@ import numpy as np
 from tools import loadtest as lt
 from tools.bench.server import process_tree_memory, slc_server
 from tools.report import md_table
-from serving.bundle.quantize import FILES, add_heads
+from serving.bundle.heads import add_heads
+from serving.bundle.quantize import FILES
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`slc experiment calibration`: thresholds when each class has a handful of calibration positives.
 
-Three ways to choose class j's threshold on the calibration split (trainer/calibrate.py picks
+Three ways to choose class j's threshold on the calibration split (serving/calibration/ picks
 each one at the target):
 - per_class: from column j alone (n_j positives: 4 per class on glyphs3755);
 - global: one threshold for every class, from all (example, class) pairs pooled;
@@ -12,7 +12,7 @@ each one at the target):
 Each is judged on the held-out test faces: per-class precision and recall at the chosen
 thresholds, their means, the mean of the worst decile of per-class precision, and the share of
 classes reaching the target. A class with no match on the test split has precision 1 (no false
-alarm), as in trainer/calibrate.py.
+alarm), as in serving/calibration/.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.report import md_table, write_result
-from trainer.calibrate import choose_thresholds, rates_at
+from serving.calibration.counts import choose_thresholds, rates_at
 
 KAPPAS = (1.0, 2.0, 4.0, 8.0, 16.0)
 

@@ -1,6 +1,6 @@
 """The per-loss detect table (issue 37 part 4; docs/results/glyphs3755-detect-per-loss.md) from the JSON
 files `slc experiment thresholds` writes: for each (loss, augmentation, epochs) its runs' mean ± sample standard
-deviation, over seeds, of detect at the rule `slc export` ships by default (trainer/export.default_method:
+deviation, over seeds, of detect at the rule `slc export` ships by default (serving/calibration/defaults.default_rule:
 for a PoLS loss on images norm, fitted on the calibration images and their style-shifted copies; one
 global threshold for a PoLS loss otherwise; per-class thresholds shrunk towards it with κ = 4 for the
 others), judged on each held-out calibration face (fitted on the others), on its shifted copies and on
@@ -22,7 +22,7 @@ def default_rule(run: Path) -> tuple[str, bool]:
     """(rule as threshold_transfer names it, fitted with the style shift?) that `slc export` ships by
     default for a run."""
     from trainer import calibration_shift
-    from trainer.export import default_method
+    from serving.calibration.defaults import default_rule as default_method
 
     config = json.loads((Path(run) / "config.json").read_text())
     info = json.loads((Path(run) / "data.json").read_text())

@@ -6,7 +6,7 @@
 - normalized CE: the logits minus their logsumexp over all D classes (softmax normalisation, the
   method that needs every logit), scored like any single logit;
 - detect at the calibrated precision: per-class thresholds chosen on the calibration faces for
-  precision 0.99 (trainer/calibrate.py, what `slc export` ships), then the test face's mean
+  precision 0.99 (serving/calibration/, what `slc export` ships), then the test face's mean
   per-class recall and precision at them.
 
 Results go to RUN/glyph_eval.json, tagged with EVAL_VERSION so a changed evaluation recomputes.
@@ -80,7 +80,8 @@ def evaluate(run: Path, splits, views: dict, normalized: bool, detect: bool = Tr
     `detect`), and (for `normalized`, ce's runs) the normalized-CE metrics on the test and
     calibration splits; computed once. `splits`: the run's dataset (trainer.data.Splits), `views`:
     user_views of it ({} to skip them)."""
-    from trainer.metrics import head_chunks, streaming_slc_metrics
+    from serving.calibration.chunks import head_chunks
+    from trainer.metrics import streaming_slc_metrics
     from trainer.train import load_run
 
     path = Path(run) / "glyph_eval.json"
@@ -109,8 +110,8 @@ def evaluate(run: Path, splits, views: dict, normalized: bool, detect: bool = Tr
 def _detect(h: dict, y: dict, w: np.ndarray, b: np.ndarray, splits: tuple[str, ...]) -> dict:
     """Per-class thresholds calibrated on the calibration split (DETECT_TARGET, the export's
     default method), then each split's mean per-class recall and precision at them."""
-    from trainer.calibrate import _test_rates, calibrate_chunks
-    from trainer.metrics import head_chunks
+    from serving.calibration.estimator import calibrate_chunks, measured_rates
+    from serving.calibration.chunks import head_chunks
 
     d = len(b)
     cal = calibrate_chunks(head_chunks(h["calibration"], w, b, CHUNK), y["calibration"], d, DETECT_TARGET,
@@ -118,7 +119,7 @@ def _detect(h: dict, y: dict, w: np.ndarray, b: np.ndarray, splits: tuple[str, .
     thresholds = np.array([c["threshold"] for c in cal["per_class"]], dtype=np.float64)  # [D]
     out = {}
     for split in splits:
-        rates = _test_rates(head_chunks(h[split], w, b, CHUNK), y[split], d, thresholds,
+        rates = measured_rates(head_chunks(h[split], w, b, CHUNK), y[split], d, thresholds,
                             float(cal["global"]["threshold"]))["per_class"]
         out[split] = {"per_class_mean_recall": float(rates["recall"].mean()),
                       "per_class_mean_precision": float(rates["precision"].mean()),

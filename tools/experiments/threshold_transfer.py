@@ -7,11 +7,11 @@ face (a brush face) is then judged with every rule fitted on both calibration fa
 record. A third fit models users' shifts: the calibration images with a seeded stroke weight,
 blur and contrast (trainer/calibration_shift.py, as `slc export` draws it), pooled with the clean ones.
 
-Rules (trainer/calibrate.py's estimators, as `slc export` uses them): per_class (column j alone),
+Rules (serving/calibration/'s estimators, as `slc export` uses them): per_class (column j alone),
 global (one threshold for all classes: PoLS's promise that single logits are comparable), and
 shrink k=κ (per class pulled toward the global one by a pseudo-count κ), tail (each column's
 negative tail extrapolated) and norm (one threshold on logits standardised by each column's highest
-negatives, trainer/threshold_norm.py).
+negatives, serving/calibration/norm.py).
 
 Judged by what the detect route does at the thresholds: per-class mean recall and precision
 (a class that never matches has precision 1), and the pooled precision (true matches over all
@@ -26,9 +26,10 @@ import numpy as np
 
 from tools.report import md_table, write_result
 from trainer.calibration_shift import SHIFT_SEED, style_shifted
-from trainer.threshold_norm import norm_thresholds
-from trainer.calibrate import (PooledThreshold, _chunk_positive, _counts_at, chunk_classes, class_thresholds, dense_chunks,
-                               tail_thresholds)
+from serving.calibration.norm import norm_thresholds
+from serving.calibration.chunks import chunk_classes, chunk_positive, dense_chunks
+from serving.calibration.counts import PooledThreshold, class_thresholds, counts_at
+from serving.calibration.rules import tail_thresholds
 
 USER_IMAGES = 2  # per class, as in the user-calibration study (issue 37 part 6)
 KAPPAS = (1.0, 4.0, 16.0)
@@ -36,13 +37,13 @@ KAPPAS = (1.0, 4.0, 16.0)
 
 def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
     """{rule: thresholds [D]} fitted on logits z [N, D] with labels y [N], class chunk by class chunk
-    (trainer/calibrate.py's estimators: never an [N, D] temporary beyond the chunk's)."""
+    (serving/calibration/'s estimators: never an [N, D] temporary beyond the chunk's)."""
     num_classes = z.shape[1]
     pooled = PooledThreshold(z[np.arange(len(y)), y])
     parts = []
     for first in range(0, num_classes, chunk_classes(len(y), num_classes)):
         zc = np.asarray(z[:, first:first + chunk_classes(len(y), num_classes)], dtype=np.float64)  # [N, c]
-        positive = _chunk_positive(y, first, zc.shape[1])
+        positive = chunk_positive(y, first, zc.shape[1])
         parts.append({**class_thresholds(zc, positive, target), "tail": tail_thresholds(zc, positive, target)})
         pooled.add(zc)
     per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
@@ -61,7 +62,7 @@ def judge(z: np.ndarray, y: np.ndarray, thresholds: np.ndarray) -> dict:
     no match: precision 1), pooled precision over every decision, matches; and the top-1 accuracy of
     z (what softmax and top-k answer: moved rows change it, thresholds do not)."""
     num_classes, step = z.shape[1], chunk_classes(len(y), z.shape[1])
-    counts = [_counts_at(np.asarray(z[:, f:f + step], dtype=np.float64), _chunk_positive(y, f, min(step, num_classes - f)),
+    counts = [counts_at(np.asarray(z[:, f:f + step], dtype=np.float64), chunk_positive(y, f, min(step, num_classes - f)),
                          thresholds[f:f + step]) for f in range(0, num_classes, step)]
     tp, matches, positives = (np.concatenate(c) for c in zip(*counts))
     precision = np.where(matches > 0, tp / np.maximum(matches, 1), 1.0)
@@ -88,7 +89,7 @@ def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str, embedded:
     """A user's recalibration on one face: USER_IMAGES images per class fitted (seeded), the rest of
     the face judged; every rule (norm is `slc calibrate`'s default), the one cv picks from those images,
     and with `embedded` (h [N, d], W, b) the rows adapted too (`slc calibrate --adapt-rows`)."""
-    from trainer import threshold_cv
+    from serving.calibration import choose as threshold_cv
 
     pick = _per_class_sample(y, USER_IMAGES)
     fitted = f"{USER_IMAGES} per class of {face}"
@@ -106,9 +107,9 @@ def _user_rows(z: np.ndarray, y: np.ndarray, target: float, face: str, embedded:
 
 
 def _adapted(h: np.ndarray, W: np.ndarray, b: np.ndarray, y: np.ndarray, pick: np.ndarray, target: float) -> dict:
-    """`slc calibrate --adapt-rows` on the picked images (trainer/row_adapt.py, the step chosen there),
+    """`slc calibrate --adapt-rows` on the picked images (serving/calibration/adapt.py, the step chosen there),
     judged on the others with the moved rows."""
-    from trainer import row_adapt
+    from serving.calibration import adapt as row_adapt
 
     goal = {"precision": target}
     beta, _ = row_adapt.choose_beta(h[pick], y[pick], W, b, goal)

@@ -18,23 +18,22 @@ changes it (trainer/data/runs.py checks it when a run's data is loaded again).
 """
 from __future__ import annotations
 
-import csv
 import hashlib
 import io
 import json
 import logging
 import os
 import shutil
-import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from serving.bundle import atomic_write_text, output, slc_home
-from serving.bundle.image import (EXTENSIONS, FILE_MAX_DECODED_BYTES, FILE_MAX_PIXELS, FORMATS, check_decoded_bytes,
+from serving.bundle.image import (FILE_MAX_DECODED_BYTES, FILE_MAX_PIXELS, FORMATS, check_decoded_bytes,
                                   check_header, decode_image, is_grey)
+from serving.bundle.imagefolder import (SPLIT_ALIASES, Entry, absolute_name, check_files, check_name, one_line,  # noqa: F401
+                                        dataset_path, is_image_dataset, list_entries, read_regular)
 from serving.bundle.imagespec import LAYOUTS, check_image_spec, input_shape_of
 
 if TYPE_CHECKING:
@@ -44,177 +43,19 @@ log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # bumped whenever decoding or the cache layout changes
 SPLITS = ("train", "calibration", "test")
-SPLIT_ALIASES = {"train": "train", "val": "calibration", "calibration": "calibration", "test": "test"}
 SPEC_KEYS = ("height", "width", "channels", "layout", "scale", "background", "resample")
 PARALLEL_MIN = 2048  # fewer files are read in this process (worker start-up costs more than it saves)
 CHUNK = 256
 SHOW_BAD = 3  # names given in the one line about unreadable files
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One image file: its path relative to the dataset's root (as listed), label, and given split."""
-
-    rel: str
-    label: str
-    split: str | None
-
-
-def is_image_dataset(name: str) -> bool:
-    return name.startswith(("imagefolder:", "csv:"))
-
-
-def dataset_path(name: str) -> Path:
-    """The folder of `imagefolder:DIR` or the file of `csv:FILE`."""
-    return Path(name.partition(":")[2]).expanduser()
-
-
-def check_name(name: str) -> None:
-    """ValueError unless the folder / CSV file exists (nothing is read)."""
-    path = dataset_path(name)
-    if name.startswith("imagefolder:") and not path.is_dir():
-        raise ValueError(f"image folder {str(path)!r} not found (imagefolder:DIR needs DIR/CLASS/*.png ...)")
-    if name.startswith("csv:") and not path.is_file():
-        raise ValueError(f"CSV file {str(path)!r} not found (csv:FILE needs columns path,label[,split])")
-
-
-def absolute_name(name: str) -> str:
-    """The dataset name with an absolute path, to load it again from anywhere."""
-    kind, _, _ = name.partition(":")
-    return f"{kind}:{dataset_path(name).resolve()}"
-
-
 # ------------------------------------------------------------------------------ listing the files
-def _image_files(folder: Path, root: Path) -> list[str]:
-    """Image files under `folder` (recursive, symlinks followed once, hidden names skipped), relative to root."""
-    out, seen = [], set()
-    for here, dirs, files in os.walk(folder, followlinks=True):
-        real = os.path.realpath(here)
-        if real in seen:  # a symlink loop
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        out += [Path(here, f).relative_to(root).as_posix() for f in sorted(files)
-                if not f.startswith(".") and f.lower().endswith(EXTENSIONS)]
-    return out
-
-
-def _class_entries(folder: Path, root: Path, split: str | None) -> list[Entry]:
-    classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    return [Entry(rel, c, split) for c in classes for rel in _image_files(folder / c, root)]
-
-
-def _folder_entries(root: Path) -> list[Entry]:
-    """DIR/CLASS/... or DIR/{train,val|calibration,test}/CLASS/..."""
-    top = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if "train" not in top:
-        entries = _class_entries(root, root, None)
-    else:
-        if stray := [d for d in top if d not in SPLIT_ALIASES]:
-            raise ValueError(f"image folder {root}: with a train/ folder, the others must be val (or calibration) "
-                             f"and test, not {', '.join(stray)}")
-        if "val" in top and "calibration" in top:
-            raise ValueError(f"image folder {root}: give val/ or calibration/ (the same split), not both")
-        found = {SPLIT_ALIASES[d] for d in top}
-        if missing := [s for s in SPLITS if s not in found]:
-            raise ValueError(f"image folder {root}: split folders train, val (or calibration) and test are all "
-                             f"needed, {' and '.join(missing)} missing; or put every class folder in {root} itself "
-                             "for a seeded 60/20/20 split")
-        entries = [e for d in top for e in _class_entries(root / d, root, SPLIT_ALIASES[d])]
-    if not entries:
-        raise ValueError(f"image folder {root}: no image files ({', '.join(e[1:] for e in EXTENSIONS)}) "
-                         "in class folders DIR/CLASS/")
-    return entries
-
-
-def _csv_entries(path: Path) -> list[Entry]:
-    """Rows path,label[,split] of a CSV file with a header; paths relative to the CSV's folder."""
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        fields = [c.strip().lower() for c in reader.fieldnames or []]
-        if "path" not in fields or "label" not in fields:
-            raise ValueError(f"{path}: needs a header line with columns path,label[,split]; got {fields}")
-        reader.fieldnames = fields
-        has_split = "split" in fields
-        entries, seen = [], set()
-        for line, row in enumerate(reader, start=2):
-            rel, label = (row.get("path") or "").strip(), (row.get("label") or "").strip()
-            split = (row.get("split") or "").strip().lower() if has_split else None
-            if not rel or not label:
-                raise ValueError(f"{path} line {line}: path and label are both needed")
-            if has_split and split not in SPLIT_ALIASES:
-                raise ValueError(f"{path} line {line}: split {split!r} is not one of train, val, calibration, test")
-            if rel in seen:
-                raise ValueError(f"{path} line {line}: {rel} is listed twice")
-            seen.add(rel)
-            entries.append(Entry(rel, label, SPLIT_ALIASES[split] if has_split else None))
-    if not entries:
-        raise ValueError(f"{path}: no rows")
-    if has_split and (missing := [s for s in SPLITS if s not in {e.split for e in entries}]):
-        raise ValueError(f"{path}: the split column gives no {' and no '.join(missing)} rows; train, val (or "
-                         "calibration) and test are all needed, or leave the column out for a seeded 60/20/20 split")
-    return entries
-
-
-def list_entries(name: str) -> tuple[Path, list[Entry]]:
-    """(the folder paths are relative to, the entries sorted by path)."""
-    check_name(name)
-    path = dataset_path(name)
-    if name.startswith("imagefolder:"):
-        return path, sorted(_folder_entries(path), key=lambda e: e.rel)
-    return path.parent, sorted(_csv_entries(path), key=lambda e: e.rel)
 
 
 # ------------------------------------------------------------------------------ which files may be read
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def _not_regular(path: Path) -> str | None:
-    """Why `path` (symlinks followed) may not be read as an image file, or None for a regular file."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "a dangling symlink" if os.path.islink(path) else "no such file"
-    except OSError as exc:
-        return _one_line(exc)
-    if stat.S_ISREG(mode):
-        return None
-    return "not a regular file: " + next((what for test, what in _KINDS if test(mode)), "a special file")
-
-
-def check_files(name: str, root: Path, entries: list[Entry]) -> tuple[list[Entry], list[tuple[str, str]]]:
-    """(the entries that are regular files, the others as (rel, why)), nothing opened; ValueError when
-    two entries are one file (same device and inode: `./a.png` and `a.png`, a symlink, a hard link)."""
-    ok, bad, seen = [], [], {}
-    for e in entries:
-        if why := _not_regular(root / e.rel):
-            bad.append((e.rel, why))
-            continue
-        st = os.stat(root / e.rel)
-        if (other := seen.setdefault((st.st_dev, st.st_ino), e.rel)) != e.rel:
-            raise ValueError(f"{name}: {other} and {e.rel} are the same file; list each image once")
-        ok.append(e)
-    return ok, bad
-
-
-def read_regular(path: str | os.PathLike) -> bytes:
-    """The bytes of a regular file; OSError for anything else (a FIFO swapped in after the check
-    is never waited on: opened non-blocking, refused by fstat before any read)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ reading the files
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
 
 
 def _scan_chunk(paths: list[str]) -> list[tuple[int, int, bool, str | None]]:
@@ -230,7 +71,7 @@ def _scan_chunk(paths: list[str]) -> list[tuple[int, int, bool, str | None]]:
                     check_decoded_bytes(img, FILE_MAX_DECODED_BYTES)
                 out.append((img.width, img.height, is_grey(img), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
-            out.append((0, 0, False, _one_line(exc)))
+            out.append((0, 0, False, one_line(exc)))
     return out
 
 
@@ -245,7 +86,7 @@ def _decode_chunk(x_path: str, start: int, paths: list[str], spec: dict) -> list
                                         max_bytes=FILE_MAX_DECODED_BYTES)  # whole numbers 0..255
             out.append((hashlib.sha256(data).hexdigest(), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
-            out.append((None, _one_line(exc)))
+            out.append((None, one_line(exc)))
     x.flush()
     return out
 

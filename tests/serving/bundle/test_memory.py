@@ -166,7 +166,7 @@ def test_a_verified_load_leaves_the_heads_out_of_ram(tmp_path):
     cache, where each row read maps ~64 KiB around it): the loaded bundle's mappings must not keep
     that: a float32 server would otherwise hold its int8 and bf16 heads as well (measured: +0.75 of
     the head at D = 10^6)."""
-    from serving.bundle.quantize import add_heads
+    from serving.bundle.heads import add_heads
 
     path = build_synthetic_bundle(classes=40_000, dim=32, input_dim=4, seed=2, out=tmp_path / "q")
     add_heads(path, ("int8", "bf16"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from serving.bundle import output
-from serving.bundle.output import OutputRefused, check, clean_stale, commit, kind_of, lock, staged
+from serving.bundle.output import OutputRefused, check, clean_stale, kind_of, lock, staged
 
 ROOT = Path(__file__).resolve().parents[3]
 

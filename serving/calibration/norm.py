@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.calibrate import (NORM_K, Chunks, PooledThreshold, _check_target, _chunk_positive, _each_chunk,
-                               _true_logits)
+from serving.calibration.chunks import Chunks, chunk_positive, each_chunk, true_logits
+from serving.calibration.counts import PooledThreshold, check_target
+from serving.calibration.defaults import NORM_K
 
 SEED = 0
 MIN_SD = 1e-6  # a column whose top negatives are all equal keeps a finite scale
@@ -59,8 +60,8 @@ def _stats_pass(chunks: Chunks, y: np.ndarray, num_classes: int, row_sets: list[
     the highest score per column: one pass."""
     n = len(y)
     full, parts, low, high = [], [[] for _ in row_sets], [], []
-    for first, z in _each_chunk(chunks, y, num_classes, bar):
-        positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
+    for first, z in each_chunk(chunks, y, num_classes, bar):
+        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
         full.append(top_stats(z, positive, k))
         for part, rows in zip(parts, row_sets):
             part.append(top_stats(z[rows], positive[rows], _half_k(k, len(rows), n))[:2])
@@ -78,7 +79,7 @@ def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row
     for rows, (mu, sd) in zip(row_sets, other):
         yr = y[rows]
         pooled.append(PooledThreshold((true[rows] - mu[yr]) / sd[yr]))  # [n_h] standardised own logits
-    for first, z in _each_chunk(chunks, y, num_classes, bar):
+    for first, z in each_chunk(chunks, y, num_classes, bar):
         cols = slice(first, first + z.shape[1])
         for p, rows, (mu, sd) in zip(pooled, row_sets, other):
             p.add((z[rows] - mu[cols]) / sd[cols])  # [n_h, c]
@@ -93,7 +94,7 @@ def cross_choices(cross: list[Chunks], y: np.ndarray, num_classes: int, parts: l
     out = []
     for h, chunks in enumerate(cross):
         _, (other,), _, _ = _stats_pass(chunks, y, num_classes, [parts[1 - h]], k, bar)
-        true = _true_logits(chunks, y, num_classes, bar)
+        true = true_logits(chunks, y, num_classes, bar)
         out += _taus(chunks, y, num_classes, true, [parts[h]], [other], target, bar)
     return out
 
@@ -104,14 +105,14 @@ def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dic
     logits, the column statistics, the cross-fitted tau). A class with no positive never matches (as
     everywhere); one with under 2 negatives matches above its highest negative, or from its lowest
     positive if it has none. `cross`: per half, the logits its tau is chosen on, where they are not
-    `chunks` (trainer/row_adapt.py: each half judged by a head the other half adapted); `record`, if
+    `chunks` (adapt.py: each half judged by a head the other half adapted); `record`, if
     given, receives each half's choice."""
-    _check_target(target)
+    check_target(target)
     y = np.asarray(y, dtype=np.int64)
     parts = halves(y)
     if min(len(rows) for rows in parts) == 0:
         raise ValueError("the norm rule needs at least 2 images")
-    true = _true_logits(chunks, y, num_classes, bar)
+    true = true_logits(chunks, y, num_classes, bar)
     (mu, sd, m), half_stats, low, high = _stats_pass(chunks, y, num_classes, parts, k, bar)
     if cross is None:
         choices = _taus(chunks, y, num_classes, true, parts, half_stats[::-1], target, bar)

@@ -1,6 +1,6 @@
-"""`slc calibrate BUNDLE --data imagefolder:DIR` (trainer/recalibrate.py, docs/calibration.md) on a
+"""`slc calibrate BUNDLE --data imagefolder:DIR` (serving/calibration/cli.py, docs/calibration.md) on a
 small model trained and exported from PNG glyphs, recalibrated on PNGs of other typefaces for 8 of
-its 10 classes. Checked against independent truth: the written thresholds equal trainer/calibrate.py
+its 10 classes. Checked against independent truth: the written thresholds equal serving/calibration/
 run directly on embeddings computed apart from the command (an onnxruntime session of our own:
 exactly; the run's torch module: within float tolerance), with the rule the cross-validation chose, the 2 classes without images keep their
 previous entries exactly, `slc verify` accepts the bundle and catches a tampered calibration, an
@@ -25,7 +25,7 @@ from serving.bundle.image import load_image_file
 from slc.cli import main
 from tests.trainer.test_imagefolder import render_folder
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SEEN = "ABCDEFGH"  # classes with recalibration images; I and J have none
 pytestmark = pytest.mark.integration  # trains, exports and serves a small model
 
@@ -120,14 +120,14 @@ def test_the_new_bundle_verifies_keeps_the_previous_calibration_and_tampering_is
 
 
 def test_the_thresholds_are_the_estimators_on_independently_computed_embeddings(trained, images, recalibrated):
-    """Truth 1: our own onnxruntime session on load_image_file arrays -> trainer.calibrate.calibrate:
+    """Truth 1: our own onnxruntime session on load_image_file arrays -> serving.calibration.calibrate:
     equal. Truth 2: the run's torch module -> the same estimator: equal within float tolerance.
     Classes I, J (no image): the previous entry, untouched."""
     import onnxruntime as ort
     import torch
 
     from serving.bundle import load_bundle
-    from trainer.calibrate import calibrate
+    from serving.calibration.estimator import calibrate
     from trainer.train import load_run
 
     run, source = trained
@@ -227,7 +227,7 @@ def test_with_split_folders_val_is_fitted_test_measured_train_left_out(trained, 
     cal = cal_of(tmp_path / "b")
     assert cal["examples"] == 3 * len(SEEN) and cal["test_examples"] == 2 * len(SEEN)
     # cv: the rule written is the one its record chose (the choice itself is checked against a brute-force
-    # cross-validation in tests/trainer/test_threshold_cv.py)
+    # cross-validation in tests/serving/calibration/test_choose.py)
     assert cal["method"]["name"] == cal["method_choice"]["chosen"] and len(cal["method_choice"]["candidates"]) == 5
     assert cal["recalibration"]["pooled"]["test"]["images"] == 2 * len(SEEN)
     assert "16 train-split images left out" in out and "on the test images" in out
@@ -293,7 +293,7 @@ def test_with_one_image_per_class_the_bundles_rule_is_kept_and_said(trained, tmp
     import onnxruntime as ort
 
     from serving.bundle import load_bundle
-    from trainer.calibrate import calibrate
+    from serving.calibration.estimator import calibrate
 
     folder = render(tmp_path / "one", per_class=1)
     out = tmp_path / "out"
@@ -324,7 +324,7 @@ def test_adapted_rows_are_written_with_the_graphs_that_read_them_and_served(trai
     from serving.bundle import load_bundle, ort_session, verify_bundle
     from serving.http.app import create_app
     from tests.serving.helpers import make_settings, wait_ready
-    from tests.trainer.test_row_adapt import reference_rows, reference_thresholds
+    from tests.serving.calibration.test_adapt import reference_rows, reference_thresholds
 
     source, out = trained[1], tmp_path / "adapted"
     main(["calibrate", str(source), "--data", f"imagefolder:{images}", "--out", str(out), "--adapt-rows",

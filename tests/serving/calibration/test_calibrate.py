@@ -6,8 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from trainer import calibrate as cal_mod
-from trainer.calibrate import calibrate, choose_thresholds, fit_platt
+from serving.calibration import counts, estimator as cal_mod, rules
+from serving.calibration.chunks import dense_chunks
+from serving.calibration.estimator import calibrate
+from serving.calibration.counts import choose_thresholds
+from serving.calibration.platt import fit_platt
 
 
 def brute_force(scores: np.ndarray, positive: np.ndarray, target: dict) -> tuple[float, float, float, bool]:
@@ -194,7 +197,7 @@ def dense_reference(logits, y, target, logits_t=None, y_t=None, method=None) -> 
     """calibrate() as it was before it streamed (commit 51b1760): one float64 [N, D] matrix, the pooled
     threshold by sorting all N·D pairs in one column. The independent truth for the chunked path."""
     kind, value = next(iter(target.items()))
-    method = cal_mod.check_method(method)
+    method = rules.check_method(method)
     logits = np.asarray(logits, dtype=np.float64)
     D = logits.shape[1]
     positive = y[:, None] == np.arange(D)[None, :]  # [N, D]
@@ -217,8 +220,8 @@ def dense_reference(logits, y, target, logits_t=None, y_t=None, method=None) -> 
                 "per_class_at_global": dense_rates(logits_t, pos_t, np.full(D, g)), "examples": len(y_t)}
     out = {"target": {kind: float(value)}, "method": method, "decision": "match = logit >= threshold",
            "probability": "sigmoid(a * logit + b)", "split": "calibration", "examples": len(y),
-           "global": cal_mod._global_entry(pooled, test), "per_class": cal_mod._per_class_entries(per, a, b, test),
-           "summary": cal_mod._summary(per, dense_rates(logits, positive, np.full(D, g)), test, kind, value)}
+           "global": cal_mod.global_entry(pooled, test), "per_class": cal_mod.per_class_entries(per, a, b, test),
+           "summary": cal_mod.summary(per, dense_rates(logits, positive, np.full(D, g)), test, kind, value)}
     if test is not None:
         out["test_examples"] = len(y_t)
     return out
@@ -277,7 +280,7 @@ def test_the_pooled_threshold_is_the_brute_force_one(target, seed):
     y = rng.integers(0, classes, n)
     logits = rng.integers(-3, 4, (n, classes)).astype(np.float64)  # few values: ties everywhere
     logits[np.arange(n), y] += rng.integers(0, 3, n)
-    pooled = cal_mod.PooledThreshold(logits[np.arange(n), y])
+    pooled = counts.PooledThreshold(logits[np.arange(n), y])
     for first in range(0, classes, 2):
         pooled.add(logits[:, first:first + 2])
     got = pooled.choose(target)
@@ -294,14 +297,14 @@ def test_counting_at_the_positives_equals_sorting_the_columns(seed, target, few,
     """class_thresholds (candidates = the positives' scores) against choose_thresholds (every
     distinct score), for classes with 0, 1, a few and many positives, ties everywhere."""
     if few is not None:
-        monkeypatch.setattr(cal_mod, "FEW_POSITIVES", few)
+        monkeypatch.setattr(counts, "FEW_POSITIVES", few)
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 120))
     y = rng.choice(8, n, p=[0.4, 0.2, 0.15, 0.1, 0.1, 0.04, 0.01, 0.0])  # class 7 never, 6 rarely
     scores = rng.integers(-4, 5, (n, 8)).astype(np.float64)
     scores[np.arange(n), y] += rng.integers(0, 4, n)
     positive = y[:, None] == np.arange(8)
-    got, want = cal_mod.class_thresholds(scores, positive, target), choose_thresholds(scores, positive, target)
+    got, want = counts.class_thresholds(scores, positive, target), choose_thresholds(scores, positive, target)
     for key in ("threshold", "precision", "recall", "reached", "positives"):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
@@ -310,7 +313,7 @@ def test_counting_at_the_positives_equals_sorting_the_columns(seed, target, few,
 def test_calibration_from_a_head_by_chunks_equals_the_dense_logits(chunk):
     """Export's route: embeddings [N, d] and a head W [D, d], b [D] (trainer.metrics.head_chunks).
     Small integers, so every logit is exact whatever the GEMM's summation order (and ties abound)."""
-    from trainer.metrics import head_chunks
+    from serving.calibration.chunks import head_chunks
 
     rng = np.random.default_rng(12)
     n, d, classes = 120, 5, 70
@@ -325,7 +328,7 @@ def test_calibration_from_a_head_by_chunks_equals_the_dense_logits(chunk):
 
 def test_chunks_that_do_not_cover_the_classes_in_order_are_refused():
     logits, y = tied_logits(np.random.default_rng(13))
-    whole = cal_mod.dense_chunks(logits, 5)
+    whole = dense_chunks(logits, 5)
     for chunks in (lambda: [c for c in whole()][::-1],  # out of order
                    lambda: list(whole())[:-1],  # one missing
                    lambda: [(f, z[:-1]) for f, z in whole()]):  # rows missing
@@ -339,7 +342,7 @@ def test_calibration_memory_grows_with_the_chunk_not_with_d():
     float64 [N, D] matrix (N·D = 1.6·10^7 values, 128 MB)."""
     import tracemalloc
 
-    from trainer.metrics import head_chunks
+    from serving.calibration.chunks import head_chunks
 
     rng = np.random.default_rng(14)
     n, d, classes = 2000, 8, 8000

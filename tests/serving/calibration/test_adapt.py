@@ -1,4 +1,4 @@
-"""Row adaptation (trainer/row_adapt.py) against independent truth: the moved rows from a per-class
+"""Row adaptation (serving/calibration/adapt.py) against independent truth: the moved rows from a per-class
 float64 loop, the cross-fitted thresholds from dense per-column statistics and the dense estimator,
 and on fresh draws of a known shift, the recall it buys at the precision it promises."""
 from __future__ import annotations
@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.trainer.test_threshold_norm import column_stats
-from trainer import row_adapt
-from trainer.calibrate import NORM_K, choose_thresholds, dense_chunks
-from trainer.threshold_norm import halves, norm_thresholds
+from tests.serving.calibration.test_norm import column_stats
+from serving.calibration import adapt as row_adapt
+from serving.calibration.chunks import dense_chunks
+from serving.calibration.counts import choose_thresholds
+from serving.calibration.defaults import NORM_K
+from serving.calibration.norm import halves, norm_thresholds
 
 P = 0.99
 

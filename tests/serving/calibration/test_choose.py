@@ -1,7 +1,7 @@
-"""The tail rule (trainer/calibrate.py tail_thresholds) and the cross-validated choice of a rule
-(trainer/threshold_cv.py), against independent truth: a per-column float64 loop over sorted
+"""The tail rule (serving/calibration/ tail_thresholds) and the cross-validated choice of a rule
+(serving/calibration/choose.py), against independent truth: a per-column float64 loop over sorted
 negatives, the precision the rule promises measured on fresh draws of a known distribution, and a
-brute-force cross-validation built on the dense estimator (trainer.calibrate.calibrate) and plain
+brute-force cross-validation built on the dense estimator (serving.calibration.calibrate) and plain
 counting."""
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from trainer import threshold_cv
-from trainer.calibrate import TAIL_K, calibrate, chunk_classes, dense_chunks, tail_thresholds
+from serving.calibration import choose as threshold_cv
+from serving.calibration.estimator import calibrate
+from serving.calibration.chunks import chunk_classes, dense_chunks
+from serving.calibration.defaults import TAIL_K
+from serving.calibration.rules import tail_thresholds
 
 P = 0.99
 
@@ -153,7 +156,7 @@ def test_with_one_image_to_fit_per_fold_cv_leaves_norm_out_and_still_chooses():
 def test_slc_calibrate_options_default_to_norm_and_refuse_what_cannot_work():
     import click
 
-    from trainer.recalibrate import resolve_options
+    from serving.calibration.recalibrate import resolve_options
 
     old = {"target": {"precision": 0.99}, "method": {"name": "global"}}
     assert resolve_options(old, None, None, None, None, False).method == {"name": "norm", "k": 100}

@@ -12,7 +12,7 @@ a step toward the class's own direction, in units of the row's length (so the st
 for every class), centred so that what all the images share (the face's style) moves no row. A
 class without an image keeps its row. The bias is kept.
 
-The thresholds are the norm rule's (trainer/threshold_norm.py), with tau cross-fitted through the
+The thresholds are the norm rule's (norm.py), with tau cross-fitted through the
 adaptation: each half of the images is standardised and scored under rows adapted on the *other*
 half, so no image judges a row it moved. beta is chosen the same way: the candidate whose halves
 recall the most at the target (ties: the smaller step). numpy only.
@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.calibrate import NORM_K, Chunks, chunk_classes
-from trainer.metrics import head_chunks
-from trainer.threshold_norm import cross_choices, halves, norm_thresholds
-
-BETAS = (0.25, 0.5, 1.0)
+from serving.calibration.chunks import Chunks, chunk_classes, head_chunks
+from serving.calibration.defaults import BETAS, NORM_K
+from serving.calibration.norm import cross_choices, halves, norm_thresholds
 
 
 class AdaptedRows:

@@ -1,4 +1,4 @@
-"""The norm rule (trainer/threshold_norm.py) against independent truth: a per-column float64 loop
+"""The norm rule (serving/calibration/norm.py) against independent truth: a per-column float64 loop
 over sorted negatives with the dense estimator choosing tau on the pooled column, and the precision
 the rule promises measured on fresh draws of a known distribution."""
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer.calibrate import NORM_K, calibrate, choose_thresholds, dense_chunks
-from trainer.threshold_norm import halves, norm_thresholds
+from serving.calibration.estimator import calibrate
+from serving.calibration.chunks import dense_chunks
+from serving.calibration.counts import choose_thresholds
+from serving.calibration.defaults import NORM_K
+from serving.calibration.norm import halves, norm_thresholds
 
 P = 0.99
 

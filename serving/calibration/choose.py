@@ -20,11 +20,11 @@ from typing import Callable
 
 import numpy as np
 
-from trainer.calibrate import (Chunks, PooledThreshold, _check_target, _chunk_positive, _counts_at, _each_chunk,
-                               _method_thresholds, _per_class_pass, _true_logits, check_method)
-
-CANDIDATES = ({"name": "global"}, {"name": "tail"}, {"name": "norm"}, {"name": "shrink", "kappa": 4.0},
-              {"name": "per_class"})
+from serving.calibration.estimator import per_class_pass
+from serving.calibration.chunks import Chunks, chunk_positive, each_chunk, true_logits
+from serving.calibration.counts import PooledThreshold, check_target, counts_at
+from serving.calibration.defaults import CV_CANDIDATES as CANDIDATES
+from serving.calibration.rules import RULES, Fit, check_method
 FOLDS = 2
 SEED = 0
 
@@ -42,23 +42,19 @@ def folds(y: np.ndarray, seed: int = SEED) -> np.ndarray:
 
 def fit_rules(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, methods, bar=None) -> list[np.ndarray]:
     """Each method's thresholds [D] fitted on (chunks, y): two passes (three more for norm), no Platt fits."""
-    pooled = PooledThreshold(_true_logits(chunks, y, num_classes, bar))
-    tail = any(m["name"] == "tail" for m in methods)
-    per, _, _ = _per_class_pass(chunks, y, num_classes, target, pooled, bar, tail=tail, platt=False)
-    if any(m["name"] == "norm" for m in methods):
-        from trainer.threshold_norm import norm_thresholds
-        per["norm"] = norm_thresholds(chunks, y, num_classes, target, bar)
-    g = float(pooled.choose(target)["threshold"][0])
-    return [_method_thresholds(per, g, m) for m in methods]
+    pooled = PooledThreshold(true_logits(chunks, y, num_classes, bar))
+    per, _, _ = per_class_pass(chunks, y, num_classes, target, pooled, bar, methods=tuple(methods), platt=False)
+    fit = Fit(per, float(pooled.choose(target)["threshold"][0]), chunks, y, num_classes, target, bar)
+    return [RULES[m["name"]].thresholds(fit, m) for m in methods]
 
 
 def counts(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: list[np.ndarray], bar=None) -> list[tuple]:
     """(true matches, matches, positives) [D] per class at each set of thresholds, in one pass."""
     parts: list[list] = [[] for _ in thresholds]
-    for first, z in _each_chunk(chunks, y, num_classes, bar):
-        positive = _chunk_positive(y, first, z.shape[1])  # [N, c]
+    for first, z in each_chunk(chunks, y, num_classes, bar):
+        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
         for part, t in zip(parts, thresholds):
-            part.append(_counts_at(z, positive, t[first:first + z.shape[1]]))
+            part.append(counts_at(z, positive, t[first:first + z.shape[1]]))
     return [tuple(map(np.concatenate, zip(*part))) for part in parts]
 
 
@@ -75,7 +71,7 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
 
 
 def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates, seed: int, bar) -> tuple[dict, dict]:
-    kind, value = _check_target(target)
+    kind, value = check_target(target)
     fold = folds(y, seed)
     few = min(int((fold != f).sum()) for f in range(FOLDS)) < 2  # a fold fitted on one image: norm cannot be
     methods = [check_method(m) for m in candidates

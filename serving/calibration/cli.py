@@ -1,0 +1,188 @@
+"""`slc calibrate`: the command (what it does: recalibrate.py). numpy, onnxruntime and Pillow only."""
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir
+from serving.calibration.recalibrate import (CV, DEFAULT_RULE, KEPT_RULE, Images, Options, adapt_rows, embed_files,
+                                              fit, head_rows, list_images, open_source, per_image_counts, pooled,
+                                              resolve_options)
+from serving.calibration.rules import METHODS
+
+
+# ------------------------------------------------------------------------------ the command
+def _data(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from serving.bundle.imagefolder import check_name, is_image_dataset
+
+    if not is_image_dataset(value):
+        raise click.BadParameter(f"expected imagefolder:DIR or csv:FILE, got {value!r}", ctx, param)
+    try:
+        check_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
+def _output(bundle: Path, out: Path | None, in_place: bool, overwrite: bool) -> Path:
+    """Where to write: --out, or BUNDLE itself (its symlinks followed) with --in-place; one line for anything else."""
+    from serving.bundle.recalibration import RecalibrationError, check_out
+
+    if out is None and not in_place:
+        raise click.UsageError("give --out NEW_BUNDLE, or --in-place to replace BUNDLE")
+    if out is not None and in_place:
+        raise click.UsageError("give --out or --in-place, not both")
+    try:
+        return check_out(bundle, bundle if in_place else out, in_place, overwrite)
+    except RecalibrationError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _claimed(params: dict) -> Path | None:
+    """The folder `slc calibrate` writes, for its guard (the usage lines come first, from _output)."""
+    out, bundle = params.get("out"), params.get("bundle")
+    if params.get("in_place") and out is None:
+        return bundle
+    if params.get("in_place") or out is None or Path(out).resolve() == Path(bundle).resolve():
+        return None  # _output's line says what to do
+    return out
+
+
+def _embed_all(bundle: Path, spec: dict, images: Images, y_fit: np.ndarray, y_test: np.ndarray,
+               skip_bad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Embeddings and labels of the decodable fit and test files."""
+    h, kept = embed_files(bundle, spec, images.root, images.fit, skip_bad, f"embedding {len(images.fit):,} images")
+    if len(kept) == 0:
+        raise click.ClickException("no image decodes: nothing to fit thresholds on")
+    if not images.test:
+        return h, y_fit[kept], None, None
+    h_test, kept_test = embed_files(bundle, spec, images.root, images.test, skip_bad,
+                                    f"embedding {len(images.test):,} test images")
+    return h, y_fit[kept], h_test, y_test[kept_test]
+
+
+def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshold: np.ndarray, weight=None) -> dict:
+    """Pooled precision and recall with intervals at the new thresholds (and rows, when adapted): on
+    the fit images, and on the test images when there are some."""
+    bundle_weight, bias = head_rows(bundle)
+    weight = bundle_weight if weight is None else weight
+    report = {"fit": pooled(*per_image_counts(h, y, weight, bias, threshold))}
+    if y_test is not None and len(y_test):
+        report["test"] = pooled(*per_image_counts(h_test, y_test, weight, bias, threshold))
+    return report
+
+
+def _line(what: str, r: dict) -> str:
+    (pl, ph), (rl, rh) = r["precision_interval"], r["recall_interval"]
+    return (f"{what}: precision {r['precision']:.3f} [{pl:.3f}, {ph:.3f}], recall {r['recall']:.3f} "
+            f"[{rl:.3f}, {rh:.3f}] ({r['images']:,} images, {r['matches']:,} matches; {r['interval']})")
+
+
+@click.command("calibrate")
+@click.argument("bundle", type=click.Path(path_type=Path), callback=bundle_dir)
+@click.option("--data", required=True, callback=_data,
+              help="imagefolder:DIR or csv:FILE: labelled images whose folder names (label column) are class names "
+                   "of the bundle; with train/val/test splits, fitted on val, measured on test (docs/calibration.md)")
+@click.option("--out", type=click.Path(path_type=Path), callback=out_dir,
+              help="the recalibrated bundle to write: a new folder, or with --overwrite a bundle it replaces "
+              "(not BUNDLE itself)")
+@click.option("--in-place", is_flag=True, help="replace BUNDLE itself, in one atomic swap (a running server then "
+              "takes the new thresholds with POST /v1/admin/reload-calibration)")
+@click.option("--target-precision", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="[default: the bundle's target]")
+@click.option("--target-recall", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="a recall target instead of a precision one")
+@click.option("--threshold-method", type=click.Choice((CV,) + METHODS), default=DEFAULT_RULE, show_default=True,
+              help="norm: one threshold on logits standardised by each class's highest negatives; cv: the rule "
+              "(global, tail, norm, shrink, per_class) that recalls the most at the target in a 2-fold "
+              "cross-validation on the images")
+@click.option("--kappa", type=POSITIVE, help="shrink's pseudo-count [default: the bundle's, else 4]")
+@click.option("--skip-bad-images", is_flag=True, help="leave out files that cannot be read or decoded (one warning)")
+@click.option("--adapt-rows", is_flag=True, help="also move each class's head row toward its images (a new head: "
+              "restart servers on the bundle), then the norm rule's thresholds for the moved rows "
+              "(docs/calibration.md, \"Adapting the rows\")")
+@click.option("--adapt-step", type=POSITIVE, help="the step, in units of each row's length "
+              "[default: chosen among 0.25, 0.5, 1 by cross-fitting on the images]")
+@guarded("bundle", inputs=("bundle",), in_place="in_place", target=_claimed)
+def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_place: bool,
+              target_precision: float | None,
+              target_recall: float | None, threshold_method: str | None, kappa: float | None,
+              skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None) -> None:
+    """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
+    from serving.bundle.recalibration import PREVIOUS, RecalibrationError, write_recalibrated
+    from serving.bundle.imagefolder import absolute_name
+
+    t0 = time.perf_counter()
+    target = _output(bundle, out, in_place, overwrite)
+    manifest, old = open_source(bundle)
+    opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images,
+                           adapt_rows, adapt_step)
+    images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
+    if opts.method["name"] == "norm" and len(y_fit) < 2:
+        raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
+                               "--threshold-method (global, shrink, per_class)")
+    h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
+    rows, cross, adaptation = adapt_rows_of(bundle, h, y, opts)
+    try:
+        cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts, rows, cross)
+    except ValueError as exc:  # the estimator refusing these data (say, non-finite logits): one line
+        raise click.ClickException(f"{bundle}: {exc}") from None
+    report = _report(bundle, h, y, h_test, y_test, threshold, rows)
+    D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
+    note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": absolute_name(data),
+            "images": len(y), "test_images": 0 if y_test is None else len(y_test),
+            "classes_recalibrated": fitted, "classes_kept": D - fitted}
+    if adaptation is not None:
+        note["adapted_rows"] = adaptation
+    cal["recalibration"] = {**note, "kept_rule": KEPT_RULE, "pooled": report, "previous_calibration": PREVIOUS}
+    try:
+        write_recalibrated(bundle, cal, target, note, head=rows, in_place=in_place, overwrite=overwrite)
+    except RecalibrationError as exc:
+        raise click.ClickException(str(exc)) from None
+    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"))
+
+
+def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):
+    """(rows, cross-fitted logits, note) with --adapt-rows; (None, None, None) without."""
+    if opts.adapt is None:
+        return None, None, None
+    weight, bias = head_rows(bundle)
+    return adapt_rows(weight, bias, h, y, opts)
+
+
+def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
+             seconds: float, choice: dict | None = None) -> None:
+    import hashlib
+
+    sha = hashlib.sha256((target / "calibration.json").read_bytes()).hexdigest()
+    method = opts.method["name"] + (f" (kappa {opts.method['kappa']:g})" if "kappa" in opts.method else "")
+    (kind, value), = opts.target.items()
+    if images.left_out:
+        click.echo(f"{data}: {images.left_out:,} train-split images left out (the model has seen them)")
+    if note["classes_kept"]:
+        click.echo(f"{note['classes_kept']:,} of the bundle's classes have no image: their previous thresholds "
+                   "are kept (calibration.json marks them kept: true)")
+    click.echo(f"target {kind} {value:g}, method {method}, pooled over classes")
+    if choice is not None:
+        click.echo(f"method chosen by {choice['by']}" + (": " if choice["candidates"] else "") + "; ".join(
+            f"{r['method']} recall {r['mean_recall']:.3f} at precision {r['pooled_precision']:.3f}"
+            + ("" if r["acceptable"] else " (short of the target)") for r in choice["candidates"]))
+    click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"]))
+    if "test" in report:
+        click.echo(_line("on the test images (unseen by the choice)", report["test"]))
+    if "adapted_rows" in note:
+        a = note["adapted_rows"]
+        click.echo(f"rows of {a['classes']:,} classes moved toward their images, step {a['step']:g}"
+                   + ("" if isinstance(a["step_choice"], str) else " (chosen: " + "; ".join(
+                       f"{c['beta']:g} recalls {c['recall']:.3f}" for c in a["step_choice"]) + ", cross-fitted)"))
+    restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target.resolve() == bundle.resolve()
+               else f"slc serve {target}")
+    if "adapted_rows" in note and target.resolve() == bundle.resolve():
+        restart = "restart the servers on it (a new head: the reload route takes thresholds only)"
+    click.echo(f"recalibrated {note['classes_recalibrated']:,} classes, kept {note['classes_kept']:,}, "
+               f"{note['images'] + note['test_images']:,} images, {seconds:.1f} s -> {target} verified "
+               f"(calibration.json sha256 {sha}; previous in calibration.previous.json); next: {restart}")

@@ -1,0 +1,229 @@
+"""calibration.json from a head's logits: per-class and global thresholds by a rule (rules.py), Platt
+scaling (platt.py), and the rates they give, on the calibration split and, measured only, the test
+split (docs/bundle-format.md). Bounded memory: the logits are read class chunk by class chunk
+(chunks.py: [N, c] at a time, never [N, D]). numpy only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from serving.calibration.chunks import Chunks, chunk_classes, chunk_positive, dense_chunks, each_chunk, labels, true_logits
+from serving.calibration.counts import (KERNEL_VALUES, PooledThreshold, check_target, class_thresholds, counts_at,
+                                        rates)
+from serving.calibration.defaults import DEFAULT_TARGET
+from serving.calibration.platt import fit_platt
+from serving.calibration.rules import RULES, Fit, Rule, check_method
+
+
+def _f(x) -> float:
+    """A numpy number as a plain float, for JSON."""
+    return float(x)
+
+
+def per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, pooled: PooledThreshold,
+                   bar=None, methods: tuple = (), platt: bool = True) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Per-class thresholds (and those of the `methods` that read one column at a time, under their
+    names) and Platt fits (unless not) chunk by chunk (each needs its own column only); the pooled
+    counts on the way."""
+    columns = [m for m in methods if type(RULES[m["name"]]).column is not Rule.column]
+    parts, a, b = [], [], []
+    for first, z in each_chunk(chunks, y, num_classes, bar):
+        if not np.isfinite(z).all():
+            raise ValueError("calibration logits contain NaN or inf")
+        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
+        group = max(1, KERNEL_VALUES // len(y))
+        for g in range(0, z.shape[1], group):
+            part = class_thresholds(z[:, g:g + group], positive[:, g:g + group], target)
+            for m in columns:
+                part[m["name"]] = RULES[m["name"]].column(z[:, g:g + group], positive[:, g:g + group], target, m)
+            parts.append(part)
+            if platt:
+                a_g, b_g = fit_platt(z[:, g:g + group], positive[:, g:g + group])
+                a.append(a_g)
+                b.append(b_g)
+        pooled.add(z)
+    per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    return per, np.concatenate(a or [np.zeros(0)]), np.concatenate(b or [np.zeros(0)])
+
+
+def _counts_pass(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: np.ndarray, global_t: float,
+                 bar=None) -> tuple[tuple, tuple]:
+    """(true matches, matches, positives) [D] per class at `thresholds` [D] and at the global threshold."""
+    at_t, at_g = [], []
+    for first, z in each_chunk(chunks, y, num_classes, bar):
+        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
+        at_t.append(counts_at(z, positive, thresholds[first:first + z.shape[1]]))
+        at_g.append(counts_at(z, positive, np.full(z.shape[1], global_t)))
+    return tuple(map(np.concatenate, zip(*at_t))), tuple(map(np.concatenate, zip(*at_g)))
+
+
+def measured_rates(chunks: Chunks, y_test, num_classes: int, per_thresholds: np.ndarray, global_t: float,
+                bar=None) -> dict:
+    """Rates on the test split at the thresholds chosen on the calibration split (measured only)."""
+    y_test = np.asarray(y_test, dtype=np.int64)  # [N']
+    at_t, at_g = _counts_pass(chunks, y_test, num_classes, per_thresholds, global_t, bar)
+    return {
+        "per_class": rates(*at_t),
+        "global": rates(*(np.array([c.sum()]) for c in at_g)),  # the pooled pairs: sums over classes
+        "per_class_at_global": rates(*at_g),
+        "examples": int(len(y_test)),
+    }
+
+
+def per_class_entries(per: dict, a: np.ndarray, b: np.ndarray, test: dict | None) -> list[dict]:
+    entries = []
+    for j in range(len(per["threshold"])):
+        entry = {
+            "class_id": j,
+            "threshold": _f(per["threshold"][j]),
+            "precision": _f(per["precision"][j]),
+            "recall": _f(per["recall"][j]),
+            "reached": bool(per["reached"][j]),
+            "positives": int(per["positives"][j]),
+            "platt": {"a": _f(a[j]), "b": _f(b[j])},
+        }
+        if test is not None:
+            t = test["per_class"]
+            entry["test"] = {"precision": _f(t["precision"][j]), "recall": _f(t["recall"][j]),
+                             "positives": int(t["positives"][j])}
+        entries.append(entry)
+    return entries
+
+
+def global_entry(pooled: dict, test: dict | None) -> dict:
+    entry = {
+        "threshold": float(pooled["threshold"][0]),
+        "precision": _f(pooled["precision"][0]),
+        "recall": _f(pooled["recall"][0]),
+        "reached": bool(pooled["reached"][0]),
+    }
+    if test is not None:
+        entry["test"] = {"precision": _f(test["global"]["precision"][0]), "recall": _f(test["global"]["recall"][0])}
+    return entry
+
+
+def summary(per: dict, per_at_global: dict, test: dict | None, kind: str, value: float) -> dict:
+    """Means over classes, and how one global threshold compares with D per-class ones."""
+    summary = {
+        "classes": len(per["threshold"]),
+        "classes_reached": int(per["reached"].sum()),
+        "per_class_mean_precision": _f(per["precision"].mean()),
+        "per_class_mean_recall": _f(per["recall"].mean()),
+        "global_threshold_per_class_mean_precision": _f(per_at_global["precision"].mean()),
+        "global_threshold_per_class_mean_recall": _f(per_at_global["recall"].mean()),
+    }
+    if test is not None:
+        achieved = test["per_class"][kind]
+        summary["test"] = {
+            # how far the calibrated thresholds fall short of the target on unseen data
+            f"mean_{kind}_shortfall": _f(np.maximum(0.0, value - achieved).mean()),
+            "classes_reaching_target": int((achieved >= value - 1e-12).sum()),
+            "per_class_mean_precision": _f(test["per_class"]["precision"].mean()),
+            "per_class_mean_recall": _f(test["per_class"]["recall"].mean()),
+            "global_precision": _f(test["global"]["precision"][0]),
+            "global_recall": _f(test["global"]["recall"][0]),
+            "global_threshold_per_class_mean_precision": _f(test["per_class_at_global"]["precision"].mean()),
+            "global_threshold_per_class_mean_recall": _f(test["per_class_at_global"]["recall"].mean()),
+            f"global_threshold_mean_{kind}_shortfall": _f(np.maximum(0.0, value - test["per_class_at_global"][kind]).mean()),
+        }
+    return summary
+
+
+def _with_method(per: dict, method: dict, threshold: np.ndarray, figures: dict, kind: str, value: float) -> dict:
+    """The per-class entries of `method`: its thresholds and their calibration rates (per_class: as chosen)."""
+    if method["name"] == "per_class":
+        return per
+    return {**per, "threshold": threshold, "precision": figures["precision"], "recall": figures["recall"],
+            "reached": (figures[kind] >= value - 1e-12) & (per["positives"] > 0)}
+
+
+def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: dict | None = None,
+                     test: Chunks | None = None, y_test: np.ndarray | None = None, method: dict | None = None,
+                     progress: bool = False, cross: list[Chunks] | None = None) -> dict:
+    """calibration.json content from logits in class chunks (`Chunks`): [N, c] at a time, never [N, D].
+
+    Three passes over `cal` (the true logits; thresholds, Platt and the pooled counts; the rates at
+    the method's thresholds, which need the global one), three more for the norm rule (norm.py;
+    eight with `cross`, the logits each half's tau is chosen on when a head was adapted on the other
+    half: adapt.py), and one over `test`, which is only measured. Equal to the dense computation.
+    """
+    from tqdm.auto import tqdm
+
+    target = dict(target or DEFAULT_TARGET)
+    kind, value = check_target(target)
+    method = check_method(method)
+    rule = RULES[method["name"]]
+    if rule.precision_only and kind != "precision":
+        raise ValueError(f"the {rule.name} rule needs a precision target (--target-precision)")
+    y_cal = labels(y_cal, num_classes)
+    if cross is not None and rule.name != "norm":
+        raise ValueError("cross-fitted logits go with the norm rule")
+    passes = 3 + (rule.extra_passes if cross is None else 8 * bool(rule.extra_passes)) + (test is not None)
+    with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
+              disable=None if progress else True) as bar:
+        pooled = PooledThreshold(true_logits(cal, y_cal, num_classes, bar))
+        per, a, b = per_class_pass(cal, y_cal, num_classes, target, pooled, bar, methods=(method,))
+        pooled_cut = pooled.choose(target)
+        global_t = float(pooled_cut["threshold"][0])
+        threshold = rule.thresholds(Fit(per, global_t, cal, y_cal, num_classes, target, bar, cross), method)
+        at_t, at_g = _counts_pass(cal, y_cal, num_classes, threshold, global_t, bar)
+        per = _with_method(per, method, threshold, rates(*at_t), kind, value)
+        rates_test = None if test is None else measured_rates(test, y_test, num_classes, per["threshold"], global_t, bar)
+    out = {
+        "target": {kind: value},
+        "method": method,
+        "decision": "match = logit >= threshold",
+        "probability": "sigmoid(a * logit + b)",
+        "split": "calibration",
+        "examples": int(len(y_cal)),
+        "global": global_entry(pooled_cut, rates_test),
+        "per_class": per_class_entries(per, a, b, rates_test),
+        # the global threshold read per class: how much does one number lose against D numbers?
+        "summary": summary(per, rates(*at_g), rates_test, kind, value),
+    }
+    if rates_test is not None:
+        out["test_examples"] = rates_test["examples"]
+    _assert_finite(out)
+    return out
+
+
+def calibrate(
+    logits_cal: np.ndarray,
+    y_cal: np.ndarray,
+    target: dict | None = None,
+    logits_test: np.ndarray | None = None,
+    y_test: np.ndarray | None = None,
+    method: dict | None = None,
+    chunk: int | None = None,
+) -> dict:
+    """calibration.json content: global and per-class thresholds, Platt (a, b), and the rates.
+
+    logits_cal [N, D], y_cal [N]; the test split (if given) is only measured, never used to choose.
+    `method` says how the per-class thresholds are chosen (rules.METHODS; default: the defaults table's
+    rule for a head trained without the PoLS).
+    calibrate_chunks over `chunk` columns at a time (default: chunk_classes), so the float64 work
+    arrays stay [N, chunk] whatever D.
+    """
+    logits_cal = np.asarray(logits_cal)
+    if logits_cal.ndim != 2:
+        raise ValueError(f"logits_cal must be [N, D], got shape {logits_cal.shape}")
+    n, num_classes = logits_cal.shape
+    if np.shape(y_cal) != (n,):
+        raise ValueError(f"y_cal must have shape ({n},), got {np.shape(y_cal)}")
+    chunk = chunk or chunk_classes(n, num_classes)
+    test = None if logits_test is None else dense_chunks(np.asarray(logits_test), chunk)
+    return calibrate_chunks(dense_chunks(logits_cal, chunk), y_cal, num_classes, target, test, y_test, method)
+
+
+def _assert_finite(obj, where: str = "calibration") -> None:
+    """calibration.json must be strict JSON: no NaN or inf anywhere."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _assert_finite(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _assert_finite(v, f"{where}[{i}]")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"non-finite value at {where}: {obj}")

@@ -32,8 +32,8 @@ from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
 from serving.core.enrollment import check_name
-from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
-from serving.gallery import GalleryUnavailable, StorageFull
+from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError, StoreDown
+from serving.gallery import GalleryUnavailable, StorageFull, StoreUnavailable
 from serving.gallery.executor import GalleryExecutor
 
 log = logging.getLogger(__name__)
@@ -462,6 +462,8 @@ class Engine:
             return await self.gallery_pool.run(fn, *args)
         except StorageFull as exc:
             raise InsufficientStorage(f"{exc}; {nothing}, retry once space is freed") from None
+        except StoreUnavailable as exc:
+            raise StoreDown(f"{exc}; {nothing}; reads still answer, retry later") from None
         except GalleryUnavailable as exc:
             raise GalleryDown(f"{exc}; retry") from None
 

@@ -371,8 +371,9 @@ def open_for_bundle(url: Optional[str], data_dir: Path, bundle,
 
     model = ModelRecord.of_bundle(bundle, seen=time.time())
     store = open_enrolled_store(url, data_dir, model.key, max_bytes)
-    try:
-        adopted = store.register(model, [bundle.digest, *previous_digests(Path(bundle.path), bundle.digest)])
+    try:  # the previous digest is rebuilt only when some key may be an older slc's (a large manifest costs seconds)
+        legacy = [bundle.digest, *previous_digests(Path(bundle.path), bundle.digest)] if store.unrecorded() else []
+        adopted = store.register(model, legacy)
     except (StoreUnavailable, StorageFull) as exc:
         log.warning("enrolled classes: the store refuses writes (%s); the model is not recorded and classes kept "
                     "under an older key are not re-keyed this time", _first_line(exc))

@@ -137,6 +137,12 @@ class ModelTables:
             db.execute(self._sql(f"DELETE FROM {table} WHERE digest = ?"), (legacy,))
         return done
 
+    def unrecorded(self) -> list[str]:
+        """Keys holding classes that no model recorded: an older slc's manifest digests (what register may adopt)."""
+        rows = self._read(self._sql("""SELECT digest FROM enrolled_state WHERE digest != ? AND live > 0
+                                       AND digest NOT IN (SELECT model_key FROM enrolled_models)"""), (self.key,))
+        return [str(r[0]) for r in rows]
+
     def models(self) -> dict[str, ModelRecord]:
         """Every model that opened the store, by key."""
         rows = self._read(self._sql(f"SELECT {_MODEL_COLUMNS} FROM enrolled_models"), ())

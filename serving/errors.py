@@ -112,5 +112,16 @@ class GalleryDown(SlcError):
         super().__init__(message, retry_after=1)
 
 
+class StoreDown(SlcError):
+    """The store refuses writes for now (read-only, locked past its timeout, an I/O error): nothing was
+    written; reads still answer; retry after `retry_after` seconds."""
+
+    kind, code = Kind.UNAVAILABLE, "store_unavailable"
+    RETRY_AFTER_S = 5
+
+    def __init__(self, message: str):
+        super().__init__(message, retry_after=self.RETRY_AFTER_S)
+
+
 class DeadlineExceeded(SlcError):
     kind, code = Kind.DEADLINE, "deadline_exceeded"

@@ -103,23 +103,24 @@ def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
     from serving.bundle.fold import FoldedClass, fold_bundle
     from serving.bundle.loader import load_bundle
     from serving.gallery import DB_NAME
-    from serving.gallery.enrolled import open_enrolled_store
+    from serving.gallery.enrolled import open_for_bundle
 
     is_url = source.startswith(("postgres://", "postgresql://"))
     if not is_url and not (Path(source) / DB_NAME).is_file():
         raise click.BadParameter(f"{source} holds no {DB_NAME} (give the server's --data-dir, or its "
                                  "postgresql:// gallery URL)", param_hint="--from")
     original = load_bundle(bundle_dir, verify=False)
-    digest, trained = original.digest, original.num_classes
-    store = open_enrolled_store(source if is_url else None, Path(source), digest)
+    trained = original.num_classes
+    # keyed by the model (backbone, head rows, names), as the server keeps them: a recalibration keeps them
+    store, model, _ = open_for_bundle(source if is_url else None, Path(source), original)
     try:
         records = [r for r in store.changes(0) if not r.deleted]
     finally:
         store.close()
     classes = [FoldedClass(r.name, r.slot, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples, r.rule)
-               for r in records]
+               for r in _servable(records, original)]
     if not classes:
-        raise click.ClickException(f"{source} holds no enrolled classes of {bundle_dir} (digest {digest[:12]}…); "
+        raise click.ClickException(f"{source} holds no enrolled classes of {bundle_dir} (model {model.key[:12]}…); "
                                    "nothing to fold")
     try:
         fold_bundle(bundle_dir, classes, out, overwrite=overwrite)
@@ -127,3 +128,24 @@ def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(f"bundle {out}: {len(classes)} enrolled classes folded into {bundle_dir}'s head as ids "
                f"{trained}..{trained + len(classes) - 1}  -> slc verify {out}; slc serve {out}")
+
+
+def _servable(records: list, bundle) -> list:
+    """The records a server would serve; the others named on stderr (serving/core/enrolled.py unservable)."""
+    from serving.core.enrolled import unservable
+
+    def trained(name: str) -> bool:
+        try:
+            bundle.class_id(name)
+            return True
+        except KeyError:
+            return False
+
+    kept = []
+    for r in records:
+        why = unservable(r, bundle.embed_dim, trained)
+        if why is None:
+            kept.append(r)
+        else:
+            click.echo(f"enrolled class {r.name!r} (slot {r.slot}) is not folded: {why}", err=True)
+    return kept

@@ -29,6 +29,7 @@ GRAPH_IO = {  # kind -> (input names, output names)
     "single": (["input", "class_id"], ["logit"]),
 }
 CHUNK = 1 << 20
+MODEL_FILES = ("backbone.onnx", "head_weight.npy", "head_bias.npy")  # what a model key hashes (model_key)
 
 
 class BundleError(Exception):
@@ -50,6 +51,21 @@ def canonical_manifest_hash(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != SELF_HASH_KEY}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_key(manifest: dict, classes: Sequence[str] | None = None) -> str:
+    """What a row computed against this bundle depends on, as one sha256: the backbone (and its
+    external data), the trained rows and biases, the class names, read from the manifest's `files`.
+    Not calibration.json nor the manifest's own hash: a recalibration keeps the key, new head rows
+    or a new export change it (enrolled classes are kept under it: docs/api.md "Enroll a class")."""
+    files = manifest["files"]
+    backbone_data = (manifest.get("external_data") or {}).get("backbone.onnx") or []
+    h = hashlib.sha256(b"slc-model-key/1\n")
+    for name in (*MODEL_FILES, *sorted(backbone_data)):
+        h.update(f"{name}\0{files[name]['sha256']}\n".encode())
+    names = manifest["classes"] if classes is None else classes
+    h.update(orjson.dumps([str(c) for c in names]))
+    return h.hexdigest()
 
 
 def json_load(data: bytes) -> Any:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.bundle.calibration import calibration_limit, parse_calibration
+from serving.bundle.format import MANIFEST, SELF_HASH_KEY, canonical_manifest_hash, write_manifest
 from serving.bundle.output import OutputRefused, check, real_target, staged
-from serving.bundle.format import MANIFEST, SELF_HASH_KEY, write_manifest
 from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
 
 CALIBRATION = "calibration.json"
@@ -134,6 +134,37 @@ def _carry(source: Path, stage: Path, files: dict) -> dict[str, tuple[str, int]]
     carry(source / CALIBRATION, stage / PREVIOUS)
     known[PREVIOUS] = (str(files[CALIBRATION]["sha256"]), int(files[CALIBRATION]["bytes"]))
     return known
+
+
+def previous_digests(path: Path, expect: str | None = None) -> list[str]:
+    """The sha256 the folder's manifest.json may have had before its last recalibration, rebuilt as
+    write_recalibrated changed it: this manifest without `recalibration`, its calibration.json entry
+    that of calibration.previous.json, `calibration_target` that calibration's target (an export) or
+    absent (a synthetic bundle). Only a first recalibration of the same head can be rebuilt; [] else.
+    Why: enrolled classes an older slc stored under that digest belong to this model (docs/api.md).
+    `expect`: the sha256 the manifest must have (the one loaded), else [] (the folder changed since)."""
+    try:
+        data = (path / MANIFEST).read_bytes()
+        if expect is not None and hashlib.sha256(data).hexdigest() != expect:
+            return []
+        manifest = json.loads(data)
+        files = manifest.get("files") or {}
+        if "recalibration" not in manifest or PREVIOUS not in files:
+            return []
+        target = json.loads((path / PREVIOUS).read_bytes()).get("target")
+    except (OSError, ValueError, AttributeError):
+        return []
+    base = {k: v for k, v in manifest.items() if k not in ("recalibration", SELF_HASH_KEY)}
+    base["files"] = {k: (files[PREVIOUS] if k == CALIBRATION else v) for k, v in files.items() if k != PREVIOUS}
+    variants = [{k: v for k, v in base.items() if k != "calibration_target"}]
+    if "calibration_target" in base and target is not None:
+        variants.append({**base, "calibration_target": target})
+    digests = []
+    for m in variants:
+        m[SELF_HASH_KEY] = canonical_manifest_hash(m)
+        text = json.dumps(m, indent=1, allow_nan=False) + "\n"
+        digests.append(hashlib.sha256(text.encode()).hexdigest())
+    return digests
 
 
 # ------------------------------------------------------------------------------ reading back (the server)

@@ -33,8 +33,8 @@ from serving.core.compute import HeadPass
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
 from serving.bundle.names import refused_character, shown
 from serving.core.enrollment import check_name
-from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError
-from serving.gallery import GalleryUnavailable, StorageFull
+from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError, StoreDown
+from serving.gallery import GalleryUnavailable, StorageFull, StoreUnavailable
 from serving.gallery.executor import GalleryExecutor
 
 log = logging.getLogger(__name__)
@@ -429,16 +429,19 @@ class Engine:
                            code="trained_class")
         except KeyError:
             pass
-        cls = self.resolve_class(ref)  # 404 unknown_class
-        class_id = await self._gallery(self.enrolled.delete, cls.name, nothing="nothing was deleted")
-        if class_id is None:  # deleted meanwhile (another request, another replica)
-            raise NotFound(f"unknown class {ref!r}", code="unknown_class")
-        return class_id
+        # by the store, not this snapshot (another replica's may be newer): an id deletes exactly its slot
+        found = None if self.enrolled is None else await self._gallery(self.enrolled.delete, ref,
+                                                                         nothing="nothing was deleted")
+        if found is None:  # no such live class: never enrolled, retired, or deleted meanwhile
+            raise NotFound(f"unknown class {ref!r} (no live enrolled class has this name or id)", code="unknown_class")
+        return found
 
     async def enrolled_classes(self) -> dict:
+        """GET /v1/classes: the served ones, and what the store holds that is not served, and why."""
         snap = self.snapshot()
         return {"count": snap.n, "limit": self.settings.max_enrolled_classes,
-                "classes": [snap.describe(i) for i in range(snap.n)]}
+                "classes": [snap.describe(i) for i in range(snap.n)],
+                "not_served": self.enrolled.not_served() if self.enrolled is not None else []}
 
     def _enroll_rule(self) -> str:
         try:
@@ -466,6 +469,8 @@ class Engine:
             return await self.gallery_pool.run(fn, *args)
         except StorageFull as exc:
             raise InsufficientStorage(f"{exc}; {nothing}, retry once space is freed") from None
+        except StoreUnavailable as exc:
+            raise StoreDown(f"{exc}; {nothing}; reads still answer, retry later") from None
         except GalleryUnavailable as exc:
             raise GalleryDown(f"{exc}; retry") from None
 

@@ -13,10 +13,17 @@ deleted class rebuilds the buffers once.
 `EnrolledClasses` keeps the snapshot in step with the store (serving/gallery/enrolled.py): after
 each of its own writes (read-your-writes) and every `sync_s` seconds for the writes of other
 processes (a second replica on the same SQLite file or PostgreSQL), by the store's seq counter.
+
+Replicas (issue 48): a write answers from what it committed, never from a read-back another replica
+can race; a delete by id retires exactly that slot in the store, whatever this snapshot says; a
+stored row that cannot be served (unservable) is skipped and named at WARNING, never a refused
+start or a follower stuck on it.
 """
 from __future__ import annotations
 
 import logging
+import math
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +31,15 @@ from typing import Optional
 
 import numpy as np
 
-from serving.bundle.names import enrolled_class_problem, shown
-from serving.core import enrollment
+from serving.bundle.names import enrolled_class_problem
+from serving.core import enrollment, enrolled_report
 from serving.errors import InvalidInput
-from serving.gallery.enrolled import EnrolledRecord, EnrolledStore, LimitReached  # noqa: F401 (LimitReached: re-exported)
+from serving.gallery.enrolled import (EnrolledRecord, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
+                                      ModelRecord, Written)
 
 log = logging.getLogger(__name__)
+
+_ID = re.compile(r"-?[0-9]{1,18}")  # a reference that reads as a class id (enrolled names never do: check_name)
 
 
 class _Buffers:
@@ -122,9 +132,34 @@ class Enrolled:
     def describe(self, pos: int) -> dict:
         row, bias, threshold, pa, pb, examples = self.row(pos)
         info = self._buf.info[pos]
-        return {"class_id": int(self.num_trained + self.slots[pos]), "class_name": self.name(pos),
-                "threshold": threshold, "bias": bias, "norm": float(np.linalg.norm(row.astype(np.float64))),
-                "platt": {"a": pa, "b": pb}, "examples": examples, "rule": info["rule"], "created": info["created"]}
+        return _description(int(self.num_trained + self.slots[pos]), self.name(pos), row, bias, threshold, pa, pb,
+                            examples, info["rule"], info["created"])
+
+
+def _description(class_id: int, name: str, row: np.ndarray, bias: float, threshold: float, pa: float, pb: float,
+                 examples: int, rule: str, created: float) -> dict:
+    """A class as PUT and GET /v1/classes answer it (the bias as served: float32)."""
+    return {"class_id": class_id, "class_name": name, "threshold": float(threshold), "bias": float(np.float32(bias)),
+            "norm": float(np.linalg.norm(np.asarray(row, dtype=np.float32).astype(np.float64))),
+            "platt": {"a": float(pa), "b": float(pb)}, "examples": int(examples), "rule": rule, "created": created}
+
+
+def describe_record(num_trained: int, r: EnrolledRecord) -> dict:
+    return _description(num_trained + r.slot, r.name, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples,
+                        r.rule, r.created)
+
+
+def unservable(r: EnrolledRecord, d: int, trained) -> Optional[str]:
+    """Why a live stored row cannot be served (None: it can): a value the store could not give, a row
+    not of d finite values, a non-finite bias, threshold or Platt value, a name no route can address
+    or that `trained(name)` says a trained class has."""
+    if r.problem:
+        return r.problem
+    if r.row is None:
+        return f"its row has 0 values, not {d}"
+    if problem := enrolled_class_problem(r, d):  # the rule fold shares (serving/bundle/names.py)
+        return problem
+    return "its name is a trained class's" if trained(r.name) else None
 
 
 def empty_snapshot(num_trained: int, d: int) -> Enrolled:
@@ -142,10 +177,12 @@ def _snapshot(num_trained: int, d: int, live: dict[int, EnrolledRecord], seq: in
 class EnrolledClasses:
     """The snapshot, the store behind it, and the rule's borrowed statistics of the trained head."""
 
-    def __init__(self, store: EnrolledStore, bundle, settings):
+    def __init__(self, store: EnrolledStore, bundle, settings, model: Optional[ModelRecord] = None):
         self.store, self.bundle, self.settings = store, bundle, settings
         self.num_trained, self.embed_dim = int(bundle.num_classes), int(bundle.embed_dim)
+        self.model = model or ModelRecord.of_bundle(bundle)
         self._live: dict[int, EnrolledRecord] = {}  # slot -> record (the truth the snapshot is built from)
+        self.skipped: dict[int, tuple[str, str]] = {}  # slot -> (name, why): stored rows that cannot be served
         self.snapshot = empty_snapshot(self.num_trained, self.embed_dim)
         self._lock = threading.Lock()  # catch-ups and writes of this process, one at a time
         self._stats: Optional[enrollment.HeadStats] = None
@@ -154,6 +191,7 @@ class EnrolledClasses:
         self._stop = threading.Event()
         self._follower: Optional[threading.Thread] = None
         self.catch_up()
+        self.elsewhere = enrolled_report.groups(store, self.model, settings, self._is_trained)  # other keys', once
 
     # ------------------------------------------------------------------ keeping in step
     def catch_up(self) -> None:
@@ -161,21 +199,31 @@ class EnrolledClasses:
         with self._lock:
             records = self.store.changes(self.snapshot.seq)
             if records:
-                self._apply(records)
+                self._apply(records, max(r.seq for r in records))
 
-    def _apply(self, records: list[EnrolledRecord]) -> None:
-        """New slots appended to the shared buffers when that is all they are; otherwise a rebuild. Under the lock."""
+    def _apply(self, records: list[EnrolledRecord], seq: Optional[int] = None) -> None:
+        """Records as the store holds them now; the snapshot's seq advanced to `seq` (None: kept, for
+        this process's own write shown before a catch-up confirms it). New slots are appended to the
+        shared buffers when that is all they are; otherwise a rebuild. Under the lock."""
         old = self.snapshot
-        seq = max(old.seq, max(r.seq for r in records))
         last_slot = int(old.slots[-1]) if old.n else -1
-        fresh = [r for r in records if not r.deleted and r.slot not in self._live]
-        appends_only = (len(fresh) == len(records) and old.n == old._buf.used
-                        and all(r.slot > last_slot for r in fresh) and self._valid(fresh))
+        why = {r.slot: None if r.deleted else self._unservable(r) for r in records}
+        fresh = [r for r in records if not r.deleted and why[r.slot] is None and r.slot not in self._live]
+        appends_only = (len(fresh) == len(records) and old.n == old._buf.used and all(r.slot > last_slot for r in fresh))
+        skipped = dict(self.skipped)  # replaced whole: GET /v1/classes reads it without the lock
         for r in records:
-            if r.deleted:
+            skipped.pop(r.slot, None)
+            if r.deleted or why[r.slot] is not None:
                 self._live.pop(r.slot, None)
-            elif self._valid([r]):
+            else:
                 self._live[r.slot] = r
+            if why[r.slot] is not None:
+                skipped[r.slot] = (r.name, why[r.slot])
+                log.warning("enrolled class %r (id %d) is stored but not served: %s. Replace it (PUT /v1/classes/"
+                            "{name}) or delete it by id (DELETE /v1/classes/%d)", r.name, self.num_trained + r.slot,
+                            why[r.slot], self.num_trained + r.slot)
+        self.skipped = skipped
+        seq = old.seq if seq is None else max(old.seq, seq)
         if appends_only:
             for r in sorted(fresh, key=lambda r: r.slot):
                 old._buf.append(r)
@@ -183,15 +231,15 @@ class EnrolledClasses:
         else:
             self.snapshot = _snapshot(self.num_trained, self.embed_dim, self._live, seq)
 
-    def _valid(self, records: list[EnrolledRecord]) -> bool:
-        """Records this server can serve: rows of this bundle's width, names and numbers by the rule fold
-        shares (serving/bundle/names.py); anything else (a damaged row, an older writer) is ignored."""
-        for r in records:
-            if problem := enrolled_class_problem(r, self.embed_dim):
-                log.error("enrolled classes: the stored class %s (slot %d) is ignored: %s", shown(str(r.name)),
-                          r.slot, problem)
-                return False
-        return True
+    def _unservable(self, r: EnrolledRecord) -> Optional[str]:
+        return unservable(r, self.embed_dim, self._is_trained)
+
+    def _is_trained(self, name: str) -> bool:
+        try:
+            self.bundle.class_id(name)
+            return True
+        except KeyError:
+            return False
 
     def start_following(self) -> None:
         """Poll the store every sync_s seconds for other processes' writes (a daemon thread)."""
@@ -266,24 +314,67 @@ class EnrolledClasses:
 
     # ------------------------------------------------------------------ writes (blocking: the gallery's executor)
     def put(self, name: str, row: enrollment.ClassRow) -> tuple[dict, bool]:
-        """Store the class and answer from the snapshot that holds it: (its description, created)."""
+        """Store the class; (its description, created), from what was committed: never read back, since
+        another replica may have replaced or deleted it by then."""
+        values = (row.bias, row.threshold, row.platt_a, row.platt_b)
+        if not (np.isfinite(row.row).all() and all(math.isfinite(v) for v in values)):
+            raise InvalidInput("the class's row, bias, threshold or Platt values are not finite; nothing was written",
+                               code="non_finite_output")
+        rule = f"{self.rule()}+{row.threshold_rule}"
         with self._lock:
             written = self.store.put(name, row.row, row.bias, row.threshold, row.platt_a, row.platt_b, row.examples,
-                                     f"{self.rule()}+{row.threshold_rule}", self.settings.max_enrolled_classes)
-            self._apply(self.store.changes(self.snapshot.seq))
-            snap = self.snapshot
-        pos = snap.position_of_id(self.num_trained + written.slot)
-        return snap.describe(pos), written.created
+                                     rule, self.settings.max_enrolled_classes)
+            own = EnrolledRecord(slot=written.slot, name=name, row=np.asarray(row.row, dtype="<f4").astype(np.float32),
+                                 bias=float(row.bias), threshold=float(row.threshold), platt_a=float(row.platt_a),
+                                 platt_b=float(row.platt_b), examples=int(row.examples), rule=rule,
+                                 created=written.at, seq=written.seq, deleted=False)
+            self._settle(own)
+        return describe_record(self.num_trained, own), written.created
 
-    def delete(self, name: str) -> Optional[int]:
-        """Delete the class `name`: its id, or None when no such class is enrolled."""
+    def delete(self, ref: str) -> Optional[int]:
+        """Delete in the store the class `ref` names: an id (D + slot) exactly that slot, a name whatever
+        class is live under it now. Its id, or None when there is no such live class (retired, never
+        used, or deleted meanwhile by another request or replica)."""
         with self._lock:
-            slot = self.store.delete(name)
+            if _ID.fullmatch(ref):
+                slot = int(ref) - self.num_trained
+                written = self.store.delete_slot(slot) if slot >= 0 else None
+            else:
+                written = self.store.delete(ref)
+            if written is not None:
+                self._settle(_tombstone(written))
+        return None if written is None else self.num_trained + written.slot
+
+    def _settle(self, own: EnrolledRecord) -> None:
+        """After a committed write of this process (under the lock): catch up with the store, or, when
+        that read fails, show the write alone so that it is served at once; the follower confirms it."""
+        try:
             records = self.store.changes(self.snapshot.seq)
             if records:
-                self._apply(records)
-        return None if slot is None else self.num_trained + slot
+                self._apply(records, max(r.seq for r in records))
+            return
+        except Exception as exc:  # noqa: BLE001 - the write is committed: its answer must not become an error
+            log.warning("enrolled classes: a write committed (seq %d) but reading the store back failed (%s); "
+                        "the follower retries", own.seq, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        known = self._live.get(own.slot)
+        if own.seq > self.snapshot.seq and (known is None or known.seq < own.seq):
+            self._apply([own])
 
     def listing(self) -> list[dict]:
         snap = self.snapshot
         return [snap.describe(i) for i in range(snap.n)]
+
+    def not_served(self) -> list[dict]:
+        """GET /v1/classes `not_served`: the classes of other keys (enrolled_report) and the stored rows
+        of this model that cannot be served, each group with why and what to do."""
+        snap = self.snapshot
+        groups = [enrolled_report.mark_reenrolled(g, lambda n: snap.find(n) is not None) for g in self.elsewhere]
+        if skipped := self.skipped:
+            groups.append(enrolled_report.unservable_group(self.num_trained, skipped))
+        return groups
+
+
+def _tombstone(written: Written) -> EnrolledRecord:
+    """A deletion this process committed, as the record the store now holds."""
+    return EnrolledRecord(slot=written.slot, name="", row=None, bias=0.0, threshold=0.0, platt_a=0.0, platt_b=0.0,
+                          examples=0, rule="", created=written.at, seq=written.seq, deleted=True)

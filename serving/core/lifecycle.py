@@ -178,17 +178,19 @@ def index_kind(s: Settings, device: str) -> str | None:
 
 
 def _open_enrolled(s: Settings, bundle):
-    """The enrolled classes of this bundle's digest, replayed from the gallery's store."""
+    """The enrolled classes of this bundle's model, replayed from the gallery's store (classes an older
+    slc kept under this manifest's digest re-keyed first); what it holds and does not serve: WARNING."""
+    from serving.core import enrolled_report
     from serving.core.enrolled import EnrolledClasses
-    from serving.gallery.enrolled import open_enrolled_store
+    from serving.gallery.enrolled import open_for_bundle
 
-    store = open_enrolled_store(s.gallery_url, s.data_dir, bundle.digest, s.gallery_max_bytes)
-    enrolled = EnrolledClasses(store, bundle, s)
-    others = store.other_bundles()
-    if enrolled.snapshot.n or others:
-        log.info("enrolled classes: %d of this bundle served%s", enrolled.snapshot.n,
-                 f"; {others} of other bundles are not (serve their bundle, or fold them into it: slc bundle fold)"
-                 if others else "")
+    store, model, adopted = open_for_bundle(s.gallery_url, s.data_dir, bundle, s.gallery_max_bytes)
+    try:
+        enrolled = EnrolledClasses(store, bundle, s, model)
+    except BaseException:
+        store.close()
+        raise
+    enrolled_report.log_start(enrolled.snapshot.n, enrolled.elsewhere, adopted)
     return enrolled
 
 

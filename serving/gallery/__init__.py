@@ -9,10 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from serving.gallery.base import GalleryBase, GalleryRecord, GalleryUnavailable, StorageFull
+from serving.gallery.base import GalleryBase, GalleryRecord, GalleryUnavailable, StorageFull, StoreUnavailable
 from serving.gallery.sqlite import DB_NAME, Gallery
 
-__all__ = ["DB_NAME", "Gallery", "GalleryBase", "GalleryRecord", "GalleryUnavailable", "StorageFull", "open_gallery"]
+__all__ = ["DB_NAME", "Gallery", "GalleryBase", "GalleryRecord", "GalleryUnavailable", "StorageFull", "StoreUnavailable",
+           "open_gallery"]
 
 
 def open_gallery(url: Optional[str], data_dir: Path, bundle_digest: str, embed_dim: int, device: str = "auto",

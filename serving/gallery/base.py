@@ -32,6 +32,11 @@ class GalleryUnavailable(Exception):
     """The gallery's database cannot be reached (a shared PostgreSQL that is down)."""
 
 
+class StoreUnavailable(Exception):
+    """The store refuses writes for now (a read-only file or database, locked past its timeout, an
+    I/O error): nothing was written, reads go on, a later retry may succeed (503 store_unavailable)."""
+
+
 @dataclass
 class GalleryRecord:
     id: str

@@ -10,12 +10,21 @@ loses nothing. A reader keeps the last seq it applied and asks for `changes(sinc
 whose seq is newer, tombstones included, in one statement (one snapshot); the cheap `seq()` tells
 a poller whether there is anything to ask for.
 
-Rows belong to the digest of the bundle they were computed for: another bundle reads none of them
-(they stay in the store, served again when that bundle is).
+Rows are keyed by the model they were computed for (the `digest` column holds the bundle's model
+key, serving/bundle/format.py `model_key`: the backbone, the trained rows, the class names; not the
+calibration), so a recalibration keeps them and another model reads none of them (they stay in the
+store, served again when that model is). Each model that opened the store is recorded in
+`enrolled_models` (name, path, backbone, head) so a server can say whose classes it does not serve.
+Stores of an older slc keyed rows by the manifest's digest: serving/gallery/enrolled_models.py
+re-keys those it can tie to the model.
+
+A store that refuses writes (read-only, locked past the timeout, an I/O error) raises
+StoreUnavailable; a full one StorageFull; nothing is written either way.
 """
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -26,8 +35,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from serving.gallery.base import GalleryUnavailable, StorageFull
-from serving.gallery.sqlite import DB_NAME, _rollback
+from serving.gallery.base import GalleryUnavailable, StorageFull, StoreUnavailable
+from serving.gallery.enrolled_models import ModelRecord, ModelTables, models_schema
+from serving.gallery.sqlite import DB_NAME, _rollback, store_error
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +52,8 @@ class LimitReached(Exception):
 
 @dataclass
 class EnrolledRecord:
-    """One stored slot: a live class, or a tombstone (deleted, row None)."""
+    """One stored slot: a live class, or a tombstone (deleted, row None). `problem`: why the stored
+    values cannot be read as a class (a NULL or non-number column); the reader skips such a row."""
 
     slot: int
     name: str
@@ -56,22 +67,54 @@ class EnrolledRecord:
     created: float
     seq: int
     deleted: bool
+    problem: Optional[str] = None
 
 
 @dataclass
 class Written:
-    """What a put did: the class's slot, whether it was new, and the seq of the write."""
+    """What a write committed: the class's slot, whether it was new, the seq of the write, its time."""
 
     slot: int
     created: bool
     seq: int
+    at: float = 0.0
+
+
+def _number(value, what: str, problems: list[str]) -> float:
+    """A stored REAL as float; NaN and a note in `problems` when it is NULL (SQLite's NaN) or no number."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        problems.append(f"{what} is {value!r}")
+        return float("nan")
+
+
+def _record(r: tuple) -> EnrolledRecord:
+    """One row of _COLUMNS as a record, whatever its values: what cannot be read is named in `problem`."""
+    problems: list[str] = []
+    row = None
+    if r[2] is not None:
+        blob = bytes(r[2])
+        if len(blob) % 4:
+            problems.append(f"the row has {len(blob)} bytes, not float32 values")
+        else:
+            row = np.frombuffer(blob, dtype="<f4").astype(np.float32)
+    bias, threshold, pa, pb = (_number(r[i], k, problems) for i, k in
+                               ((3, "bias"), (4, "threshold"), (5, "platt_a"), (6, "platt_b")))
+    examples = _number(r[7], "examples", problems)
+    if math.isinf(examples):  # NaN is noted already
+        problems.append(f"examples is {examples}")
+    return EnrolledRecord(slot=int(r[0]), name=str(r[1]), row=row, bias=bias, threshold=threshold, platt_a=pa,
+                          platt_b=pb, examples=int(examples) if math.isfinite(examples) else 0, rule=str(r[8]),
+                          created=_number(r[9], "created", problems), seq=int(r[10]), deleted=bool(r[11]),
+                          problem="; ".join(problems) or None)
 
 
 def _schema(blob: str, real: str, integer: str) -> list[str]:
     return [
         f"""CREATE TABLE IF NOT EXISTS enrolled_classes (
-               digest TEXT NOT NULL,            -- bundle whose backbone and head the row belongs to
-               slot {integer} NOT NULL,          -- class id = D + slot; never reused within a digest
+               digest TEXT NOT NULL,            -- the model key (older stores: the bundle's manifest digest)
+               slot {integer} NOT NULL,          -- class id = D + slot; never reused within a key
                name TEXT NOT NULL,
                row {blob},                       -- float32 [d], little-endian; NULL once deleted
                bias {real}, threshold {real}, platt_a {real}, platt_b {real},
@@ -84,17 +127,22 @@ def _schema(blob: str, real: str, integer: str) -> list[str]:
         "CREATE INDEX IF NOT EXISTS enrolled_seq ON enrolled_classes(digest, seq)",
         f"""CREATE TABLE IF NOT EXISTS enrolled_state (
                digest TEXT PRIMARY KEY, next_slot {integer} NOT NULL, seq {integer} NOT NULL, live {integer} NOT NULL)""",
+        *models_schema(real, integer),
     ]
 
 
-class EnrolledStore:
+class EnrolledStore(ModelTables):
     """The statements, shared by both databases; subclasses open the connection and the transaction."""
 
     mark = "?"  # the driver's placeholder
 
-    def __init__(self, digest: str):
-        self.digest = str(digest)
+    def __init__(self, key: str):
+        self.key = str(key)  # the model key (module docstring); `digest` in the tables
         self._lock = threading.Lock()  # one connection, one statement at a time
+
+    @property
+    def digest(self) -> str:  # the name the tables and older callers use
+        return self.key
 
     def _sql(self, text: str) -> str:
         return text.replace("?", self.mark)
@@ -110,10 +158,10 @@ class EnrolledStore:
     def _state(self, db) -> tuple[int, int, int]:
         """(next_slot, seq, live) of this digest, inside a write transaction."""
         row = db.execute(self._sql("SELECT next_slot, seq, live FROM enrolled_state WHERE digest = ?"),
-                         (self.digest,)).fetchone()
+                         (self.key,)).fetchone()
         if row is None:
             db.execute(self._sql("INSERT INTO enrolled_state (digest, next_slot, seq, live) VALUES (?, 0, 0, 0)"),
-                       (self.digest,))
+                       (self.key,))
             return 0, 0, 0
         return int(row[0]), int(row[1]), int(row[2])
 
@@ -122,63 +170,69 @@ class EnrolledStore:
         """Create or replace the class `name` (a replaced class keeps its slot); durable once it returns.
         LimitReached when creating would pass `limit` live classes."""
         blob = np.asarray(row, dtype="<f4").tobytes()
-        values = (blob, float(bias), float(threshold), float(platt_a), float(platt_b), int(examples), rule, time.time())
+        now = time.time()
+        values = (blob, float(bias), float(threshold), float(platt_a), float(platt_b), int(examples), rule, now)
         with self._write() as db:
             next_slot, seq, live = self._state(db)
             found = db.execute(self._sql("SELECT slot FROM enrolled_classes WHERE digest = ? AND name = ? AND deleted = 0"),
-                               (self.digest, name)).fetchone()
+                               (self.key, name)).fetchone()
             seq += 1
             if found is not None:
                 slot = int(found[0])
                 db.execute(self._sql("""UPDATE enrolled_classes SET row = ?, bias = ?, threshold = ?, platt_a = ?,
                                         platt_b = ?, examples = ?, rule = ?, created = ?, seq = ?
-                                        WHERE digest = ? AND slot = ?"""), (*values, seq, self.digest, slot))
+                                        WHERE digest = ? AND slot = ?"""), (*values, seq, self.key, slot))
             else:
                 if live >= limit:
                     raise LimitReached(f"{live} enrolled classes already, the limit (SLC_MAX_ENROLLED_CLASSES) is {limit}")
                 slot, next_slot, live = next_slot, next_slot + 1, live + 1
                 db.execute(self._sql(f"""INSERT INTO enrolled_classes (digest, {_COLUMNS})
                                          VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"""),
-                           (self.digest, slot, name, *values, seq))
+                           (self.key, slot, name, *values, seq))
             db.execute(self._sql("UPDATE enrolled_state SET next_slot = ?, seq = ?, live = ? WHERE digest = ?"),
-                       (next_slot, seq, live, self.digest))
-        return Written(slot=slot, created=found is None, seq=seq)
+                       (next_slot, seq, live, self.key))
+        return Written(slot=slot, created=found is None, seq=seq, at=now)
 
-    def delete(self, name: str) -> Optional[int]:
-        """Delete the live class `name`: its slot (a tombstone now), or None when there is none."""
+    def delete(self, name: str) -> Optional[Written]:
+        """Delete the class live under `name` now: its slot (a tombstone now), or None when there is none."""
+        return self._retire("name = ?", name)
+
+    def delete_slot(self, slot: int) -> Optional[Written]:
+        """Delete exactly the class of `slot` (id D + slot), or None when that slot is retired or was
+        never used: never another class of the same name (a replica's snapshot may be behind)."""
+        return self._retire("slot = ?", int(slot))
+
+    def _retire(self, where: str, value) -> Optional[Written]:
         with self._write() as db:
-            found = db.execute(self._sql("SELECT slot FROM enrolled_classes WHERE digest = ? AND name = ? AND deleted = 0"),
-                               (self.digest, name)).fetchone()
+            found = db.execute(self._sql(f"SELECT slot FROM enrolled_classes WHERE digest = ? AND {where} AND deleted = 0"),
+                               (self.key, value)).fetchone()
             if found is None:
                 return None
             next_slot, seq, live = self._state(db)
             db.execute(self._sql("""UPDATE enrolled_classes SET deleted = 1, row = NULL, seq = ?
-                                    WHERE digest = ? AND slot = ?"""), (seq + 1, self.digest, int(found[0])))
+                                    WHERE digest = ? AND slot = ?"""), (seq + 1, self.key, int(found[0])))
             db.execute(self._sql("UPDATE enrolled_state SET seq = ?, live = ? WHERE digest = ?"),
-                       (seq + 1, live - 1, self.digest))
-        return int(found[0])
+                       (seq + 1, live - 1, self.key))
+        return Written(slot=int(found[0]), created=False, seq=seq + 1, at=time.time())
 
     # ------------------------------------------------------------------ reads
     def seq(self) -> int:
         """The seq of this digest's last write (0: none): what a poller compares with what it applied."""
-        rows = self._read(self._sql("SELECT seq FROM enrolled_state WHERE digest = ?"), (self.digest,))
+        rows = self._read(self._sql("SELECT seq FROM enrolled_state WHERE digest = ?"), (self.key,))
         return int(rows[0][0]) if rows else 0
 
     def other_bundles(self) -> int:
-        """Live classes stored for other bundle digests (not served by this one)."""
+        """Live classes stored for other models (not served by this one)."""
         rows = self._read(self._sql("SELECT COUNT(*) FROM enrolled_classes WHERE digest != ? AND deleted = 0"),
-                          (self.digest,))
+                          (self.key,))
         return int(rows[0][0])
 
     def changes(self, since: int = 0) -> list[EnrolledRecord]:
-        """Every slot written after seq `since` (tombstones included), in seq order."""
+        """Every slot written after seq `since` (tombstones included), in seq order; a row whose values
+        cannot be read comes with its `problem` (never an exception: one bad row must not stop a reader)."""
         rows = self._read(self._sql(f"SELECT {_COLUMNS} FROM enrolled_classes WHERE digest = ? AND seq > ? ORDER BY seq"),
-                          (self.digest, int(since)))
-        return [EnrolledRecord(slot=int(r[0]), name=str(r[1]),
-                               row=None if r[2] is None else np.frombuffer(bytes(r[2]), dtype="<f4").astype(np.float32),
-                               bias=float(r[3]), threshold=float(r[4]), platt_a=float(r[5]), platt_b=float(r[6]),
-                               examples=int(r[7]), rule=str(r[8]), created=float(r[9]), seq=int(r[10]),
-                               deleted=bool(r[11])) for r in rows]
+                          (self.key, int(since)))
+        return [_record(r) for r in rows]
 
     def close(self) -> None:
         raise NotImplementedError
@@ -187,8 +241,8 @@ class EnrolledStore:
 class SqliteEnrolledStore(EnrolledStore):
     """In the gallery's SQLite file (its own connection; WAL lets both work side by side)."""
 
-    def __init__(self, data_dir: Path, digest: str, max_bytes: Optional[int] = None):
-        super().__init__(digest)
+    def __init__(self, data_dir: Path, key: str, max_bytes: Optional[int] = None):
+        super().__init__(key)
         Path(data_dir).mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(Path(data_dir) / DB_NAME, isolation_level=None, check_same_thread=False, timeout=30.0)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -203,17 +257,22 @@ class SqliteEnrolledStore(EnrolledStore):
     @contextmanager
     def _write(self):
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")  # the writers' lock, across processes
             try:
+                self._db.execute("BEGIN IMMEDIATE")  # the writers' lock, across processes (may time out)
                 yield self._db
                 self._db.execute("COMMIT")
             except BaseException as exc:
-                _rollback(self._db, exc)  # StorageFull for a full disk or quota
+                _rollback(self._db, exc)  # StorageFull / StoreUnavailable for a full or refusing store
                 raise
 
     def _read(self, query: str, params: tuple) -> list[tuple]:
         with self._lock:
-            return self._db.execute(query, params).fetchall()
+            try:
+                return self._db.execute(query, params).fetchall()
+            except sqlite3.OperationalError as exc:
+                if (mapped := store_error(exc)) is not None:
+                    raise mapped from exc
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -225,8 +284,8 @@ class PostgresEnrolledStore(EnrolledStore):
 
     mark = "%s"
 
-    def __init__(self, url: str, digest: str):
-        super().__init__(digest)
+    def __init__(self, url: str, key: str):
+        super().__init__(key)
         try:
             import psycopg
         except ImportError:  # pragma: no cover - depends on the install
@@ -265,8 +324,17 @@ class PostgresEnrolledStore(EnrolledStore):
                     yield self._db
             except self._psycopg.errors.DiskFull as exc:
                 raise StorageFull(f"the gallery could not commit: {exc}") from exc
+            except self._refusals() as exc:
+                raise StoreUnavailable(f"the store does not accept writes now: {_first_line(exc)}") from exc
             except self._psycopg.OperationalError as exc:
-                raise GalleryUnavailable(f"the gallery database is unavailable: {str(exc).strip().splitlines()[0]}") from exc
+                raise GalleryUnavailable(f"the gallery database is unavailable: {_first_line(exc)}") from exc
+
+    def _refusals(self) -> tuple[type, ...]:
+        """PostgreSQL's "not now": a read-only transaction or server (a standby), a lock or statement
+        past its timeout, a deadlock."""
+        e = self._psycopg.errors
+        return (e.ReadOnlySqlTransaction, e.LockNotAvailable, e.QueryCanceled, e.DeadlockDetected,
+                e.SerializationFailure)
 
     def _read(self, query: str, params: tuple) -> list[tuple]:
         with self._lock:
@@ -274,7 +342,7 @@ class PostgresEnrolledStore(EnrolledStore):
             try:
                 return self._db.execute(query, params).fetchall()
             except self._psycopg.OperationalError as exc:
-                raise GalleryUnavailable(f"the gallery database is unavailable: {str(exc).strip().splitlines()[0]}") from exc
+                raise GalleryUnavailable(f"the gallery database is unavailable: {_first_line(exc)}") from exc
 
     def close(self) -> None:
         with self._lock:
@@ -282,9 +350,35 @@ class PostgresEnrolledStore(EnrolledStore):
                 self._db.close()
 
 
-def open_enrolled_store(url: Optional[str], data_dir: Path, digest: str,
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def open_enrolled_store(url: Optional[str], data_dir: Path, key: str,
                         max_bytes: Optional[int] = None) -> EnrolledStore:
     """PostgreSQL when `url` is given, else the SQLite file of the gallery under `data_dir`."""
     if url:
-        return PostgresEnrolledStore(url, digest)
-    return SqliteEnrolledStore(data_dir, digest, max_bytes)
+        return PostgresEnrolledStore(url, key)
+    return SqliteEnrolledStore(data_dir, key, max_bytes)
+
+
+def open_for_bundle(url: Optional[str], data_dir: Path, bundle,
+                    max_bytes: Optional[int] = None) -> tuple[EnrolledStore, ModelRecord, list]:
+    """The store keyed by the bundle's model, the model recorded, and the classes an older slc kept under
+    this manifest's digest, or the one before its last recalibration, re-keyed to it (ModelTables.register);
+    (store, model, what was re-keyed). A store that refuses the write still opens, for reading."""
+    from serving.bundle.recalibration import previous_digests
+
+    model = ModelRecord.of_bundle(bundle, seen=time.time())
+    store = open_enrolled_store(url, data_dir, model.key, max_bytes)
+    try:  # the previous digest is rebuilt only when some key may be an older slc's (a large manifest costs seconds)
+        legacy = [bundle.digest, *previous_digests(Path(bundle.path), bundle.digest)] if store.unrecorded() else []
+        adopted = store.register(model, legacy)
+    except (StoreUnavailable, StorageFull) as exc:
+        log.warning("enrolled classes: the store refuses writes (%s); the model is not recorded and classes kept "
+                    "under an older key are not re-keyed this time", _first_line(exc))
+        adopted = []
+    except BaseException:
+        store.close()
+        raise
+    return store, model, adopted

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from serving.gallery.base import GalleryBase, GalleryRecord, StorageFull
+from serving.gallery.base import GalleryBase, GalleryRecord, StorageFull, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +26,38 @@ _BATCH = 65_536
 _SQL_VARS = 500  # ids per "IN (...)" query, well under SQLite's variable limit
 
 
+# SQLite's primary result codes of a store that refuses writes for now, and their messages (an error
+# raised without a code, e.g. by a test, is known by its message)
+_NOT_NOW = {sqlite3.SQLITE_READONLY, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR,
+            sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM}
+_NOT_NOW_TEXT = ("readonly", "read-only", "locked", "disk i/o error", "unable to open", "busy")
+
+
+def store_error(exc: BaseException) -> Exception | None:
+    """StorageFull for a full disk or quota, StoreUnavailable for a store that refuses writes for now
+    (read-only, locked past the timeout, an I/O error); None for anything else (a bug: a 500)."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return None
+    code, text = getattr(exc, "sqlite_errorcode", None), str(exc).lower()
+    primary = None if code is None else code & 0xFF
+    if primary == sqlite3.SQLITE_FULL or "full" in text:
+        return StorageFull(f"the gallery could not commit: {exc}")
+    if primary in _NOT_NOW or any(t in text for t in _NOT_NOW_TEXT):
+        return StoreUnavailable(f"the store does not accept writes now: {exc}")
+    return None
+
+
 def _rollback(db: sqlite3.Connection, exc: BaseException) -> None:
     """Undo the open transaction without masking `exc`: after some errors (SQLITE_FULL among them)
-    SQLite has already rolled back, and a second ROLLBACK would raise an error of its own."""
+    SQLite has already rolled back, and a second ROLLBACK would raise an error of its own. A full or
+    refusing store raises its own exception (store_error)."""
     if db.in_transaction:
         try:
             db.execute("ROLLBACK")
         except sqlite3.Error as rollback_exc:  # pragma: no cover - logged, the first error is the news
             log.warning("rollback after %r failed: %s", exc, rollback_exc)
-    if isinstance(exc, sqlite3.OperationalError) and (
-            getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(exc).lower()):
-        raise StorageFull(f"the gallery could not commit: {exc}") from exc
+    if (mapped := store_error(exc)) is not None:
+        raise mapped from exc
 
 
 class Gallery(GalleryBase):
@@ -91,8 +112,8 @@ class Gallery(GalleryBase):
             self._check_open()
             now = time.time()
             nums, indexed = [], []
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")  # inside: a lock held past the timeout fails here
                 for p in prepared:  # rows already in the index (current digest) are replaced there
                     row = self._db.execute("SELECT num FROM items WHERE id = ? AND digest = ?",
                                            (p.record.id, self.digest)).fetchone()
@@ -117,8 +138,8 @@ class Gallery(GalleryBase):
         """Remove an item (of any bundle digest); True if it existed. Durable once it returns."""
         with self._lock:
             self._check_open()
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 row = self._db.execute("DELETE FROM items WHERE id = ? RETURNING num, digest", (id,)).fetchone()
                 self._db.execute("COMMIT")
             except BaseException as exc:

@@ -15,7 +15,7 @@ def error_responses(*codes: int) -> dict:
             "match its manifest (nothing reloaded)", 413: "body over the limit",
             415: "the body is not declared as application/json",
             422: "schema or shape violation, NaN/inf, too many inputs", 429: "queue full (Retry-After)",
-            503: "not ready, or shutting down", 504: "deadline passed (queue and compute)",
+            503: "not ready, or shutting down; a store that refuses writes (store_unavailable, Retry-After)", 504: "deadline passed (queue and compute)",
             507: "the store could not commit: disk or quota full, or the enrolled classes' limit (enrolled_limit)"}
     return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
 

@@ -208,10 +208,23 @@ class EnrolledClass(BaseModel):
     created: float = Field(description="seconds since the epoch when this version was written")
 
 
+class NotServed(BaseModel):
+    reason: str = Field(description="head_changed, model_changed, other_model, unknown_model or unservable")
+    count: int = Field(description="live classes of this group in the store")
+    message: str
+    action: str = Field(description="how to carry them over (the store keeps rows, not examples)")
+    model: Optional[dict[str, Any]] = Field(description="the model they were made for, as the store recorded it "
+                                            "({manifest_digest} for an older slc's key; null: this model)")
+    classes: list[dict[str, Any]] = Field(description="up to 100: class_name, slot, created (re_enrolled: "
+                                          "this server serves a class of that name now; problem: why not servable)")
+
+
 class EnrolledList(BaseModel):
     count: int
     limit: int
     classes: list[EnrolledClass]
+    not_served: list[NotServed] = Field(default_factory=list, description="enrolled classes the store holds that "
+                                        "this server does not serve, by why (docs/api.md); none is dropped silently")
 
 
 # ----------------------------------------------------------------------------- model

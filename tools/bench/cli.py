@@ -78,7 +78,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
 @click.option("--param", "params", multiple=True, callback=key_values,
               help="k=v build parameter (nlist, nprobe, codes=none|sq4|sq8|flat, rerank, ...), repeatable")
 @click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--work", default="/tmp/slc-index-bench", show_default=True,
+@click.option("--work", default=str(Path(tempfile.gettempdir()) / "slc-index-bench"), show_default="$TMPDIR/slc-index-bench",
               help="where the head and the index cache are kept between runs", **OUT)
 @click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
               help="measure on this bundle's trained head with real queries instead of a synthetic head")
@@ -383,7 +383,7 @@ def _endpoints(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 
 @click.command()
 @click.option("--base", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="the other checkout (e.g. `git worktree add /tmp/base main`); this one is the head")
+              help="the other checkout (e.g. `git worktree add ../slc-base main`); this one is the head")
 @click.option("--classes", default="10,10000", show_default=True, callback=_classes, help="comma list of D")
 @click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
 @click.option("--endpoint", "endpoints", default="detect,v2,v2_binary,softmax", show_default=True, callback=_endpoints,

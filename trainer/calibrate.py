@@ -38,7 +38,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 DEFAULT_TARGET = {"precision": 0.99}
-# How class j's threshold is chosen (docs/results/calibration-glyphs3755.md compares them):
+# How class j's threshold is chosen (per-class thresholds fit a class's few calibration images and carry
+# worst to a typeface never seen; one global threshold carries best; shrink is between them):
 # per_class (column j alone), global (one pooled threshold), or shrink: the per-class threshold
 # pulled toward the global one by a pseudo-count kappa, (n_j t_j + kappa t_g) / (n_j + kappa).
 # tail: column j's threshold read off the upper tail of its negatives (an exponential fitted to the

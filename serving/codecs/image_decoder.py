@@ -1,4 +1,4 @@
-"""Image bodies decoded under a budget of their own (docs/configuration.md, docs/results/image-decode-budget.md).
+"""Image bodies decoded under a budget of their own (SLC_DECODE_* in docs/configuration.md).
 
 Decoders are C code: a thread running one cannot be stopped, and a crafted file can keep one busy
 for minutes. So the server decodes in a few worker processes (serving/codecs/image_worker.py), started
@@ -57,7 +57,7 @@ PIPE_BYTES = 1 << 20
 LIGHT_PIXELS = 1 << 20
 # A heavy body is refused (429) when the heavy ones ahead of it and itself would take more than this
 # share of the request deadline, at RATE (seconds per pixel; before any is measured: the prior, about
-# the slowest legitimate format, docs/results/image-decode-budget.md).
+# the slowest legitimate format's, so that the first estimates err long rather than short).
 DEADLINE_SHARE = 0.8
 RATE_PRIOR = 50e-9
 HEADER_MAX_BYTES = 64 * 1024  # of a worker's answer header (the example's bytes: at most its size)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -70,13 +71,27 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: Optio
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def portable_paths(text: str) -> str:
+    """The machine's own paths in a report, as a reader elsewhere can read them: under the working
+    directory relative to it, the temporary directory as $TMPDIR, the home directory as ~
+    (tests/test_docs.py fails on an absolute machine path anywhere in docs/)."""
+    for prefix, short in ((os.getcwd(), "."), (tempfile.gettempdir(), "$TMPDIR"), (os.path.expanduser("~"), "~")):
+        prefix = prefix.rstrip("/")
+        if not prefix:  # "/": nothing to shorten
+            continue
+        text = text.replace(prefix + "/", "" if short == "." else short + "/")
+        text = re.sub(re.escape(prefix) + r"(?![\w.-])", lambda _: short, text)
+    return text
+
+
 def write_text(path: Path, text: str) -> Path:
-    """Write text to path atomically (a sibling temporary file renamed over it), creating the directory."""
+    """Write text to path atomically (a sibling temporary file renamed over it), creating the
+    directory; the machine's paths in it made portable (portable_paths)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_text(portable_paths(text), encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -80,3 +80,11 @@ def test_make_setup_installs_the_lab_beside_the_server():
     makefile = (ROOT / "Makefile").read_text()
     assert '-e ".[$(EXTRAS)]" -e ./tools' in makefile
     assert "tools/pyproject.toml" in re.search(r"^\$\(STAMP\): (.*)$", makefile, flags=re.M).group(1).split()
+
+
+def test_the_root_command_line_and_the_lab_name_the_same_install_line():
+    """slc/cli.py cannot import tools/ (it may be absent), so it repeats the line: they must agree."""
+    import tools
+    from slc import cli
+
+    assert cli.LAB_INSTALL == tools.LAB_INSTALL == "pip install ./tools"

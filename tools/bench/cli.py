@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 import click
 
 from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, key_values, require
+from tools import require as require_lab
 from tools.report import write_json, write_result
 
 
@@ -60,7 +61,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
     from tools.bench.report import scale_markdown
     from tools.bench.run import run_scale_bench
 
-    require("matplotlib", "bench")  # scale.png, written after the sweep
+    require_lab("matplotlib")  # scale.png, written after the sweep
     res = run_scale_bench(classes=classes, dim=dim, duration=duration, out=out, concurrency=concurrency,
                           with_peer=peer, default_model=default_model)
     click.echo(scale_markdown(res))
@@ -142,7 +143,7 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
     from tools.bench.fuzz import fuzz_markdown, run_fuzz
     from tools.bench.run import cached_bundle
 
-    require("schemathesis", "bench")
+    require_lab("schemathesis")
     with _served(cached_bundle(classes, 16), "fuzz") as (srv, tmp):
         res = run_fuzz(srv.url, max_examples, seed, tmp)
     command = f"slc bench fuzz --max-examples {max_examples} --seed {seed} --classes {classes}"

@@ -10,7 +10,7 @@ comma := ,
 
 # An NVIDIA GPU the driver sees -> the gpu extra (onnxruntime-gpu, CUDA 13 like PyPI's torch); else the CPU builds.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
-EXTRAS := train,bench,dev$(if $(GPU),$(comma)gpu,)
+EXTRAS := train,dev$(if $(GPU),$(comma)gpu,)
 
 .PHONY: setup serve test test-unit test-all lint docs bench robustness table1 server-venv clean gpu-check
 
@@ -20,13 +20,14 @@ setup: $(STAMP)
 # resolving another. With a GPU, PyPI's torch 2.13.0 is a CUDA 13 build and onnxruntime-gpu 1.27+
 # is CUDA 13 too: one CUDA major (faiss stays the CPU build). onnxruntime-gpu ships the same module
 # as onnxruntime, so the CPU build is removed; the last line prints the providers a session really
-# gets (CUDAExecutionProvider only where the CUDA libraries load).
-$(STAMP): pyproject.toml
+# gets (CUDAExecutionProvider only where the CUDA libraries load). tools/ is installed beside the server
+# as its own distribution, slc-lab (tools/pyproject.toml: the load tester, benchmarks, experiments).
+$(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (e.g. apt-get install python3.11-venv)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]" "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]" -e ./tools "torch==2.13.0"
 ifneq ($(GPU),)
 	$(BIN)/pip uninstall -q -y onnxruntime
 	$(BIN)/pip install -q --force-reinstall --no-deps "onnxruntime-gpu>=1.27,<2"
@@ -66,7 +67,7 @@ lint: setup
 docs: setup
 	$(BIN)/python -m slc.clidoc > docs/cli.md
 
-# The server-only install (no extras: no torch, no CUDA wheels) in .venv-server, and its size.
+# The server-only install (no extras, no slc-lab: no torch, no CUDA wheels) in .venv-server, and its size.
 server-venv:
 	test -x .venv-server/bin/python || $(PY) -m venv .venv-server
 	.venv-server/bin/pip install -q --upgrade pip

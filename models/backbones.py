@@ -164,8 +164,8 @@ class ResNetGlyph(nn.Module):
     """A small residual CNN for 32x32 (or 48x48) glyphs: a 3x3 stem, three stages of residual
     blocks (widths w, 2w, 4w; stride 2 between stages), average pooling to a `pool` x `pool` grid,
     and an embedding layer (linear + BN) of size `embed`: the h(x) whose rows the class head scores.
-    The grid keeps where strokes are, which global pooling (pool=1) throws away (the pilot in
-    docs/results/glyphs3755.md measures the difference on unseen typefaces)."""
+    The grid keeps where strokes are, which global pooling (pool=1) throws away (a pilot on typefaces
+    never seen in training chose the grid)."""
 
     def __init__(self, input_shape: tuple[int, ...], width: int = 32, blocks: int = 1, embed: int = 256,
                  pool: int = 4):

@@ -80,7 +80,7 @@ MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks come from mmap and go back to t
 def bound_allocator_slack() -> None:
     """Fix glibc's mmap threshold: by default it rises to the largest block ever freed, so after a
     few large batch buffers those come from the heap and their pages stay with the process
-    (about 40 MiB at D = 10^6, docs/results/scale.md). No-op where mallopt is absent."""
+    (about 40 MiB at D = 10^6). No-op where mallopt is absent."""
     import ctypes
     import ctypes.util
 

@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         "how an enrolled class's row is made from its examples' embeddings (serving/core/enrollment.py): imprint = "
         "their normalised mean at the trained rows' median norm, the median trained bias; standardised = the same "
         "direction centred on the calibration negatives' mean, scaled and shifted so that its logits on the "
-        "negatives spread as a typical trained class's do (docs/results/enroll-glyphs3755.md); auto = standardised "
+        "negatives spread as a typical trained class's do (uncentred, a new row scores every image high); auto = standardised "
         "where the bundle carries calibration negatives, else imprint"))
     enroll_threshold: Literal["global", "negatives"] = Field("global", description=(
         "the threshold of an enrolled class: global = the bundle's global calibrated threshold (calibration.json "

@@ -22,13 +22,13 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "evaluate": ("trainer.cli:evaluate", "Single-logit metrics of a trained run on a split."),
     "export": ("trainer.cli:export", "Write the ONNX bundle of a trained run, calibrated on its calibration split."),
     "calibrate": ("serving.calibration.cli:calibrate", "Choose a bundle's thresholds again on your own labelled images (no torch)."),
-    "experiment": ("tools.cli:experiment", "Paper experiments (table1, glyphs)."),
     "data": ("trainer.cli:data", "Datasets that are built, not downloaded (glyphs rendered from fonts)."),
     "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),
     "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
     "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work), enrolled classes folded in, Triton model repositories."),
-    "loadtest": ("tools.loadtest.cli:loadtest", "Load a running server; writes report.json, report.md, latency.png."),
-    "bench": (None, "Benchmarks written to docs/results (scale, routes, index, losses, ...)."),
+    "loadtest": ("tools.loadtest.cli:loadtest", "Load a running server (single logit against full softmax); writes report.json, report.md, latency.png."),
+    "bench": (None, "Benchmarks written to docs/results: scale (single logit vs full softmax as D grows), and the lab's."),
+    "experiment": ("tools.cli:experiment", "Paper experiments (table1, glyphs, thresholds, ...)."),
 }
 BENCH: dict[str, tuple[Optional[str], str]] = {
     "scale": ("tools.bench.cli:scale", "Single-logit vs full softmax serving as the number of classes grows."),
@@ -48,8 +48,17 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "losses": ("tools.cli:bench_losses", "Forward+backward time of smooth_topk against ce."),
     "head": ("tools.cli:bench_head", "Training at many classes: full vs sampled vs sharded head, as D grows."),
 }
-# the extra a command's module needs beyond the base (server) install
-EXTRAS = {"trainer": "train", "tools.cli": "train", "tools.loadtest.cli": "bench", "tools.bench.cli": "bench"}
+# The load tester, the benchmarks and the experiments are tools/: a second distribution, slc-lab
+# (tools/pyproject.toml), left out of the server's wheel. Installed from the checkout with this line.
+LAB_INSTALL = "pip install ./tools"
+# `slc --help` and `slc bench --help` list the lab's commands in sections of their own
+SECTIONS = [("Commands", ["train", "evaluate", "export", "calibrate", "data", "verify", "serve", "bundle"]),
+            (f"Load tests and benchmarks (slc-lab: {LAB_INSTALL})", ["loadtest", "bench"]),
+            ("Experiments (slc-lab and torch: pip install '.[train]' ./tools)", ["experiment"])]
+BENCH_SECTIONS = [(f"Single logit against full softmax (slc-lab: {LAB_INSTALL})", ["scale"]),
+                  (f"The lab's benchmarks (slc-lab: {LAB_INSTALL})", [n for n in BENCH if n != "scale"])]
+# what slc-lab brings besides tools/ itself (tools/pyproject.toml): missing, the lab line says how to get them
+LAB_NEEDS = ("tools", "matplotlib", "aiohttp", "schemathesis")
 DEBUG_ENV = "SLC_DEBUG"
 
 
@@ -57,9 +66,10 @@ class LazyGroup(click.Group):
     """A group whose commands are imported on first use (click's lazy-loading pattern);
     `slc --help` lists them from the table above without importing anything."""
 
-    def __init__(self, *args, lazy: dict[str, tuple[Optional[str], str]], **kwargs):
+    def __init__(self, *args, lazy: dict[str, tuple[Optional[str], str]],
+                 sections: Optional[list[tuple[str, list[str]]]] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lazy = lazy
+        self.lazy, self.sections = lazy, sections
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(self.lazy)
@@ -73,14 +83,13 @@ class LazyGroup(click.Group):
         module, _, attr = target.partition(":")
         try:
             return getattr(importlib.import_module(module), attr)
-        except ImportError as exc:  # a command whose extra is not installed
-            extra = "train" if module.startswith("trainer") else EXTRAS.get(module, "bench")  # module: e.g. tools.cli
-            raise click.ClickException(f"`{ctx.command_path} {name}` needs {exc.name or exc}, which this install "
-                                       f"lacks: pip install 'slc[{extra}]'") from None
+        except ImportError as exc:  # a command whose distribution or extra is not installed
+            raise click.ClickException(_missing(f"{ctx.command_path} {name}", module, exc)) from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with formatter.section("Commands"):
-            formatter.write_dl([(name, help_text) for name, (_, help_text) in self.lazy.items()])
+        for title, names in self.sections or [("Commands", list(self.lazy))]:
+            with formatter.section(title):
+                formatter.write_dl([(name, self.lazy[name][1]) for name in names])
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         name = args[0] if args else None
@@ -91,6 +100,15 @@ class LazyGroup(click.Group):
         return super().resolve_command(ctx, args)
 
 
+def _missing(command: str, module: str, exc: ImportError) -> str:
+    """The one line for a command whose code or dependency this install lacks, with what installs it."""
+    missing = exc.name or str(exc)
+    if module.startswith("tools") and missing.split(".")[0] in LAB_NEEDS:
+        return (f"`{command}` is part of slc-lab (the load tester, benchmarks and experiments), which this "
+                f"install lacks: {LAB_INSTALL} (from the slc checkout)")
+    return f"`{command}` needs {missing}, which this install lacks: pip install 'slc[train]'"
+
+
 def _version() -> str:
     try:
         return metadata.version("slc")
@@ -98,7 +116,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]},
+@click.group(cls=LazyGroup, lazy=COMMANDS, sections=SECTIONS, context_settings={"help_option_names": ["-h", "--help"]},
              invoke_without_command=False, no_args_is_help=True)
 @click.version_option(_version(), "--version", prog_name="slc", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, help=f"Show tracebacks (also {DEBUG_ENV}=1). Accepted after any command too.")
@@ -106,7 +124,7 @@ def root(debug: bool) -> None:
     """Single-logit classification: train, export, verify, serve, measure."""
 
 
-bench_group = LazyGroup("bench", lazy=BENCH, no_args_is_help=True, help=COMMANDS["bench"][1])
+bench_group = LazyGroup("bench", lazy=BENCH, sections=BENCH_SECTIONS, no_args_is_help=True, help=COMMANDS["bench"][1])
 
 
 def _usage_line(exc: click.UsageError) -> str:

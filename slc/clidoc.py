@@ -11,8 +11,9 @@ HEAD = """# Command line reference
 `slc COMMAND --help` prints the same. Every command accepts `--debug` (or `SLC_DEBUG=1`) to show
 a traceback; otherwise a mistake is one line on stderr: exit 2 for a usage mistake (a bad
 choice, path or count, named with the valid choices), exit 1 for a failure while working.
-Commands of the trainer need the `train` extra, `slc loadtest` and `slc bench` the `bench`
-extra; a command whose extra is missing says which to install.
+Commands of the trainer need the `train` extra. `slc loadtest`, `slc bench` and `slc experiment`
+are slc-lab, the second distribution in `tools/` (not in the server's wheel): `pip install . ./tools`
+from the checkout. A command whose extra or distribution is missing says in one line what to install.
 
 ## Output folders
 

@@ -470,14 +470,14 @@ def test_the_healthcheck_probes_the_port_the_server_listens_on(dockerfile):
 
 
 def test_every_gpu_swap_reinstalls_the_gpu_extra_as_pinned():
-    """The Makefile, the GPU image and the README reinstall onnxruntime-gpu / faiss-gpu without
+    """The Makefile, the GPU image and docs/install.md reinstall onnxruntime-gpu / faiss-gpu without
     dependencies: each must name the same versions as the gpu extra (an unpinned reinstall took a
     CUDA 13 onnxruntime-gpu into a CUDA 12 image)."""
     import tomllib
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     wanted = " ".join(f'"{spec}"' for spec in extra)
-    for path in (ROOT / "Makefile", DEPLOY / "Dockerfile.gpu", ROOT / "README.md"):
+    for path in (ROOT / "Makefile", DEPLOY / "Dockerfile.gpu", ROOT / "docs" / "install.md"):
         text = path.read_text()
         swaps = [s.rstrip("\\ ") for s in re.findall(r"--force-reinstall --no-deps ([^`\n]+)", text)]
         assert swaps, f"{path.name}: no GPU reinstall found"

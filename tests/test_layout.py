@@ -177,3 +177,14 @@ def test_the_core_runs_with_no_web_or_rpc_framework_importable():
             f"assert not [n for n in sys.modules if n.split('.')[0] in {FRAMEWORKS!r} and sys.modules[n] is not None]\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------- no test hooks in the product
+HOOKS = ("SLC_TEST_", "_for_tests", "import pytest", "from pytest")
+
+
+@pytest.mark.parametrize("package", ["serving", "trainer", "models", "slc"])
+def test_no_test_hook_lives_in_product_code(package):
+    """What only tests need (a worker that stalls on cue, a switch read from the environment) lives in
+    tests/ and reaches the product by monkeypatching (tests/serving/stalling_worker.py)."""
+    assert [f"{p.relative_to(ROOT)}: {h}" for p in _modules(package) for h in HOOKS if h in p.read_text()] == []

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -70,11 +71,24 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: Optio
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def portable_paths(text: str) -> str:
+    """The machine's own paths in a report, as a reader elsewhere can read them: under the working
+    directory relative to it, the temporary directory as $TMPDIR, the home directory as ~
+    (tests/test_docs.py fails on an absolute machine path anywhere in docs/)."""
+    for prefix, short in ((os.getcwd(), "."), (tempfile.gettempdir(), "$TMPDIR"), (os.path.expanduser("~"), "~")):
+        prefix = prefix.rstrip("/")
+        if not prefix:  # "/": nothing to shorten
+            continue
+        text = text.replace(prefix + "/", "" if short == "." else short + "/")
+        text = re.sub(re.escape(prefix) + r"(?![\w.-])", lambda _: short, text)
+    return text
+
+
 def write_text(path: Path, text: str) -> Path:
     """Write text to path atomically (a sibling temporary file renamed over it), creating the directory;
-    a file there that slc did not write is kept and the text goes beside it (serving/bundle/output.py).
-    Returns where it went."""
-    return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    the machine's paths in it made portable (portable_paths); a file there that slc did not write is
+    kept and the text goes beside it (serving/bundle/output.py). Returns where it went."""
+    return write_file(path, lambda tmp: tmp.write_text(portable_paths(text), encoding="utf-8"))
 
 
 def write_file(path: Path, write: Callable[[Path], Any]) -> Path:

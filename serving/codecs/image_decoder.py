@@ -1,4 +1,4 @@
-"""Image bodies decoded under a budget of their own (docs/configuration.md, docs/results/image-decode-budget.md).
+"""Image bodies decoded under a budget of their own (SLC_DECODE_* in docs/configuration.md).
 
 Decoders are C code: a thread running one cannot be stopped, and a crafted file can keep one busy
 for minutes. So the server decodes in a few worker processes (serving/codecs/image_worker.py), started
@@ -54,13 +54,14 @@ from serving.errors import InvalidInput, NotReady, Overloaded, PayloadTooLarge
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0  # a worker's interpreter and imports (about 0.2 s on an idle core)
+WORKER_MODULE = "serving.codecs.image_worker"  # what each worker process runs (`python -m`)
 PIPE_BYTES = 1 << 20
 # A body of at most this many pixels by its header (1024 x 1024) is "light": it never waits behind
 # larger ones (or ones whose header says nothing), which decode on all workers but one.
 LIGHT_PIXELS = 1 << 20
 # A heavy body is refused (429) when the heavy ones ahead of it and itself would take more than this
 # share of the request deadline, at RATE (seconds per pixel; before any is measured: the prior, about
-# the slowest legitimate format, docs/results/image-decode-budget.md).
+# the slowest legitimate format's, so that the first estimates err long rather than short).
 DEADLINE_SHARE = 0.8
 RATE_PRIOR = 50e-9
 HEADER_MAX_BYTES = 64 * 1024  # of a worker's answer header (the example's bytes: at most its size)
@@ -323,13 +324,13 @@ def _read_exact(fd: int, view: memoryview) -> memoryview:
 
 
 def _start_process() -> tuple[Connection, Connection, subprocess.Popen]:
-    """`python -m serving.codecs.image_worker R W` on two new pipes: (its answers, its requests, the process)."""
+    """`python -m WORKER_MODULE R W` on two new pipes: (its answers, its requests, the process)."""
     child_rd, parent_wr = os.pipe()
     parent_rd, child_wr = os.pipe()
     for fd in (child_rd, parent_rd):
         _widen(fd)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.codecs.image_worker", str(child_rd), str(child_wr)],
+        proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(child_rd), str(child_wr)],
                                 pass_fds=(child_rd, child_wr), stdin=subprocess.DEVNULL, env=_worker_env())
     except OSError:
         os.close(parent_rd)
@@ -360,7 +361,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _worker_env() -> dict:
     """The server's environment; one thread per numeric library; this checkout importable."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds serving/
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (path, root) if p)}

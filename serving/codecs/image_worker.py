@@ -8,13 +8,10 @@ the server never unpickles what a process that just ran a decoder on hostile byt
     request:  JSON {"format", "spec", "max_pixels"} , the body's bytes
     answer:   JSON {"ok": true, "shape"}              , the example's float32 bytes
               JSON {"kind", "code", "message"}        , b""
-
-Tests only: SLC_TEST_DECODE_STALL (see `_stall_for_tests`) makes a worker wait mid-decode to be killed.
 """
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 
@@ -60,25 +57,8 @@ def _trim() -> None:
         pass
 
 
-def _stall_for_tests(folder: str) -> None:
-    """Tests only (tests/serving/test_decoder_crash.py), never set in a server: with SLC_TEST_DECODE_STALL
-    naming a folder, a worker that claims a `ticket*` file there (unlinks it: one worker per ticket) writes
-    `busy-<pid>` and waits to be killed, so that a test kills a decode in progress without guessing when."""
-    for name in sorted(os.listdir(folder)):
-        if not name.startswith("ticket"):
-            continue
-        try:
-            os.unlink(os.path.join(folder, name))
-        except FileNotFoundError:  # another worker claimed it
-            continue
-        open(os.path.join(folder, f"busy-{os.getpid()}"), "w").close()
-        while True:
-            signal.pause()
-
-
 def serve(rd, wr) -> None:
     """Answer requests until the server closes its end of the pipe."""
-    stall = os.environ.get("SLC_TEST_DECODE_STALL")
     wr.send_bytes(b'{"ready": true}')
     while True:
         try:
@@ -86,8 +66,6 @@ def serve(rd, wr) -> None:
             body = rd.recv_bytes()
         except EOFError:
             return
-        if stall:
-            _stall_for_tests(stall)
         try:
             x = decode_body(body, request["format"], request["spec"], request["max_pixels"])
             answer, data = {"ok": True, "shape": list(x.shape)}, np.ascontiguousarray(x, np.float32)

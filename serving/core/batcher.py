@@ -16,7 +16,7 @@ Up to `lanes` batches compute at once, each in a worker thread of its own. Backb
 start beside a running pass instead of waiting for it (a pass at D = 10^6 takes a third of a
 second); such a batch is told so (`compute(jobs, shared=True)`) and uses one thread. Passes and
 index searches still compute one at a time, with every thread: two one-thread passes side by
-side were no faster on two cores and held a second set of buffers (docs/results/scale.findings.md).
+side were no faster on two cores and held a second set of buffers.
 
 What a batch computes is given by `compute(jobs, shared) -> list[result]`: the engine runs
 the backbone once over all inputs and then each job's own (cheap) head step, so the batcher

@@ -133,7 +133,7 @@ def _max_row_norm(weight: np.ndarray, bias: np.ndarray) -> float:
     return float(np.sqrt(best) * (1 + 1e-6))
 
 
-MAX_NLIST = 2048  # at 10^6 rows: 4096 lists took 3x the build time of 2048 for the same recall (docs/results/scale.md)
+MAX_NLIST = 2048  # at 10^6 rows: 4096 lists took 3x the build time of 2048 for the same recall
 
 
 def default_nlist(num_classes: int) -> int:
@@ -228,8 +228,8 @@ class ClassIndex:
         """Load the cached index for ``bundle.digest`` or build (and cache) it.
 
         kind None chooses by D: ``flat`` up to EXACT_MAX_CLASSES, else ``ivf``, and ``hnsw``
-        when IVF misses its recall or speed target (trained heads: docs/results/index-trained-
-        glyphs3755.md), exact search when neither is worth it. ``params`` overrides build
+        when IVF misses its recall or speed target (a trained head's rows are not spread like random
+        ones: IVF's own tuning can reject it), exact search when neither is worth it. ``params`` overrides build
         settings (nlist, nprobe, rerank, train_size, niter, hnsw_m, ...).
         """
         if kind is not None or int(bundle.weight.shape[0]) <= EXACT_MAX_CLASSES:

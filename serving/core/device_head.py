@@ -16,7 +16,7 @@ over D are split in two stages over blocks of the row ([M, D] -> [M, blocks, wid
 row, which at batch 1 leaves all but one multiprocessor idle at D = 10^6; with blocks, a row is
 spread over many. The softmax's second stage runs on the host (finish_softmax): on a GPU every
 node of a graph costs more to launch at batch 1 than its work, and the stages over [M, blocks]
-are a thousandth of the row (docs/results/gpu-serving.md has the profile that showed it). The
+are a thousandth of the row (a profile of the device pass showed the launches dominate). The
 row is padded to blocks x width with PAD, a finite logit far below any real one (exp(PAD - max) = 0; never in a top-k, since k <= D). TF32 is off
 (`use_tf32=0`): a float32 GEMM in TF32 moves logits by about 1e-3 relative, enough to flip a
 decision at a calibrated threshold.

@@ -199,9 +199,3 @@ def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.
     bias -= max(0.0, tail - neg.logit_tail)
     return ClassRow(row=row.astype(np.float32), bias=bias, threshold=stats.threshold, platt_a=stats.platt_a,
                     platt_b=stats.platt_b, examples=centred.examples, threshold_rule="global")
-
-
-def enroll_row(h: np.ndarray, stats: HeadStats, negatives: Optional[tuple[NegativeStats, np.ndarray]] = None
-               ) -> ClassRow:
-    """The default rule: standardised imprinting where the bundle carries negatives, else plain imprinting."""
-    return imprint(h, stats) if negatives is None else standardised(h, stats, negatives[0], negatives[1])

@@ -167,8 +167,8 @@ async def _open_stores(state: ServerState) -> None:
 
 def index_kind(s: Settings, device: str) -> str | None:
     """The class index to open (None: by D). On CUDA, `auto` with the head pass free to go on the device
-    (any head precision) is exact: the device's exact top-k answers mode=index (faster than the CPU index and exact,
-    docs/results/gpu-serving.md), and nothing is built at start."""
+    (any head precision) is exact: the device's exact top-k answers mode=index (faster than the CPU index, and
+    exact), and nothing is built at start."""
     if s.class_index != "auto":
         return s.class_index
     if device == "cuda" and s.softmax_impl in ("auto", "device"):

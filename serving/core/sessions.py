@@ -124,7 +124,7 @@ class Runtime:
 
     def _session(self, path: Path) -> ort.InferenceSession:
         # No spin-waiting between runs: a spinning worker burns the cores the event loop and the
-        # JSON work need (docs/results/detect-path.md).
+        # JSON work need.
         wanted = _providers_for(self.device)
         try:
             return ort_session(path, threads=self.threads, providers=wanted, spin=False)

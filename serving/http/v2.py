@@ -144,7 +144,8 @@ _INFER_BODY = {"requestBody": {"required": True, "content": {"application/json":
             responses=error_responses(400, 404, 413, 422, 429, 503, 504), openapi_extra=_INFER_BODY)
 async def infer(scope, body: bytes):
     """The infer route straight on ASGI, as /v1 detect: no FastAPI dependency solving and no pydantic on
-    the body (docs/results/v2-path.md); the checks below give the same answers the models gave."""
+    the body, so that a v2 request costs the event loop about what a detect does; the checks below give
+    the same answers the models gave."""
     engine = app_state(scope).ready_engine()
     params = scope["path_params"]
     check_version(params.get("version"))

@@ -96,6 +96,47 @@ def test_every_command_is_listed_without_importing_torch():
         assert f"  {name} " in out.stdout
 
 
+def _without_the_lab(*args: str) -> subprocess.CompletedProcess:
+    """`slc ARGS` in an interpreter where tools/ (slc-lab) cannot be imported, as after `pip install .`."""
+    code = f"import sys; sys.modules['tools'] = None\nfrom slc.cli import main\nmain({list(args)!r})"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("argv", [["loadtest", "--help"], ["loadtest", "--url", "127.0.0.1:9", "--out", "x"],
+                                  ["bench", "scale"], ["bench", "scale", "--help"], ["experiment", "table1"]])
+def test_a_lab_command_without_the_lab_says_what_to_install_in_one_line(argv):
+    """The load tests are one install away from the server-only install: the line names it exactly."""
+    out = _without_the_lab(*argv)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0] == (f"error: `slc {' '.join(argv[:2 if argv[0] == 'bench' else 1])}` is part of slc-lab (the load "
+                        "tester, benchmarks and experiments), which this install lacks: pip install ./tools "
+                        "(from the slc checkout)")
+
+
+def test_help_without_the_lab_lists_the_product_and_the_lab_apart():
+    """`slc --help` without the lab: the product's commands first, the lab's under a heading that says
+    how to install them; `slc bench --help` still lists every bench (nothing is imported to list them)."""
+    out = _without_the_lab("--help")
+    text = out.stdout
+    assert out.returncode == 0, out.stderr
+    product = text[text.index("Commands:"):text.index("Load tests and benchmarks (slc-lab: pip install ./tools):")]
+    for name in ("train", "export", "calibrate", "verify", "serve", "bundle"):
+        assert f"  {name} " in product
+    assert not [n for n in ("loadtest", "bench", "experiment") if f"  {n} " in product]
+    assert "Experiments (slc-lab and torch: pip install '.[train]' ./tools):\n  experiment" in text
+    bench = _without_the_lab("bench", "--help")
+    assert bench.returncode == 0 and "Single logit against full softmax (slc-lab: pip install ./tools):\n  scale" in bench.stdout
+
+
+def test_the_help_sections_name_every_command_once():
+    from slc.cli import BENCH, BENCH_SECTIONS, COMMANDS, SECTIONS
+
+    for table, sections in ((COMMANDS, SECTIONS), (BENCH, BENCH_SECTIONS)):
+        listed = [n for _, names in sections for n in names]
+        assert sorted(listed) == sorted(table) and len(set(listed)) == len(listed)
+
+
 def test_debug_shows_the_traceback_otherwise_one_line(tmp_path, capsys, monkeypatch):
     """An unexplained failure (here: a verify problem turned into a crash) is one line; --debug re-raises."""
     import serving.bundle

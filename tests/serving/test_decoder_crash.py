@@ -2,10 +2,10 @@
 the body's: the body is decoded once more on a fresh process, and a second death is 503
 `decoder_crashed` with Retry-After; an image that fails to decode on its own stays 422.
 
-The worker is killed while it holds the body, found without timing: with SLC_TEST_DECODE_STALL set
-(serving/codecs/image_worker.py `_stall_for_tests`, read by worker processes only, never from a body),
-a worker that claims a ticket file writes busy-<pid> and waits, and the test kills that pid. The
-answers are checked against serving.bundle.image.decode_image run here on the same bytes."""
+The worker is killed while it holds the body, found without timing: the pools here start
+tests/serving/stalling_worker.py (the server's worker with its decode wrapped), where a worker that
+claims a ticket file writes busy-<pid> and waits, and the test kills that pid. The answers are
+checked against serving.bundle.image.decode_image run here on the same bytes."""
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +25,7 @@ from serving.codecs import image_decoder
 from serving.codecs.image_decoder import DecodePool
 from serving.errors import Kind, SlcError
 from serving.http.errors import http_headers, http_status
+from tests.serving import stalling_worker
 from tests.serving.helpers import assert_envelope
 
 pytestmark = pytest.mark.integration  # worker processes
@@ -56,10 +57,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def stall(tmp_path, monkeypatch) -> Path:
-    """The folder of SLC_TEST_DECODE_STALL, set before any pool of the test starts its workers."""
+    """The stalling worker's folder; set before any pool of the test starts its workers."""
     folder = tmp_path / "stall"
     folder.mkdir()
-    monkeypatch.setenv("SLC_TEST_DECODE_STALL", str(folder))
+    monkeypatch.setattr(image_decoder, "WORKER_MODULE", stalling_worker.__name__)
+    monkeypatch.setenv(stalling_worker.DECODE_STALL_ENV, str(folder))
     return folder
 
 

@@ -167,3 +167,27 @@ def test_migrated_writers_print_the_tables_they_printed_before():
            "interleave": "request", "requests": 1200, "window_s": 10.0, "warmup_s": 1, "warmup_requests": 7,
            "client": "raw", "ratios": {}}
     assert report_markdown(rep).endswith(LOAD_TABLE)
+
+
+def test_the_machine_s_paths_are_written_portably(tmp_path, monkeypatch):
+    """A result page names no path of the machine it ran on: the working directory's files relative to
+    it, the temporary and home directories as $TMPDIR and ~ (tests/test_docs.py checks docs/)."""
+    import os
+    import tempfile
+
+    from tools.report import portable_paths
+
+    work, home, temp = tmp_path / "checkout", tmp_path / "home" / "me", tmp_path / "tmp"
+    for d in (work, home, temp):
+        d.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    text = (f"--out {work}/docs/results --base {work} bundle {home}/.cache/slc/bench/b1, "
+            f"scratch {temp}/slc-index-bench; {work}-old stays; /usr/share/fonts stays")
+    want = (f"--out docs/results --base . bundle ~/.cache/slc/bench/b1, scratch $TMPDIR/slc-index-bench; "
+            f"{work}-old stays; /usr/share/fonts stays")
+    assert portable_paths(text) == want
+    page = write_text(work / "docs" / "page.md", text)
+    assert page.read_text() == want and os.getcwd() == str(work)
+    assert json.loads(write_json(work / "r.json", {"bundle": f"{temp}/b"}).read_text()) == {"bundle": "$TMPDIR/b"}

@@ -249,7 +249,7 @@ def test_sampled_nce_computes_only_the_targets_and_noise_columns(tmp_path, monke
 
 @pytest.mark.slow
 def test_two_node_torchrun_with_c10d_rendezvous_trains_the_sharded_head(tmp_path):
-    """The multi-node command of the README, its two 'nodes' as two torchrun processes here:
+    """The multi-node command of docs/guide.md, its two 'nodes' as two torchrun processes here:
     c10d rendezvous, one rank each, --head-shard; rank 0 writes a run with the full head."""
     from tests.serving.helpers import free_port
 

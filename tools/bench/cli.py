@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 import click
 
 from serving.bundle.cliopts import OUT, POSITIVE, bundle_dir as existing_bundle, guarded, key_values, require
+from tools import require as require_lab
 from tools.report import write_json, write_result
 
 
@@ -61,7 +62,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
     from tools.bench.report import scale_markdown
     from tools.bench.run import run_scale_bench
 
-    require("matplotlib", "bench")  # scale.png, written after the sweep
+    require_lab("matplotlib")  # scale.png, written after the sweep
     res = run_scale_bench(classes=classes, dim=dim, duration=duration, out=out, concurrency=concurrency,
                           with_peer=peer, default_model=default_model)
     click.echo(scale_markdown(res))
@@ -79,7 +80,7 @@ def scale(classes: list[int], dim: int, duration: float, concurrency: int, peer:
 @click.option("--param", "params", multiple=True, callback=key_values,
               help="k=v build parameter (nlist, nprobe, codes=none|sq4|sq8|flat, rerank, ...), repeatable")
 @click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--work", default="/tmp/slc-index-bench", show_default=True,
+@click.option("--work", default=str(Path(tempfile.gettempdir()) / "slc-index-bench"), show_default="$TMPDIR/slc-index-bench",
               help="where the head and the index cache are kept between runs", **OUT)
 @click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path), callback=existing_bundle,
               help="measure on this bundle's trained head with real queries instead of a synthetic head")
@@ -146,7 +147,7 @@ def fuzz(max_examples: int, seed: int, classes: int, out: Path) -> None:
     from tools.bench.fuzz import fuzz_markdown, run_fuzz
     from tools.bench.run import cached_bundle
 
-    require("schemathesis", "bench")
+    require_lab("schemathesis")
     with _served(cached_bundle(classes, 16), "fuzz") as (srv, tmp):
         res = run_fuzz(srv.url, max_examples, seed, tmp)
     command = f"slc bench fuzz --max-examples {max_examples} --seed {seed} --classes {classes}"
@@ -394,7 +395,7 @@ def _endpoints(ctx: click.Context, param: click.Parameter, value: str) -> list[s
 
 @click.command()
 @click.option("--base", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="the other checkout (e.g. `git worktree add /tmp/base main`); this one is the head")
+              help="the other checkout (e.g. `git worktree add ../slc-base main`); this one is the head")
 @click.option("--classes", default="10,10000", show_default=True, callback=_classes, help="comma list of D")
 @click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")
 @click.option("--endpoint", "endpoints", default="detect,v2,v2_binary,softmax", show_default=True, callback=_endpoints,

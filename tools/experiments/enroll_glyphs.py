@@ -124,9 +124,18 @@ def nearest_example(h_test: np.ndarray, y_test: np.ndarray, h_items: np.ndarray,
     return float(np.mean(y_items[best] == y_test))
 
 
+def enroll_row(h: np.ndarray, stats, negatives=None):
+    """The row the server makes by default (SLC_ENROLL_RULE=auto, serving/core/enrolled.py `compute`):
+    standardised imprinting where the bundle carries calibration negatives (`negatives` = their
+    NegativeStats and embeddings), else plain imprinting; the bundle's global threshold either way."""
+    from serving.core.enrollment import imprint, standardised
+
+    return imprint(h, stats) if negatives is None else standardised(h, stats, negatives[0], negatives[1])
+
+
 def study(run: Path, work: Path) -> dict:
     from serving.bundle import load_bundle
-    from serving.core.enrollment import enroll_row, head_stats, negative_stats
+    from serving.core.enrollment import head_stats, negative_stats
     from trainer.data import load_run_data
     from trainer.train import load_run
 

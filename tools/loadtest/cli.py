@@ -12,7 +12,8 @@ from typing import Optional
 
 import click
 
-from serving.bundle.cliopts import OUT, POSITIVE, guarded, require
+from serving.bundle.cliopts import OUT, POSITIVE, guarded
+from tools import require as require_lab
 from tools.loadtest.client import (
     ENDPOINT_NAMES, GRPC_ENDPOINTS, RemoteTargetError, check_target, grpc_modules, normalize_url,
 )
@@ -74,7 +75,7 @@ def loadtest(url: str, endpoints: list[str], class_: Optional[str], concurrency:
 
     if concurrency is not None and rate is not None:
         raise click.UsageError("give either --concurrency or --rate, not both")
-    require("matplotlib", "bench")  # latency.png, written after the run
+    require_lab("matplotlib")  # latency.png, written after the run
     _check_grpc(endpoints, grpc_port)
     url = _target(url, allow_remote)
     try:

@@ -131,7 +131,8 @@ def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
 
 
 def _servable(records: list, bundle) -> list:
-    """The records a server would serve; the others named on stderr (serving/core/enrolled.py unservable)."""
+    """The records, when a server would serve every one (serving/core/enrolled.py unservable); else one
+    line naming the first it would not, and nothing is folded (a fold must not drop a class quietly)."""
     from serving.core.enrolled import unservable
 
     def trained(name: str) -> bool:
@@ -144,8 +145,8 @@ def _servable(records: list, bundle) -> list:
     kept = []
     for r in records:
         why = unservable(r, bundle.embed_dim, trained)
-        if why is None:
-            kept.append(r)
-        else:
-            click.echo(f"enrolled class {r.name!r} (slot {r.slot}) is not folded: {why}", err=True)
+        if why is not None:
+            raise click.ClickException(f"enrolled class {r.name!r} (slot {r.slot}): {why}; nothing was folded "
+                                       "(PUT it again with good examples, or DELETE it, then fold)")
+        kept.append(r)
     return kept

@@ -432,6 +432,9 @@ class Engine:
         # by the store, not this snapshot (another replica's may be newer): an id deletes exactly its slot
         found = None if self.enrolled is None else await self._gallery(self.enrolled.delete, ref,
                                                                          nothing="nothing was deleted")
+        if found is None and (bad := refused_character(ref)):  # no class can have it: the name is wrong
+            raise InvalidInput(f"the class name {shown(ref)} holds {bad}, which no class name holds",
+                               code="invalid_class_name")
         if found is None:  # no such live class: never enrolled, retired, or deleted meanwhile
             raise NotFound(f"unknown class {ref!r} (no live enrolled class has this name or id)", code="unknown_class")
         return found

@@ -5,7 +5,6 @@ The table below must name every command that has an --out option: a new command 
 fails here until it is guarded (`serving.bundle.cliopts.guarded`) and walked."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 import click
 import numpy as np
 import pytest
+
+from tests.serving.bundle.test_output import snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,17 +75,6 @@ def test_every_command_with_an_out_folder_is_guarded_and_walked_here():
     assert not unguarded
     kinds = {name: cmd.callback.slc_output for name, cmd in found.items()}
     assert {name for name, kind in kinds.items() if kind != "report folder"} == WHOLE
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "link:" + os.readlink(p)
-        elif p.is_file():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def test_write_result_round_trips_and_returns_the_paths(tmp_path):
     assert json.loads(text) == data
     assert text.endswith("}\n") and '\n  "rows": [' in text  # indent 2, one final newline, keys in insertion order
     assert "\\u00e9" in text  # ASCII-escaped, as json.dumps does by default
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]  # no temporary file left
+    assert sorted(p.name for p in out.iterdir()) == [".slc-written.json", "bench.json", "bench.md"]  # no temporary file; the ledger
 
 
 def test_write_result_options(tmp_path):
@@ -139,7 +139,7 @@ def test_write_text_and_write_json_replace_what_was_there(tmp_path):
     assert path.read_text() == "second"
     write_json(tmp_path / "a" / "c.json", [1, {"k": "v"}])
     assert (tmp_path / "a" / "c.json").read_text() == '[\n  1,\n  {\n    "k": "v"\n  }\n]\n'
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["b.md", "c.json"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".slc-written.json", "b.md", "c.json"]
 
 
 # The tables two migrated writers produced before tools/report.py, as those writers printed them

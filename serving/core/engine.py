@@ -332,36 +332,45 @@ class Engine:
     async def detect_set(self, refs: list[ClassRef], snap: Enrolled, x: np.ndarray, threshold: Optional[float]) -> dict:
         """detect for each of a few classes at once (issue 51): their C rows gathered (C, never D, rows
         read), one [n, d] x [d, C] product per request. A class named twice is computed once."""
-        ids = np.array([r.id for r in refs], dtype=np.int64)
-        uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-        pos = np.array([-1 if refs[i].enrolled is None else refs[i].pos for i in first], dtype=np.int64)
-        rows, b, thr, pa, pb = self._gather(uniq, pos, snap)
-        thr = thr if threshold is None else np.full(len(uniq), float(threshold))
+        column: dict[int, int] = {}  # class id -> its column among the distinct classes
+        distinct, inverse = [], []
+        for r in refs:
+            if r.id not in column:
+                column[r.id] = len(distinct)
+                distinct.append(r)
+            inverse.append(column[r.id])
+        rows, b, thr, pa, pb = self._gather(distinct, snap)
+        thr = thr if threshold is None else np.full(len(distinct), float(threshold))
+        spread = (lambda a: a[..., inverse]) if len(distinct) < len(refs) else (lambda a: a)
 
         def reduce(h: np.ndarray) -> list[list[dict]]:  # h [n, d]
-            z = finite_output(h.astype(np.float64) @ rows.T + b)  # [n, U]
-            p, m = sigmoid(pa * z + pb)[:, inverse], (z >= thr)[:, inverse]
+            z = finite_output(h.astype(np.float64) @ rows.T + b)  # [n, C']
+            p, m = sigmoid(pa * z + pb), z >= thr
             return [[{"logit": zi, "match": mi, "probability": pi} for zi, mi, pi in zip(zr, mr, pr)]
-                    for zr, mr, pr in zip(z[:, inverse].tolist(), m.tolist(), p.tolist())]
+                    for zr, mr, pr in zip(spread(z).tolist(), spread(m).tolist(), spread(p).tolist())]
 
         results = await self.batcher.submit(x, "embed", reduce, self._timeout())
-        classes = [{"class_id": r.id, "class_name": r.name, "threshold": t} for r, t in zip(refs, thr[inverse].tolist())]
+        classes = [{"class_id": r.id, "class_name": r.name, "threshold": t} for r, t in zip(refs, spread(thr).tolist())]
         return {"classes": classes, "results": results}
 
-    def _gather(self, ids: np.ndarray, pos: np.ndarray, snap: Enrolled) -> tuple[np.ndarray, ...]:
-        """(rows [C, d], bias, threshold, platt a, platt b [C]) float64 of C classes: trained ids (pos -1)
-        from the mapped head, enrolled ones from `snap` at `pos`; the values detect reads, row by row."""
-        cal, n = self.calibration, len(ids)
+    def _gather(self, refs: list[ClassRef], snap: Enrolled) -> tuple[np.ndarray, ...]:
+        """(rows [C, d], bias, threshold, platt a, platt b [C]) float64 of C classes: trained rows from the
+        mapped head (C of them read, never D), enrolled ones from `snap`; the values detect reads."""
+        cal = self.calibration
+        trained = [i for i, r in enumerate(refs) if r.enrolled is None]
+        if len(trained) == len(refs):  # the usual request: one fancy index per array
+            j = np.array([r.id for r in refs], dtype=np.int64)
+            return (self._weight[j].astype(np.float64), self._bias[j].astype(np.float64), cal.of_classes(j),
+                    cal.platt_a[j].astype(np.float64), cal.platt_b[j].astype(np.float64))
+        n = len(refs)
         rows, b, thr, pa, pb = np.empty((n, self.bundle.embed_dim)), np.empty(n), np.empty(n), np.empty(n), np.empty(n)
-        t = np.flatnonzero(pos < 0)
-        j = ids[t]
+        t, j = np.array(trained, dtype=np.int64), np.array([refs[i].id for i in trained], dtype=np.int64)
         rows[t], b[t], thr[t], pa[t], pb[t] = (self._weight[j], self._bias[j], cal.of_classes(j), cal.platt_a[j],
                                                cal.platt_b[j])
-        e = np.flatnonzero(pos >= 0)
-        if e.size:
-            q = pos[e]
-            rows[e], b[e] = snap.weight[q], snap.bias[q]
-            thr[e], pa[e], pb[e] = snap.values(1)[q], snap.values(2)[q], snap.values(3)[q]
+        e = np.array([i for i, r in enumerate(refs) if r.enrolled is not None], dtype=np.int64)
+        q = np.array([refs[i].pos for i in e], dtype=np.int64)
+        rows[e], b[e] = snap.weight[q], snap.bias[q]
+        thr[e], pa[e], pb[e] = snap.values(1)[q], snap.values(2)[q], snap.values(3)[q]
         return rows, b, thr, pa, pb
 
     async def softmax(self, cls: ClassRef, x: np.ndarray) -> dict:

@@ -112,11 +112,11 @@ async def model(engine=Depends(ready_engine), state=Depends(server_state)):
 # ----------------------------------------------------------------------------- POST and PUT bodies
 # Answered from the raw body by FastRoutes (serving/http/fast_routes.py): one implementation each.
 async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict],
-                 extra_values: int = 0) -> tuple[Any, dict, np.ndarray]:
+                 extra_values: int = 0, lists: tuple[str, ...] = ()) -> tuple[Any, dict, np.ndarray]:
     """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
     the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
     An image body (Content-Type image/*) is one example; its parameters come from the query string.
-    `extra_values`: values and lists the route's other fields may hold (a list of classes)."""
+    `extra_values`: values and lists the route's other fields may hold; `lists`: those fields (a list of classes)."""
     engine = app_state(scope).ready_engine()
     content_type = images.content_type_of(scope)
     if images.is_image(content_type):
@@ -128,7 +128,7 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
     read.check_structure(body, max_values=n * math.prod(shape) + 8 + extra_values,
                          max_lists=1 + n * lists_per_example + extra_values, max_objects=1)
-    fast = fast_json.query(body, shape, n) if _is_json(scope) else None  # plain bodies: no float objects
+    fast = fast_json.query(body, shape, n, lists) if _is_json(scope) else None  # plain bodies: no float objects
     obj = fast if fast is not None else _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
     p = params(obj)
@@ -172,7 +172,8 @@ async def detect_set(scope, body: bytes):
     rows are read, never the whole head), with its logit, match and probability."""
     limit = app_state(scope).settings.max_detect_classes
     engine, p, x = await _query(scope, body, ("inputs", "classes", "threshold"), lambda o: {
-        "classes": _class_list(o, limit), "threshold": read.number(o, "threshold")}, extra_values=4 * limit)
+        "classes": _class_list(o, limit), "threshold": read.number(o, "threshold")}, extra_values=4 * limit,
+        lists=("classes",))
     refs, snap = engine.resolve_classes(p["classes"])
     return 200, await engine.detect_set(refs, snap, x, p["threshold"])
 

@@ -176,12 +176,15 @@ def test_set_detect_refusals(client_factory, inputs):
     assert str(D + 5) in got["error"]["message"]
     assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [-1]}), 404, "unknown_class")
     assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1, 2, 3, 4]}), 422, "too_many_classes")
-    for bad in ([], [True], [1.5], [None], [{"id": 1}], [""], "7", 7):
+    for bad in ([], [True], [1.5], [None], [{"id": 1}], [[1]], [""], "7", 7):
         assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": bad}), 422, "validation_error")
     assert_envelope(client.post("/v1/detect", json={"inputs": x}), 422, "validation_error")
     assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1], "k": 3}), 422, "validation_error")
     assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1], "threshold": "1"}), 422)
     assert client.post("/v1/detect", json={"inputs": x, "classes": [1, 2.0, "3"]}).status_code == 200  # 2.0 is 2
+    assert enroll(client, "odd[1],name", examples(1)).status_code == 201  # brackets and commas in a name: still read
+    got = client.post("/v1/detect", json={"inputs": x, "classes": ["odd[1],name", 1]})
+    assert got.status_code == 200 and got.json()["classes"][0]["class_name"] == "odd[1],name"
     for bad in (1, "true", None):
         assert_envelope(client.post("/v1/topk", json={"inputs": x, "matches_only": bad}), 422, "validation_error")
 

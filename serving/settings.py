@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="413 beyond this, counted while the body is read")
     max_inputs: int = Field(256, ge=1, description="examples per request (inputs, gallery items); 422 beyond")
     max_topk: int = Field(1000, ge=1)
+    max_detect_classes: int = Field(1000, ge=1, description="classes one POST /v1/detect may name; 422 beyond "
+                                    "(its cost is those classes' rows: C dot products per input)")
 
     http: bool = Field(True, description="serve HTTP (/v1, /v2, /metrics); off: gRPC alone (needs grpc_port)")
     grpc_port: Optional[int] = Field(None, ge=0, le=65535, description=(

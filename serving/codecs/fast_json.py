@@ -26,28 +26,32 @@ ERRORS = (ValueError, TypeError, RuntimeError, UnicodeDecodeError, KeyError, Ind
 _FLOAT_TYPES = ("FP16", "FP32", "FP64")
 
 
-def query(body: bytes, shape: tuple[int, ...], max_inputs: int) -> Optional[dict]:
+def query(body: bytes, shape: tuple[int, ...], max_inputs: int, lists: tuple[str, ...] = ()) -> Optional[dict]:
     """A /v1 query body {"inputs": [[flat example], ...], other scalar fields} -> its fields, with
-    "inputs" as float32 [N, *shape]; None when the strict reader must read it."""
+    "inputs" as float32 [N, *shape]; None when the strict reader must read it. `lists`: fields that
+    may also be a flat list of scalars (detect's `classes`), answered as a Python list."""
     if body.startswith(BOM):
         return None
     try:
-        return _query(simdjson.Parser().parse(body), body, shape, max_inputs)
+        return _query(simdjson.Parser().parse(body), body, shape, max_inputs, lists)
     except ERRORS:
         return None
 
 
-def _query(doc: Any, body: bytes, shape: tuple[int, ...], max_inputs: int) -> Optional[dict]:
+def _query(doc: Any, body: bytes, shape: tuple[int, ...], max_inputs: int, lists: tuple[str, ...]) -> Optional[dict]:
     keys = unique_keys(doc)
     if keys is None:
         return None
     fields = {key: doc[key] for key in keys}  # (items() would turn arrays into lists)
+    flat = [k for k in lists if type(fields.get(k)) is simdjson.Array]
+    for k in flat:  # a flat list of scalars (a nested one is the strict reader's: one '[' too many below)
+        fields[k] = fields[k].as_list()
     if any(type(v) in (simdjson.Array, simdjson.Object) for k, v in fields.items() if k != "inputs"):
         return None
     examples = fields.get("inputs")
     n, size = (len(examples), math.prod(shape)) if type(examples) is simdjson.Array else (0, 0)
-    # 1 + n brackets in the whole body: no array inside an example, none elsewhere
-    if not 1 <= n <= max_inputs or body.count(b"[") != 1 + n:
+    # 1 + n (+ the flat lists) brackets in the whole body: no array inside an example, none elsewhere
+    if not 1 <= n <= max_inputs or body.count(b"[") != 1 + n + len(flat):
         return None
     if any(type(ex) is not simdjson.Array or len(ex) != size for ex in examples):
         return None

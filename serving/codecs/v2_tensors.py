@@ -266,3 +266,15 @@ def _json_values(t: dict, dt: str, count: int, bools_possible: bool) -> np.ndarr
     if arr.size != count:
         raise InvalidInput(f"input {name!r}: {arr.size} values for shape {t['shape']}", code="shape_mismatch")
     return arr
+
+
+def tensor_bytes(datatype: str, arr: np.ndarray) -> bytes:
+    """An output tensor's raw bytes as the protocol carries them: row-major little-endian values, or
+    for BYTES each element's 4-byte little-endian length then its UTF-8 bytes (Triton's layout)."""
+    if datatype != "BYTES":
+        return np.ascontiguousarray(arr).tobytes()
+    parts = []
+    for item in arr.reshape(-1).tolist():
+        raw = item.encode() if isinstance(item, str) else bytes(item)
+        parts += (len(raw).to_bytes(4, "little"), raw)
+    return b"".join(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -49,6 +50,14 @@ class Thresholds:
         if not self.finite:
             thr[~np.isfinite(thr)] = self.global_threshold
         return thr
+
+    @cached_property
+    def lowest(self) -> float:
+        """The least threshold any trained class decides with (of_class's rule): a logit below it matches
+        no trained class, which tells an open-set top-k that nothing past its k entries can match."""
+        finite = self.threshold[np.isfinite(self.threshold)]
+        low = float(finite.min()) if finite.size else math.inf
+        return low if self.finite else min(low, self.global_threshold)
 
 
 def reload(bundle, current: Thresholds, expect_sha256: str | None) -> tuple[Thresholds, dict, dict]:

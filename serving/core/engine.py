@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import orjson
 
-from serving.core import head_scan
+from serving.core import head_scan, open_set
 from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
@@ -243,10 +243,10 @@ class Engine:
         """The enrolled classes a request answers with (read once per request)."""
         return self.enrolled.snapshot if self.enrolled is not None else self._no_enrolled
 
-    def resolve_class(self, ref: str) -> ClassRef:
+    def resolve_class(self, ref: str, snap: Optional[Enrolled] = None) -> ClassRef:
         """A class name from the manifest, else an integer id (Bundle.class_id's rule), else an enrolled
-        class's name or id (D + slot); NotFound otherwise."""
-        snap = self.snapshot()
+        class's name or id (D + slot); NotFound otherwise. `snap`: the request's enrolled snapshot."""
+        snap = snap if snap is not None else self.snapshot()
         try:
             j = self.bundle.class_id(ref)
             return ClassRef(j, str(self.bundle.classes[j]))
@@ -262,6 +262,22 @@ class Engine:
             raise NotFound(f"unknown class {ref!r} (a class name, an id 0..{self.num_classes - 1}, or an enrolled "
                            f"class's name or id)", code="unknown_class")
         return ClassRef(int(snap.ids_of_positions(pos)), snap.name(pos), snap, pos)
+
+    def resolve_id(self, class_id: int, snap: Enrolled) -> ClassRef:
+        """A class named by its integer id (a JSON number: never read as a name): trained 0..D-1, or an
+        enrolled class's D + slot; NotFound otherwise."""
+        if 0 <= class_id < self.num_classes:
+            return ClassRef(class_id, str(self.bundle.classes[class_id]))
+        pos = snap.position_of_id(class_id) if snap.n and class_id >= self.num_classes else None
+        if pos is None:
+            raise NotFound(f"unknown class id {class_id} (ids are 0..{self.num_classes - 1}, and D + slot of the "
+                           f"{snap.n} enrolled classes)", code="unknown_class")
+        return ClassRef(class_id, snap.name(pos), snap, pos)
+
+    def resolve_classes(self, refs: list) -> tuple[list[ClassRef], Enrolled]:
+        """Classes named by a request (strings as in a path, integers as ids), all from ONE snapshot."""
+        snap = self.snapshot()
+        return [self.resolve_id(r, snap) if type(r) is int else self.resolve_class(r, snap) for r in refs], snap
 
     def threshold_of(self, j: int) -> float:
         return self.calibration.of_class(j)
@@ -317,6 +333,50 @@ class Engine:
         results = await self.batcher.submit(x, "embed", reduce, self._timeout())
         return {"class_id": cls.id, "class_name": cls.name, "threshold": thr, "results": results}
 
+    async def detect_set(self, refs: list[ClassRef], snap: Enrolled, x: np.ndarray, threshold: Optional[float]) -> dict:
+        """detect for each of a few classes at once (issue 51): their C rows gathered (C, never D, rows
+        read), one [n, d] x [d, C] product per request. A class named twice is computed once."""
+        column: dict[int, int] = {}  # class id -> its column among the distinct classes
+        distinct, inverse = [], []
+        for r in refs:
+            if r.id not in column:
+                column[r.id] = len(distinct)
+                distinct.append(r)
+            inverse.append(column[r.id])
+        rows, b, thr, pa, pb = self._gather(distinct, snap)
+        thr = thr if threshold is None else np.full(len(distinct), float(threshold))
+        spread = (lambda a: a[..., inverse]) if len(distinct) < len(refs) else (lambda a: a)
+
+        def reduce(h: np.ndarray) -> list[list[dict]]:  # h [n, d]
+            z = finite_output(h.astype(np.float64) @ rows.T + b)  # [n, C']
+            p, m = sigmoid(pa * z + pb), z >= thr
+            return [[{"logit": zi, "match": mi, "probability": pi} for zi, mi, pi in zip(zr, mr, pr)]
+                    for zr, mr, pr in zip(spread(z).tolist(), spread(m).tolist(), spread(p).tolist())]
+
+        results = await self.batcher.submit(x, "embed", reduce, self._timeout())
+        classes = [{"class_id": r.id, "class_name": r.name, "threshold": t} for r, t in zip(refs, spread(thr).tolist())]
+        return {"classes": classes, "results": results}
+
+    def _gather(self, refs: list[ClassRef], snap: Enrolled) -> tuple[np.ndarray, ...]:
+        """(rows [C, d], bias, threshold, platt a, platt b [C]) float64 of C classes: trained rows from the
+        mapped head (C of them read, never D), enrolled ones from `snap`; the values detect reads."""
+        cal = self.calibration
+        trained = [i for i, r in enumerate(refs) if r.enrolled is None]
+        if len(trained) == len(refs):  # the usual request: one fancy index per array
+            j = np.array([r.id for r in refs], dtype=np.int64)
+            return (self._weight[j].astype(np.float64), self._bias[j].astype(np.float64), cal.of_classes(j),
+                    cal.platt_a[j].astype(np.float64), cal.platt_b[j].astype(np.float64))
+        n = len(refs)
+        rows, b, thr, pa, pb = np.empty((n, self.bundle.embed_dim)), np.empty(n), np.empty(n), np.empty(n), np.empty(n)
+        t, j = np.array(trained, dtype=np.int64), np.array([refs[i].id for i in trained], dtype=np.int64)
+        rows[t], b[t], thr[t], pa[t], pb[t] = (self._weight[j], self._bias[j], cal.of_classes(j), cal.platt_a[j],
+                                               cal.platt_b[j])
+        e = np.array([i for i, r in enumerate(refs) if r.enrolled is not None], dtype=np.int64)
+        q = np.array([refs[i].pos for i in e], dtype=np.int64)
+        rows[e], b[e] = snap.weight[q], snap.bias[q]
+        thr[e], pa[e], pb[e] = snap.values(1)[q], snap.values(2)[q], snap.values(3)[q]
+        return rows, b, thr, pa, pb
+
     async def softmax(self, cls: ClassRef, x: np.ndarray) -> dict:
         col, snap = self._column(cls), cls.enrolled or self.snapshot()
 
@@ -331,42 +391,66 @@ class Engine:
             accumulator=_tagged(lambda n: head_scan.SoftmaxStats(n, col, self.head_pass.logsumexp), snap))
         return {"class_id": cls.id, "class_name": cls.name, "results": results}
 
-    async def topk(self, x: np.ndarray, k: int, mode: str) -> dict:
-        snap = self.snapshot()
-        k = min(k, self.num_classes + snap.n)
+    async def topk(self, x: np.ndarray, k: int, mode: str, threshold: Optional[float] = None,
+                   matches_only: bool = False) -> dict:
+        """The k best classes per input, each entry judged against its class's threshold (or `threshold`)
+        as detect judges it: open-set recognition in one call (issue 51)."""
+        snap, cal = self.snapshot(), self.calibration  # one snapshot, one calibration for the whole request
+        total = self.num_classes + snap.n
+        k = min(k, total)
+        exact = mode == "exact" or self.index is None or self.index.kind in ("exact", "flat")
+        lowest = open_set.lowest_threshold(cal, snap, threshold)
+
+        def finish(logits: np.ndarray, ids: np.ndarray) -> tuple[list, list]:  # in the worker thread
+            thr = open_set.thresholds_of(cal, snap, ids, threshold)
+            complete = open_set.complete_rows(logits, ids, lowest, k >= total) if exact else [False] * len(ids)
+            return self._topk_entries(snap, ids, logits, thr, matches_only), complete
+
+        results, complete = await self.topk_arrays(x, k, mode, snap, finish)
+        return {"k": k, "mode": mode, "results": results, "complete": complete}
+
+    def _topk_entries(self, snap: Enrolled, ids: np.ndarray, logits: np.ndarray, thr: np.ndarray,
+                      matches_only: bool) -> list[list[dict]]:
+        """Per input the entries {class_id, class_name, logit, match, threshold} (ids: D + slot when
+        enrolled; -1: none), only the matching ones with `matches_only`."""
         names, D = self.bundle.classes, self.num_classes
+        match = logits.astype(np.float64) >= thr
+        return [[{"class_id": c, "class_name": str(names[c]) if c < D else snap.name(snap.position_of_id(c)),
+                  "logit": v, "match": m, "threshold": t}
+                 for c, v, m, t in zip(row_ids, row_z, row_m, row_t) if c >= 0 and (m or not matches_only)]
+                for row_ids, row_z, row_m, row_t in zip(ids.tolist(), logits.tolist(), match.tolist(), thr.tolist())]
 
-        def entries(ids: np.ndarray, logits: np.ndarray) -> list[list[dict]]:  # ids: class ids (D + slot when enrolled)
-            return [[{"class_id": int(c), "class_name": str(names[c]) if c < D else snap.name(snap.position_of_id(c)),
-                      "logit": float(v)} for c, v in zip(row_ids, row_z) if c >= 0]
-                    for row_ids, row_z in zip(ids, logits)]
-
+    async def topk_arrays(self, x: np.ndarray, k: int, mode: str, snap: Enrolled, finish=None):
+        """The k best (logits [n, k] float32, class ids [n, k]) per input, best first, by the pass over every
+        row (exact) or the class index; `finish(logits, ids)` runs on them in the worker thread when given."""
+        finish = finish or (lambda logits, ids: (logits, ids))
         if mode == "exact" or self.index is None or self.index.reads_every_row:  # exact index: the same pass
             def reduce(acc: head_scan.TopK):  # streamed over all D + n_e logits
                 require_finite(acc.finite)
                 logits, cols = acc.result()
-                return entries(_ids_of_columns(snap, cols), logits)
+                return finish(logits[:, :k], _ids_of_columns(snap, cols[:, :k]))
 
-            results = await self.batcher.submit(
+            result = await self.batcher.submit(
                 x, "logits", reduce, self._timeout(), patience=self.scan_patience,
                 accumulator=_tagged(lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra), snap))
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
-                return entries(ids[:, :k], finite_output(logits[:, :k]))
+                return finish(finite_output(logits[:, :k]), ids[:, :k])
 
             reduce.k, reduce.enrolled = k, snap  # _index_search: the whole batch with the largest k, then the enrolled rows
-            results = await self.batcher.submit(x, "index", reduce, self._timeout())
-        return {"k": k, "mode": mode, "results": results}
+            result = await self.batcher.submit(x, "index", reduce, self._timeout())
+        return result
 
     def class_exists(self, class_id: int, snap: Enrolled) -> bool:
         """Whether `class_id` names a trained class or an enrolled one of `snap`."""
         return 0 <= class_id < self.num_classes or (class_id >= self.num_classes and snap.position_of_id(class_id) is not None)
 
-    async def single_logits(self, x: np.ndarray, ids: np.ndarray, snap: Optional[Enrolled] = None
-                            ) -> tuple[np.ndarray, np.ndarray]:
+    async def single_logits(self, x: np.ndarray, ids: np.ndarray, snap: Optional[Enrolled] = None,
+                            threshold: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool).
-        ids: trained ids, or enrolled ids of `snap` (checked by the caller with class_exists)."""
+        ids: trained ids, or enrolled ids of `snap` (checked by the caller with class_exists); `threshold`:
+        the request's, for every class (as detect's)."""
         trained = ids < self.num_classes
         if trained.all():
             rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
@@ -374,6 +458,7 @@ class Engine:
             thr = self.calibration.of_classes(ids)  # [N] threshold_of's rule
         else:
             rows, b, thr = self._mixed_rows(ids, trained, snap if snap is not None else self.snapshot())
+        thr = thr if threshold is None else float(threshold)
 
         def reduce(h: np.ndarray):  # h [N, d]
             z = finite_output(np.vecdot(h.astype(np.float64), rows) + b)
@@ -392,10 +477,10 @@ class Engine:
         rows[e], b[e], thr[e] = snap.weight[pos], snap.bias[pos], snap.values(1)[pos]
         return rows, b, thr
 
-    async def all_logits(self, x: np.ndarray) -> np.ndarray:
+    async def all_logits(self, x: np.ndarray, snap: Optional[Enrolled] = None) -> np.ndarray:
         """KServe `<name>-full`: logits [N, D + n_e] float32 (the enrolled classes' columns after the D
-        trained ones, in id order), written chunk by chunk into the answer."""
-        snap = self.snapshot()
+        trained ones, in id order), written chunk by chunk into the answer. `snap`: the request's."""
+        snap = snap if snap is not None else self.snapshot()
 
         def reduce(acc: head_scan.AllLogits) -> np.ndarray:
             require_finite(acc.finite)

@@ -30,9 +30,8 @@ import threading
 import time
 from typing import Any, Optional
 
-import numpy as np
-
 from serving.codecs.grpc_tensors import decode_tensors
+from serving.codecs.v2_tensors import tensor_bytes
 from serving.core.deadlines import within
 from serving.core.v2 import SERVER_VERSION, VERSION, model_kind, model_metadata_of, run_model
 from serving.errors import DeadlineExceeded, InvalidInput, Kind, NotFound, RequestTimeout, SlcError
@@ -159,16 +158,24 @@ async def infer(engine, request, pb):
         raise NotFound(f"model version {request.model_version!r} does not exist", code="unknown_version")
     kind = model_kind(engine, request.model_name)
     limit = engine.settings.max_inputs * (engine.input_size + 1)
-    outputs = await run_model(engine, kind, decode_tensors(request, limit, engine.settings.max_inputs))
-    wanted = [o.name for o in request.outputs] or list(outputs)
-    if unknown := [n for n in wanted if n not in outputs]:
-        raise InvalidInput(f"unknown output {unknown[0]!r}; outputs are {sorted(outputs)}", code="unknown_output")
+    asked = [(o.name, plain_parameters(o.parameters)) for o in request.outputs] or None
+    outputs = await run_model(engine, kind, decode_tensors(request, limit, engine.settings.max_inputs), asked,
+                              plain_parameters(request.parameters))
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSION, id=request.id)
-    for name in wanted:
-        dtype, arr = outputs[name]
+    for name, (dtype, arr) in outputs.items():  # in the order asked
         response.outputs.add(name=name, datatype=dtype, shape=list(arr.shape))
-        response.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
+        response.raw_output_contents.append(tensor_bytes(dtype, arr))
     return response
+
+
+def plain_parameters(parameters) -> dict:
+    """A protobuf map<string, InferParameter> as {key: bool | int | float | str} (the oneof that is set),
+    the form the HTTP front reads from JSON, so both fronts check the same values."""
+    out = {}
+    for key, param in parameters.items():
+        which = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, which) if which is not None else None
+    return out
 
 
 def model_metadata(engine, name: str, pb):
@@ -195,7 +202,7 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
             return pb.ServerReadyResponse(ready=bool(state.is_ready and await state.device_ready()))
 
         async def ServerMetadata(self, request, context):
-            return pb.ServerMetadataResponse(name="slc", version=SERVER_VERSION, extensions=[])
+            return pb.ServerMetadataResponse(name="slc", version=SERVER_VERSION, extensions=["classification"])
 
         async def ModelReady(self, request, context):
             async def work(_):

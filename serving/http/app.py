@@ -89,5 +89,5 @@ def _openapi(app: FastAPI, state, components: Callable[[], dict]) -> dict:
         return schema  # not cached: it is completed once the model is loaded
     s = state.settings
     app.openapi_schema = describe_model_inputs(schema, state.bundle.input_shape, s.max_inputs, s.max_topk,
-                                               [state.bundle.name, state.bundle.name + "-full"])
+                                               [state.bundle.name, state.bundle.name + "-full"], s.max_detect_classes)
     return app.openapi_schema

@@ -56,6 +56,29 @@ class DetectResponse(BaseModel):
     results: list[DetectResult]
 
 
+# ----------------------------------------------------------------------------- detect over a set of classes
+ClassRefItem = Union[Annotated[int, Field(strict=True)], Annotated[str, Field(min_length=1)]]
+
+
+class DetectSetRequest(_Body):
+    inputs: Inputs
+    classes: list[ClassRefItem] = Field(min_length=1, description=(
+        "1..SLC_MAX_DETECT_CLASSES classes: names (read as a path's {class}: a name, else an id in decimal) "
+        "or integer ids (trained 0..D-1, enrolled D + slot); a class named twice is answered twice"))
+    threshold: Optional[FiniteFloat] = Field(None, description="override of every class's calibrated threshold")
+
+
+class DetectSetClass(BaseModel):
+    class_id: int
+    class_name: str
+    threshold: float = Field(description="the threshold its `match` uses")
+
+
+class DetectSetResponse(BaseModel):
+    classes: list[DetectSetClass] = Field(description="the classes resolved, in the request's order")
+    results: list[list[DetectResult]] = Field(description="per input, one entry per class of `classes`, in order")
+
+
 # ----------------------------------------------------------------------------- softmax
 class SoftmaxRequest(_Body):
     inputs: Inputs
@@ -78,18 +101,23 @@ class TopkRequest(_Body):
     inputs: Inputs
     k: int = Field(5, ge=1, strict=True, description="at most the server's max_topk")
     mode: Literal["exact", "index"] = "exact"
+    threshold: Optional[FiniteFloat] = Field(None, description="override of every class's calibrated threshold")
+    matches_only: bool = Field(False, strict=True, description="answer only the entries that match ([]: none of them)")
 
 
 class TopkEntry(BaseModel):
     class_id: int
     class_name: str
     logit: float
+    match: bool = Field(description="logit >= threshold")
+    threshold: float = Field(description="the class's calibrated threshold, or the request's")
 
 
 class TopkResponse(BaseModel):
     k: int
     mode: Literal["exact", "index"]
     results: list[list[TopkEntry]]
+    complete: list[bool] = Field(description="per input: every class that matches is in its list")
 
 
 # ----------------------------------------------------------------------------- gallery
@@ -264,7 +292,7 @@ def example_schema(input_shape: tuple[int, ...]) -> dict:
 
 
 def describe_model_inputs(openapi: dict, input_shape: tuple[int, ...], max_inputs: int, max_topk: int,
-                          model_names: list[str]) -> dict:
+                          model_names: list[str], max_detect_classes: Optional[int] = None) -> dict:
     """The OpenAPI schema with the loaded model's real input shape, the server's limits and the KServe
     model names, so that a client (or a fuzzer) sees exactly what a valid request is."""
     schemas = openapi.get("components", {}).get("schemas", {})
@@ -276,11 +304,13 @@ def describe_model_inputs(openapi: dict, input_shape: tuple[int, ...], max_input
     one = example_schema(tuple(input_shape))
     inputs = {"type": "array", "items": one, "minItems": 1, "maxItems": max_inputs,
               "description": f"1..{max_inputs} examples, each {list(input_shape)} or flat"}
-    for name in ("DetectRequest", "SoftmaxRequest", "TopkRequest", "EnrollRequest"):
+    for name in ("DetectRequest", "DetectSetRequest", "SoftmaxRequest", "TopkRequest", "EnrollRequest"):
         if name in schemas:
             schemas[name]["properties"]["inputs"] = inputs
     if "TopkRequest" in schemas:
         schemas["TopkRequest"]["properties"]["k"]["maximum"] = max_topk
+    if "DetectSetRequest" in schemas and max_detect_classes is not None:
+        schemas["DetectSetRequest"]["properties"]["classes"]["maxItems"] = max_detect_classes
     if "GalleryItemIn" in schemas:
         schemas["GalleryItemIn"]["properties"]["input"] = one
     if "GalleryUpsertRequest" in schemas:

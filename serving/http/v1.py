@@ -29,7 +29,8 @@ from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route, path_is_utf8
 from serving.http.schemas import (CalibrationReloadRequest, CalibrationReloadResponse, ClassSearchRequest,
-                             ClassSearchResponse, DetectRequest, DetectResponse, EnrolledClass, EnrolledList,
+                             ClassSearchResponse, DetectRequest, DetectResponse, DetectSetRequest,
+                             DetectSetResponse, EnrolledClass, EnrolledList,
                              EnrollRequest, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest,
                              GalleryUpsertResponse, Health, ModelInfo, SoftmaxRequest, SoftmaxResponse, TopkRequest,
                              TopkResponse)
@@ -121,10 +122,12 @@ async def model(engine=Depends(ready_engine), state=Depends(server_state)):
 
 # ----------------------------------------------------------------------------- POST and PUT bodies
 # Answered from the raw body by FastRoutes (serving/http/fast_routes.py): one implementation each.
-async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict]) -> tuple[Any, dict, np.ndarray]:
+async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict],
+                 extra_values: int = 0, lists: tuple[str, ...] = ()) -> tuple[Any, dict, np.ndarray]:
     """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
     the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
-    An image body (Content-Type image/*) is one example; its parameters come from the query string."""
+    An image body (Content-Type image/*) is one example; its parameters come from the query string.
+    `extra_values`: values and lists the route's other fields may hold; `lists`: those fields (a list of classes)."""
     engine = app_state(scope).ready_engine()
     content_type = images.content_type_of(scope)
     if images.is_image(content_type):
@@ -134,9 +137,9 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
         return engine, p, await _image_example(engine, body, content_type)
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
-    read.check_structure(body, max_values=n * math.prod(shape) + 8, max_lists=1 + n * lists_per_example,
-                         max_objects=1)
-    fast = fast_json.query(body, shape, n) if _is_json(scope) else None  # plain bodies: no float objects
+    read.check_structure(body, max_values=n * math.prod(shape) + 8 + extra_values,
+                         max_lists=1 + n * lists_per_example + extra_values, max_objects=1)
+    fast = fast_json.query(body, shape, n, lists) if _is_json(scope) else None  # plain bodies: no float objects
     obj = fast if fast is not None else _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
     p = params(obj)
@@ -173,6 +176,46 @@ async def detect(scope, body: bytes):
     return 200, await engine.detect(cls, x, p["threshold"])
 
 
+@fast_route(router, "POST", "/detect", name="detect_set", body=DetectSetRequest, response_model=DetectSetResponse,
+            responses=_QUERY_ERRORS, tags=["query"])
+async def detect_set(scope, body: bytes):
+    """detect for a set of classes in one call: each input against each named class's row (the set's
+    rows are read, never the whole head), with its logit, match and probability."""
+    limit = app_state(scope).settings.max_detect_classes
+    engine, p, x = await _query(scope, body, ("inputs", "classes", "threshold"), lambda o: {
+        "classes": _class_list(o, limit), "threshold": read.number(o, "threshold")}, extra_values=4 * limit,
+        lists=("classes",))
+    refs, snap = engine.resolve_classes(p["classes"])
+    return 200, await engine.detect_set(refs, snap, x, p["threshold"])
+
+
+def _class_list(obj: dict, limit: int) -> list:
+    """`classes`: 1..limit class names (strings, read as a path's `{class}`) or ids (integers)."""
+    if "classes" not in obj:
+        raise InvalidInput("body: field 'classes' is required", code="validation_error")
+    refs = obj["classes"]
+    if type(refs) is not list or not refs:
+        raise InvalidInput("classes must be a non-empty list of class names or ids", code="validation_error")
+    if len(refs) > limit:
+        raise InvalidInput(f"{len(refs)} classes in one request; the limit is {limit} (SLC_MAX_DETECT_CLASSES)",
+                           code="too_many_classes")
+    for i, r in enumerate(refs):
+        if type(r) is float and r.is_integer():  # as JSON Schema: 5.0 is the integer 5
+            refs[i] = r = int(r)
+        if type(r) not in (str, int) or r == "":
+            raise InvalidInput(f"classes[{i}] must be a class name (a non-empty string) or id (an integer)",
+                               code="validation_error")
+    return refs
+
+
+def _flag(obj: dict, key: str) -> bool:
+    """A JSON boolean, false when absent; nothing coerced (1, "true" are refused)."""
+    v = obj.get(key, False)
+    if type(v) is not bool:
+        raise InvalidInput(f"{key} must be true or false", code="validation_error")
+    return v
+
+
 @fast_route(router, "POST", "/classes/{class}/softmax", name="softmax", body=SoftmaxRequest,
             response_model=SoftmaxResponse, responses=_QUERY_ERRORS, tags=["query"])
 async def softmax(scope, body: bytes):
@@ -185,12 +228,14 @@ async def softmax(scope, body: bytes):
 @fast_route(router, "POST", "/topk", name="topk", body=TopkRequest, response_model=TopkResponse,
             responses=_QUERY_ERRORS, tags=["query"])
 async def topk(scope, body: bytes):
-    """The k best classes per input: exact (all D logits) or through the faiss class index."""
+    """The k best classes per input: exact (all D logits) or through the faiss class index; each entry
+    judged against its class's threshold as detect judges it (`matches_only`: the matching ones)."""
     max_topk = app_state(scope).settings.max_topk
-    engine, p, x = await _query(scope, body, ("inputs", "k", "mode"), lambda o: {
+    engine, p, x = await _query(scope, body, ("inputs", "k", "mode", "threshold", "matches_only"), lambda o: {
         "k": read.integer(o, "k", 5, 1, max_topk, code="k_too_large"),
-        "mode": read.choice(o, "mode", "exact", ("exact", "index"))})
-    return 200, await engine.topk(x, p["k"], p["mode"])
+        "mode": read.choice(o, "mode", "exact", ("exact", "index")),
+        "threshold": read.number(o, "threshold"), "matches_only": _flag(o, "matches_only")})
+    return 200, await engine.topk(x, p["k"], p["mode"], p["threshold"], p["matches_only"])
 
 
 def _require_key(scope) -> None:

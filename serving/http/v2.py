@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.codecs import v2_tensors as v2
 from serving.core.v2 import SERVER_VERSION, VERSION, check_version, model_kind, model_metadata_of, run_model
-from serving.errors import InvalidInput, NotReady
+from serving.errors import NotReady
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route
@@ -95,7 +95,7 @@ def _check_version(request: Request) -> None:
 
 @router.get("", response_model=ServerMetadata)
 async def server_metadata(request: Request):
-    return {"name": "slc", "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]}
+    return {"name": "slc", "version": SERVER_VERSION, "extensions": ["binary_tensor_data", "classification"]}
 
 
 @router.get("/health/live", response_model=Liveness)
@@ -152,7 +152,8 @@ async def infer(scope, body: bytes):
     kind = model_kind(engine, params["model"])
     body, binary = v2.split_binary(_header(scope, b"inference-header-content-length"), body)
     req, tensors = v2.read_infer(body, binary, engine.settings.max_inputs, engine.input_shape)
-    outputs = await run_model(engine, kind, tensors)
+    asked = [(o["name"], o["parameters"]) for o in req["outputs"]] if req["outputs"] else None
+    outputs = await run_model(engine, kind, tensors, asked, req["parameters"])
     return 200, _answer(params["model"], req, outputs)
 
 
@@ -164,21 +165,19 @@ def _header(scope, name: bytes) -> Optional[bytes]:
 
 
 def _answer(model: str, req: dict, outputs: dict[str, tuple[str, np.ndarray]]):
-    """The infer response: outputs asked as binary_data go raw after the JSON header (RawAnswer)."""
-    wanted = req["outputs"] or [{"name": n, "parameters": None} for n in outputs]
+    """The infer response, outputs in the order asked (run_model's): outputs asked as binary_data go
+    raw after the JSON header (RawAnswer); BYTES tensors as Triton sends them (serving/codecs/v2_tensors.py)."""
+    params_of = {o["name"]: o["parameters"] or {} for o in req["outputs"] or ()}
     binary_default = bool((req["parameters"] or {}).get("binary_data_output", False))
     out_json, out_bin = [], []
-    for o in wanted:
-        if o["name"] not in outputs:
-            raise InvalidInput(f"unknown output {o['name']!r}; outputs are {sorted(outputs)}", code="unknown_output")
-        dtype, arr = outputs[o["name"]]
-        entry: dict[str, Any] = {"name": o["name"], "datatype": dtype, "shape": list(arr.shape)}
-        if bool((o["parameters"] or {}).get("binary_data", binary_default)):
-            raw = np.ascontiguousarray(arr).tobytes()
+    for name, (dtype, arr) in outputs.items():
+        entry: dict[str, Any] = {"name": name, "datatype": dtype, "shape": list(arr.shape)}
+        if bool(params_of.get(name, {}).get("binary_data", binary_default)):
+            raw = v2.tensor_bytes(dtype, arr)
             entry["parameters"] = {"binary_data_size": len(raw)}
             out_bin.append(raw)
         else:
-            entry["data"] = arr.reshape(-1)
+            entry["data"] = arr.reshape(-1).tolist() if dtype == "BYTES" else arr.reshape(-1)
         out_json.append(entry)
     response = {"model_name": model, "model_version": VERSION, "outputs": out_json}
     if req["id"] is not None:
@@ -188,5 +187,3 @@ def _answer(model: str, req: dict, outputs: dict[str, tuple[str, np.ndarray]]):
     head = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
     return RawAnswer(head + b"".join(out_bin), b"application/octet-stream",
                      [(b"inference-header-content-length", str(len(head)).encode())])
-
-

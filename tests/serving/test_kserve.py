@@ -33,7 +33,10 @@ def test_health_and_metadata(triton, bundle):
     assert meta["inputs"][0]["shape"] == [-1, *bundle.input_shape]
     assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {"logit": "FP32", "match": "BOOL"}
     full = triton.get_model_metadata(name + "-full")
-    assert full["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, bundle.num_classes]}]
+    shape = [-1, bundle.num_classes]
+    assert full["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": shape},
+                               {"name": "match", "datatype": "BOOL", "shape": shape},
+                               {"name": "threshold", "datatype": "FP32", "shape": shape}]
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
@@ -98,7 +101,7 @@ def test_plain_json_nested_data_and_errors(server, bundle, offline, inputs):
     r = httpx.post(url, content=nan.encode(), headers={"content-type": "application/json"})  # NaN literals
     assert_envelope(r, 422, "non_finite_value")
     assert_envelope(httpx.post(f"{server}/v2/models/nope/infer", json=body), 404, "unknown_model")
-    assert httpx.get(f"{server}/v2").json()["extensions"] == ["binary_tensor_data"]
+    assert httpx.get(f"{server}/v2").json()["extensions"] == ["binary_tensor_data", "classification"]
 
 
 def _infer(server, model, inputs, version=None):

@@ -60,7 +60,7 @@ BODIES = {
 }
 ROUTES = {"detect": "/v1/classes/7/detect", "softmax": "/v1/classes/7/softmax", "topk": "/v1/topk",
           "detect_unknown_class": f"/v1/classes/{D + 5}/detect"}
-FIELDS = {"detect": {"inputs", "threshold"}, "softmax": {"inputs"}, "topk": {"inputs", "k", "mode"}}
+FIELDS = {"detect": {"inputs", "threshold"}, "softmax": {"inputs"}, "topk": {"inputs", "k", "mode", "threshold", "matches_only"}}
 V, S, NF = "validation_error", "shape_mismatch", "non_finite_value"
 # the body's own fault, whatever the route (before any field is read)
 BODY_FAULT = {"nan_literal": (422, NF), "infinity_literal": (422, NF), "overflow_double": (422, NF),

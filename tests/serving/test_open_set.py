@@ -1,0 +1,215 @@
+"""Open-set answers (issue 51, parts 1 and 2) checked against independent truth: the offline logits of
+the synthetic bundle (tests/serving/helpers.py Offline: its own onnxruntime session, the head in
+float64), extended with enrolled rows computed by the documented imprinting rule (test_enroll.py),
+against thresholds read from the bundle (calibration.json) or the rule (the global threshold).
+
+- /v1/topk: every entry carries `match` and `threshold` as detect decides them, exact and index
+  mode, trained and enrolled classes, the request's threshold; `matches_only`; `complete`.
+- POST /v1/detect over a set of classes: each entry equals the single detect of its class and the
+  offline math; only the set's rows are read and the pass over the head never runs; refusals.
+- a calibration reload moves top-k, set detect and detect together."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.serving.helpers import D, INPUT_DIM, assert_envelope
+from tests.serving.test_enroll import Extended, enroll, examples, imprint
+
+
+def calibrated(bundle) -> np.ndarray:
+    """[D] float64 of the thresholds detect uses: calibration.json's per-class ones (float32), the
+    global one where a class has none."""
+    thr = np.asarray(bundle.thresholds, dtype=np.float32).astype(np.float64)
+    return np.where(np.isfinite(thr), thr, bundle.global_threshold)
+
+
+@pytest.fixture
+def served(client, offline, bundle):
+    """A server with two enrolled classes; (client, Extended truth, thresholds [D + 2] in id order, names)."""
+    made = []
+    for seed, name in ((1, "alpha"), (2, "beta")):
+        x = examples(seed, n=seed + 1)
+        made.append((enroll(client, name, x).json()["class_id"], *imprint(offline, x)))
+    ext = Extended(offline, made)
+    thr = np.concatenate([calibrated(bundle), [bundle.global_threshold] * 2])  # enrolled: the global threshold
+    names = {**{j: str(bundle.classes[j]) for j in range(D)}, made[0][0]: "alpha", made[1][0]: "beta"}
+    return client, ext, thr, names
+
+
+def probes(ext: Extended, thr: np.ndarray, n: int = 6) -> np.ndarray:
+    """Inputs that some class claims (margin z - threshold > 0 somewhere) and some none claims, from
+    a pool judged offline, so both outcomes are checked; one of them an enrolled class's own example."""
+    pool = np.random.default_rng(7).standard_normal((4000, INPUT_DIM)).astype(np.float32)
+    margin = (ext.logits(pool) - thr).max(axis=1)
+    order = np.argsort(margin)
+    picked = np.concatenate([pool[order[-(n // 2):]], pool[order[:n // 2 - 1]], examples(1, n=1)])
+    assert (margin[order[-1]] > 0) and (margin[order[0]] < 0)
+    return picked
+
+
+def check_entries(top: dict, z: np.ndarray, ext: Extended, thr: np.ndarray, names: dict, k: int,
+                  threshold=None, matches_only=False) -> None:
+    for row, zi in zip(top["results"], z):
+        want = ext.ids[np.argsort(-zi, kind="stable")[:k]]
+        cols = [ext.column(c) for c in want]
+        t = thr[cols] if threshold is None else np.full(k, threshold)
+        m = zi[cols] >= t
+        keep = m if matches_only else np.ones(k, bool)
+        assert [e["class_id"] for e in row] == want[keep].tolist()
+        assert [e["class_name"] for e in row] == [names[c] for c in want[keep]]
+        np.testing.assert_allclose([e["logit"] for e in row], zi[cols][keep], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose([e["threshold"] for e in row], t[keep], rtol=1e-7)
+        assert [e["match"] for e in row] == m[keep].tolist()
+
+
+@pytest.mark.parametrize("mode", ["exact", "index"])
+def test_topk_entries_are_judged_at_each_class_threshold(served, mode, monkeypatch):
+    """Trained and enrolled classes, the calibrated thresholds and the request's, all entries and only
+    the matching ones; mode=index through the class index itself (not the pass)."""
+    from serving.core.class_index import ClassIndex
+
+    client, ext, thr, names = served
+    if mode == "index":
+        monkeypatch.setattr(ClassIndex, "reads_every_row", property(lambda self: False))
+    x = probes(ext, thr)
+    z = ext.logits(x)
+    assert any(ext.ids[np.argmax(zi)] >= D for zi in z)  # an enrolled class leads somewhere
+    for k in (1, 5, D + 2):
+        body = {"inputs": x.tolist(), "k": k, "mode": mode}
+        check_entries(client.post("/v1/topk", json=body).json(), z, ext, thr, names, k)
+        only = client.post("/v1/topk", json={**body, "matches_only": True}).json()
+        check_entries(only, z, ext, thr, names, k, matches_only=True)
+        if k == D + 2:  # the probes hold both outcomes
+            assert any(only["results"]) and not all(only["results"])
+        t = float(np.median(z))
+        check_entries(client.post("/v1/topk", json={**body, "threshold": t, "matches_only": True}).json(),
+                      z, ext, thr, names, k, threshold=t, matches_only=True)
+
+
+def test_matches_only_is_empty_for_an_input_no_class_claims(served):
+    """The input furthest below every class's threshold: [] for any k, `complete` as the truth says
+    (the k-th logit below the lowest threshold, or k = every class); with a request threshold above
+    its best logit, complete from k = 1."""
+    client, ext, thr, _ = served
+    pool = np.random.default_rng(11).standard_normal((4000, INPUT_DIM)).astype(np.float32)
+    far = pool[np.argmin((ext.logits(pool) - thr).max(axis=1))][None]
+    z = ext.logits(far)[0]
+    assert (z < thr).all()  # the truth: no class at all matches it
+    for mode in ("exact", "index"):
+        for k in (1, 3, D + 2):
+            got = client.post("/v1/topk", json={"inputs": far.tolist(), "k": k, "mode": mode, "matches_only": True})
+            assert got.json()["results"] == [[]]
+            assert got.json()["complete"] == [bool(np.sort(z)[::-1][k - 1] < thr.min() or k == D + 2)]
+        t = float(z.max()) + 0.01
+        got = client.post("/v1/topk", json={"inputs": far.tolist(), "k": 1, "mode": mode, "matches_only": True,
+                                            "threshold": t}).json()
+        assert got["results"] == [[]] and got["complete"] == [True]
+
+
+def test_complete_says_whether_every_match_is_listed(served):
+    """complete: the k entries are every class, or the last one's logit is below every threshold."""
+    client, ext, thr, _ = served
+    x = probes(ext, thr)
+    z = ext.logits(x)
+    for k in (1, 4, D + 2):
+        got = client.post("/v1/topk", json={"inputs": x.tolist(), "k": k}).json()["complete"]
+        kth = np.sort(z, axis=1)[:, ::-1][:, k - 1]
+        assert got == ((kth < thr.min()) | (k == D + 2)).tolist()
+        got = client.post("/v1/topk", json={"inputs": x.tolist(), "k": k, "threshold": 0.3}).json()["complete"]
+        assert got == ((kth < 0.3) | (k == D + 2)).tolist()
+
+
+def test_set_detect_equals_single_detects(served, bundle, inputs):
+    """Names, ids (integers and decimal strings), an enrolled class by name and id, a class twice: each
+    entry is the single detect of its class (same logit, match, probability), and the offline math."""
+    client, ext, thr, names = served
+    alpha = ext.ids[D]
+    classes = [7, "3", str(bundle.classes[12]), "alpha", int(alpha), "beta", 7]
+    for threshold in (None, 0.2):
+        body = {"inputs": inputs.tolist(), "classes": classes, **({} if threshold is None else {"threshold": threshold})}
+        got = client.post("/v1/detect", json=body)
+        assert got.status_code == 200, got.text
+        got = got.json()
+        assert len(got["classes"]) == len(classes) and all(len(row) == len(classes) for row in got["results"])
+        z = ext.logits(inputs)
+        for c, ref in enumerate(classes):
+            single = client.post(f"/v1/classes/{ref}/detect", json={k: v for k, v in body.items() if k != "classes"}).json()
+            assert got["classes"][c] == {"class_id": single["class_id"], "class_name": single["class_name"],
+                                         "threshold": single["threshold"]}
+            col = ext.column(single["class_id"])
+            want_thr = thr[col] if threshold is None else threshold
+            assert single["threshold"] == pytest.approx(want_thr, rel=1e-7)
+            for i, (entry, one) in enumerate(zip((row[c] for row in got["results"]), single["results"])):
+                assert entry["match"] == one["match"] == bool(z[i, col] >= want_thr)
+                assert entry["logit"] == pytest.approx(one["logit"], rel=1e-12, abs=1e-12)
+                assert entry["probability"] == pytest.approx(one["probability"], rel=1e-12, abs=1e-15)
+                assert entry["logit"] == pytest.approx(z[i, col], rel=1e-5, abs=1e-5)
+
+
+def test_set_detect_reads_the_set_rows_and_never_the_head(client, inputs, monkeypatch):
+    """The cost is the set's rows: the head is indexed only at the named ids, the pass never runs."""
+    engine = client.app.state.slc.engine
+    seen = []
+
+    class Rows:
+        def __init__(self, a):
+            self.a = a
+
+        def __getitem__(self, key):
+            seen.append(np.asarray(key).copy())
+            return self.a[key]
+
+    monkeypatch.setattr(engine, "_weight", Rows(engine._weight))
+    monkeypatch.setattr(engine.head_pass, "run", lambda *a, **k: pytest.fail("the pass over the head ran"))
+    got = client.post("/v1/detect", json={"inputs": inputs.tolist(), "classes": [40, 2, 40, 9]})
+    assert got.status_code == 200, got.text
+    assert len(seen) == 1 and sorted(seen[0].tolist()) == [2, 9, 40]
+
+
+def test_set_detect_refusals(client_factory, inputs):
+    client = client_factory(max_detect_classes=3)
+    x = inputs.tolist()
+    got = assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1, "nobody", 2]}), 404, "unknown_class")
+    assert "nobody" in got["error"]["message"]
+    got = assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1, D + 5]}), 404, "unknown_class")
+    assert str(D + 5) in got["error"]["message"]
+    assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [-1]}), 404, "unknown_class")
+    assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1, 2, 3, 4]}), 422, "too_many_classes")
+    for bad in ([], [True], [1.5], [None], [{"id": 1}], [[1]], [""], "7", 7):
+        assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": bad}), 422, "validation_error")
+    assert_envelope(client.post("/v1/detect", json={"inputs": x}), 422, "validation_error")
+    assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1], "k": 3}), 422, "validation_error")
+    assert_envelope(client.post("/v1/detect", json={"inputs": x, "classes": [1], "threshold": "1"}), 422)
+    assert client.post("/v1/detect", json={"inputs": x, "classes": [1, 2.0, "3"]}).status_code == 200  # 2.0 is 2
+    assert enroll(client, "odd[1],name", examples(1)).status_code == 201  # brackets and commas in a name: still read
+    got = client.post("/v1/detect", json={"inputs": x, "classes": ["odd[1],name", 1]})
+    assert got.status_code == 200 and got.json()["classes"][0]["class_name"] == "odd[1],name"
+    for bad in (1, "true", None):
+        assert_envelope(client.post("/v1/topk", json={"inputs": x, "matches_only": bad}), 422, "validation_error")
+
+
+def test_a_calibration_reload_moves_topk_set_detect_and_detect_together(folder, client_factory, offline, inputs):
+    """The Thresholds object a reload swaps is the one all three decide with."""
+    from tests.serving.test_admin_calibration import AUTH, KEY, ROUTE, recalibrated, thresholds
+
+    client = client_factory(bundle=folder, api_key=KEY)
+    z = offline.logits(inputs)
+    shift = float(-np.max(z)) - 1.0  # every threshold below every logit: everything matches after the reload
+    new = thresholds(recalibrated(folder, shift)).astype(np.float64)
+    assert client.post(ROUTE, headers=AUTH).json()["reloaded"]
+    top = client.post("/v1/topk", json={"inputs": inputs.tolist(), "k": 3}).json()
+    for row in top["results"]:
+        assert all(e["match"] and e["threshold"] == pytest.approx(new[e["class_id"]], rel=1e-7) for e in row)
+    got = client.post("/v1/detect", json={"inputs": inputs.tolist(), "classes": [4, 7]}).json()
+    one = client.post("/v1/classes/7/detect", json={"inputs": inputs.tolist()}).json()
+    assert got["classes"][1]["threshold"] == one["threshold"] == pytest.approx(new[7], rel=1e-7)
+    assert all(e["match"] for row in got["results"] for e in row) and all(r["match"] for r in one["results"])
+
+
+@pytest.fixture
+def folder(bundle_path, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    return Path(shutil.copytree(bundle_path, tmp_path / "served"))

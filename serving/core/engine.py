@@ -405,19 +405,27 @@ class Engine:
                                          accumulator=_tagged(lambda n: head_scan.AllLogits(n, self.num_classes + snap.n), snap))
 
     # ------------------------------------------------------------------ enrolled classes
-    async def enroll(self, name: str, x: np.ndarray) -> tuple[dict, bool]:
-        """Create or replace the class `name` from the examples x [n, *input_shape]: (its answer, created).
-        Answered once the class is committed to the store and in this process's snapshot."""
+    async def enroll(self, name: str, x: np.ndarray, add: bool = False) -> tuple[dict, bool]:
+        """Create or replace the class `name` from the examples x [n, *input_shape], or with `add`, add
+        them to its examples (the row made again from all of them): (its answer, created). Answered
+        once the class is committed to the store and in this process's snapshot."""
         try:
             self.bundle.class_id(name)
-            raise Conflict(f"{name!r} names a class of the bundle; an enrolled class needs a new name", code="class_exists")
+            raise Conflict(f"{name!r} names a class of the bundle; an enrolled class needs a new name" if not add else
+                           f"{name!r} is a class of the bundle (its row is trained); examples are added to enrolled "
+                           "classes only", code="class_exists")
         except KeyError:
             pass
         check_name(name)
+        if len(x) > self.settings.max_class_examples:
+            raise InvalidInput(f"{len(x)} examples; a class is made from at most {self.settings.max_class_examples} "
+                               "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
         h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32), self._timeout())
-        row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
         try:
-            return await self._gallery(self.enrolled.put, name, row)
+            if add:
+                return await self._gallery(self.enrolled.add, name, h)
+            row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
+            return await self._gallery(self.enrolled.put, name, row, h)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
 

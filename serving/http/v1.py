@@ -71,6 +71,7 @@ _SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
 _ADMIN_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 503)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ENROLL_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 429, 503, 504, 507)
+_ADD_ERRORS = error_responses(400, 401, 403, 404, 408, 409, 413, 415, 422, 429, 503, 504, 507)
 
 
 async def require_api_key(request: Request) -> None:
@@ -312,7 +313,7 @@ async def enroll(scope, body: bytes):
 
 
 @fast_route(router, "POST", "/classes/{class}/examples", name="enroll_add", body=EnrollRequest,
-            response_model=EnrolledClass, responses=_ENROLL_ERRORS, tags=["classes"])
+            response_model=EnrolledClass, responses=_ADD_ERRORS, tags=["classes"])
 async def enroll_add(scope, body: bytes):
     """Add examples to an enrolled class (200): the same bodies as PUT. Its row is made again from the
     embeddings of all its examples, kept with the class: exactly the row of enrolling them at once."""

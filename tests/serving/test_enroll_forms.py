@@ -121,11 +121,20 @@ def test_adding_examples_equals_enrolling_all_at_once(make_client):
     assert client.post("/v1/classes/grown/examples", files=_files(pngs[1])).json()["examples"] == 2
 
 
-def test_adding_refusals(make_client):
+def test_adding_refusals(make_client, tmp_path):
+    import sqlite3
+
+    from serving.gallery.sqlite import DB_NAME
+
     client = make_client()
     png = _png(1)
     assert_envelope(client.post("/v1/classes/nobody/examples", files=_files(png)), 404, "unknown_class")
     assert_envelope(client.post("/v1/classes/3/examples", files=_files(png)), 409, "class_exists")
+    assert client.put("/v1/classes/old", files=_files(png)).status_code == 201
+    with sqlite3.connect(tmp_path / "data" / DB_NAME) as db:  # as an slc before issue 50 stored it: no examples
+        db.execute("DELETE FROM enrolled_examples")
+    body = assert_envelope(client.post("/v1/classes/old/examples", files=_files(png)), 409, "examples_not_kept")
+    assert "enroll it again with all its examples (PUT)" in body["error"]["message"]
     small = make_client(max_class_examples=2)
     assert small.put("/v1/classes/k", files=_files(png, png)).status_code == 201
     body = assert_envelope(small.post("/v1/classes/k/examples", files=_files(png)), 422, "too_many_examples")
@@ -219,3 +228,35 @@ def test_adding_is_exact_under_the_standardised_rule_and_the_negatives_threshold
     for key in ("threshold", "bias", "norm"):
         assert grown[key] == pytest.approx(once[key], rel=1e-6, abs=1e-6), key
     np.testing.assert_allclose(z_grown, z_once, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.integration)])
+def test_the_store_keeps_the_examples_with_the_class_and_refuses_a_stale_add(kind, tmp_path):
+    """What adding relies on, in both stores: the embeddings written in the class's transaction, read
+    back exactly, replaced by a PUT, dropped by a delete; a write expecting an older seq is refused."""
+    from contextlib import ExitStack
+
+    from serving.gallery.enrolled import Changed, open_enrolled_store
+    from tests.serving.helpers import postgres_missing, throwaway_postgres
+
+    with ExitStack() as stack:
+        url = None
+        if kind == "postgres":
+            if (why := postgres_missing()) is not None:
+                pytest.skip(why)
+            url, _ = stack.enter_context(throwaway_postgres())
+        store = open_enrolled_store(url, tmp_path / "data", "key")
+        stack.callback(store.close)
+        h = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+        row = np.ones(4, np.float32)
+        store.put("c", row, 0.0, 1.0, 1.0, 0.0, 3, "imprint+global", 10, embeddings=h)
+        kept = store.kept("c")
+        np.testing.assert_array_equal(kept.embeddings, h)
+        with pytest.raises(Changed):
+            store.put("c", row, 0.0, 1.0, 1.0, 0.0, 4, "imprint+global", 10, embeddings=h, expect_seq=kept.seq - 1)
+        store.put("c", row, 0.0, 1.0, 1.0, 0.0, 1, "imprint+global", 10, embeddings=h[:1], expect_seq=kept.seq)
+        assert store.kept("c").embeddings.shape == (1, 4) and store.kept("c").seq == kept.seq + 1
+        store.put("c", row, 0.0, 1.0, 1.0, 0.0, 1, "imprint+global", 10)  # a row stored without its examples
+        assert store.kept("c").embeddings is None
+        store.delete("c")
+        assert store.kept("c") is None and store.kept("nobody") is None

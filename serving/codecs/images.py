@@ -56,12 +56,18 @@ def unsupported_body(content_type: bytes, body: bytes, spec: Optional[dict], for
         takes.append(f"an image ({', '.join(IMAGE_TYPES)}: -H 'Content-Type: image/png' --data-binary @IMAGE.png)")
         if forms:
             takes.append("several images as multipart/form-data (curl -F image=@a.png -F image=@b.png)")
-    found = image_type(body)
+    found, what = image_type(body), describe(body)
+    send = "send the file itself with --data-binary @FILE and -H 'Content-Type: image/png'"
     if found is not None and spec is not None:
-        lead = (f"the body is {describe(body)} sent with {got}: send it with -H 'Content-Type: {found}' "
+        lead = (f"the body is {what} sent with {got}: send it with -H 'Content-Type: {found}' "
                 f"--data-binary @FILE")
+    elif spec is not None and "line breaks were removed" in what:
+        lead = f"the body is {what}, sent with {got}: {send}, which sends the bytes unchanged"
+    elif spec is not None and what.startswith("form data") and not forms:
+        lead = (f"the body is {what}, which only PUT /v1/classes/{{name}} and POST /v1/classes/{{name}}/examples "
+                f"read: {send}")
     else:
-        lead = f"the body ({describe(body)}) came with {got}"
+        lead = f"the body ({what}) came with {got}"
     return UnsupportedMediaType(f"{lead}; this route takes {' or '.join(takes)}")
 
 

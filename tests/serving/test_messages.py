@@ -77,6 +77,18 @@ def test_a_png_without_its_content_type_gets_a_415_naming_image_png(image_client
         assert "-H 'Content-Type: image/png' --data-binary @FILE" in m and "application/json" in m
 
 
+def test_curl_d_and_curl_f_on_a_query_route_say_use_data_binary(image_client):
+    stripped = _png().replace(b"\r", b"").replace(b"\n", b"")  # curl -d @file: line breaks gone, its default type
+    m = _message(_post(image_client, stripped, "application/x-www-form-urlencoded"), 415, "unsupported_media_type")
+    assert m.startswith("the body is a PNG image whose line breaks were removed (curl -d does that), sent with "
+                        "Content-Type application/x-www-form-urlencoded: send the file itself with --data-binary "
+                        "@FILE and -H 'Content-Type: image/png'"), m
+    r = image_client.post("/v1/classes/1/detect", files=[("image", ("a.png", _png(), "image/png"))])  # curl -F
+    m = _message(r, 415, "unsupported_media_type")
+    assert m.startswith("the body is form data (multipart, as curl -F sends), which only PUT /v1/classes/{name} and "
+                        "POST /v1/classes/{name}/examples read: send the file itself with --data-binary @FILE"), m
+
+
 def test_a_json_bundles_415_names_json_only(client):
     m = _message(client.post("/v1/classes/1/detect", content=b"a=1", headers={"content-type": "text/plain"}),
                  415, "unsupported_media_type")

@@ -44,13 +44,13 @@ def _is_json(scope) -> bool:
     return False
 
 
-def _read_object(scope, body: bytes, optional: bool = False, spec: Optional[dict] = None, forms: bool = False) -> dict:
+def _read_object(scope, body: bytes, optional: bool = False) -> dict:
     """The body as a JSON object; with `optional`, an empty body is {} whatever its type. Another type:
-    415 naming what came and what the route takes (`spec`: the bundle's image spec, when images do)."""
+    415 naming what came and that the route takes JSON."""
     if optional and not body.strip():
         return {}
     if not _is_json(scope):
-        raise images.unsupported_body(images.content_type_of(scope), body, spec, forms)
+        raise images.unsupported_body(images.content_type_of(scope), body, None)
     return read.parse_object(body)
 
 
@@ -218,7 +218,7 @@ async def gallery_upsert(scope, body: bytes):
     s = engine.settings
     bodies.check_upsert_structure(body, s.max_inputs, engine.input_shape, s.max_metadata_values)
     if not _is_json(scope):
-        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+        raise images.unsupported_body(images.content_type_of(scope), body, None)
     items, x = await engine.off_loop(bodies.read_upsert, body, s, engine.input_shape)
     ids = await engine.gallery_upsert(items, x)
     return 201, {"upserted": len(ids), "ids": ids}
@@ -237,7 +237,7 @@ async def gallery_put(scope, body: bytes):
     if not images.is_image(content_type):
         bodies.check_upsert_structure(body, 1, engine.input_shape, s.max_metadata_values, what="item")
         if not _is_json(scope):
-            raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+            raise images.unsupported_body(content_type, body, engine.bundle.image)
         items, x = await engine.off_loop(bodies.read_put, body, item_id, s, engine.input_shape)
         ids = await engine.gallery_upsert(items, x)
         return 201, {"upserted": len(ids), "ids": ids}

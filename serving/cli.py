@@ -48,11 +48,44 @@ def serve(bundle: Optional[Path], **flags) -> None:
         field = str(first["loc"][0])
         flag = f" / --{field.replace('_', '-')}" if field in flags else ""
         raise click.UsageError(f"SLC_{field.upper()}{flag}: {first['msg']} (got {first.get('input')!r})") from None
+    if settings.http:
+        check_port(settings.host, settings.port, "--port", "SLC_PORT")
+    if settings.grpc_port is not None:
+        check_port(settings.host, settings.grpc_port, "--grpc-port", "SLC_GRPC_PORT")
     if settings.open_writes_refused():
         from serving.http.v1 import OPEN_WRITES_REFUSED
 
         click.echo("warning: " + OPEN_WRITES_REFUSED.format(host=settings.host), err=True)
     run_server(overrides)
+
+
+class PortTaken(click.ClickException):
+    exit_code = 2  # a usage problem, found before anything loads
+
+
+def check_port(host: str, port: int, flag: str, variable: str) -> None:
+    """Bind `host:port` once, as uvicorn will (SO_REUSEADDR), before the bundle loads: a port in use
+    is one line and exit 2 now, not uvicorn's `[Errno 98]` (exit 3) after minutes of loading."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PortTaken(f"cannot listen on {host}: {exc.strerror} (--host / SLC_HOST)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortTaken(f"port {port} on {host} is already in use (another slc serve?): pick another with "
+                                f"{flag} {port + 1 if port < 65535 else 8000} (or {variable}), or stop what listens "
+                                "there") from None
+            raise PortTaken(f"cannot listen on {host}:{port}: {exc.strerror} ({flag} / {variable})") from None
 
 
 @click.command()

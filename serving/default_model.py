@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.bundle import output
+from serving.bundle.cliopts import slc_command
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,38 @@ def curl_hint(home: Path, host: str, port: int) -> str | None:
     return hint
 
 
+INLINE_VALUES = 32  # a sample input of at most this many values is pasted into the curl; larger: zeros built by python3
+
+
+def bundle_curl_hint(bundle, host: str, port: int) -> str:
+    """A ready-to-paste curl asking the served bundle about its first class: an image body for an
+    image bundle, else JSON (a sample input from samples.npz when small, else zeros of the input shape)."""
+    import math
+    from urllib.parse import quote
+
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
+    name = str(bundle.classes[0])
+    url = f"http://{shown}:{port}/v1/classes/{quote(name, safe='')}/detect"
+    if bundle.image is not None:
+        return (f"is this image a {name}?  curl -s -X POST {url} -H 'Content-Type: image/png' "
+                f"--data-binary @IMAGE.png")
+    size = math.prod(bundle.input_shape)
+    if size <= INLINE_VALUES:
+        body = "'" + json.dumps({"inputs": [_sample(bundle, size)]}) + "'"
+    else:
+        body = f"\"$(python3 -c 'import json; print(json.dumps({{\"inputs\": [[0.0] * {size}]}}))')\""
+    return f"is this input a {name}?  curl -s -X POST {url} -H 'Content-Type: application/json' -d {body}"
+
+
+def _sample(bundle, size: int) -> list:
+    """The bundle's first sample input, flat (zeros when it has none)."""
+    try:
+        with np.load(Path(bundle.path) / "samples.npz", allow_pickle=False) as samples:
+            return [round(float(v), 6) for v in np.asarray(samples["input"][0]).reshape(-1)]
+    except (OSError, KeyError, ValueError, IndexError):
+        return [0.0] * size
+
+
 def ensure_default_bundle(home: Path) -> Path:
     """The default bundle's path, building it first if it does not exist yet."""
     home = Path(home)
@@ -111,7 +144,7 @@ def _build(home: Path, bundle: Path) -> None:
             if done.returncode != 0:
                 raise RuntimeError(f"building the default model failed at `{step}` (exit {done.returncode}); "
                                    f"the training extras are needed once: pip install 'slc[train]'; "
-                                   f"or serve a bundle: slc serve BUNDLE")
+                                   f"or serve a bundle: {slc_command()} serve BUNDLE")
         write_example(staged, example_request_path(home))
         output.replace_cache(staged, bundle, "bundle")
     finally:

@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     max_enrolled_classes: int = Field(100_000, ge=0, description=(
         "enrolled classes (PUT /v1/classes/{name}) a bundle may have at once, over every replica; creating one more "
         "is answered 507 enrolled_limit and nothing is written (replacing one is always allowed)"))
+    max_class_examples: int = Field(4096, ge=1, description=(
+        "examples an enrolled class may be made from, over every PUT and POST /v1/classes/{name}/examples: their "
+        "embeddings are kept with the class (n x d float32) so that added examples give exactly the row of "
+        "enrolling all at once; beyond it, 422 too_many_examples"))
     enrolled_sync_s: float = Field(0.5, gt=0, le=60, description=(
         "how often a server asks the store for enrollments made by other processes (a second replica on the "
         "same SQLite data_dir or PostgreSQL): another replica's enrolled class is served here within this time "

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "data": ("trainer.cli:data", "Datasets that are built, not downloaded (glyphs rendered from fonts)."),
     "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),
     "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
+    "enroll": ("serving.enroll_cli:enroll", "Enroll a class on a running server from image files (no retraining)."),
     "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work), enrolled classes folded in, Triton model repositories."),
     "loadtest": ("tools.loadtest.cli:loadtest", "Load a running server (single logit against full softmax); writes report.json, report.md, latency.png."),
     "bench": (None, "Benchmarks written to docs/results: scale (single logit vs full softmax as D grows), and the lab's."),
@@ -52,7 +53,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
 # (tools/pyproject.toml), left out of the server's wheel. Installed from the checkout with this line.
 LAB_INSTALL = "pip install ./tools"
 # `slc --help` and `slc bench --help` list the lab's commands in sections of their own
-SECTIONS = [("Commands", ["train", "evaluate", "export", "calibrate", "data", "verify", "serve", "bundle"]),
+SECTIONS = [("Commands", ["train", "evaluate", "export", "calibrate", "data", "verify", "serve", "enroll", "bundle"]),
             (f"Load tests and benchmarks (slc-lab: {LAB_INSTALL})", ["loadtest", "bench"]),
             ("Experiments (slc-lab and torch: pip install '.[train]' ./tools)", ["experiment"])]
 BENCH_SECTIONS = [(f"Single logit against full softmax (slc-lab: {LAB_INSTALL})", ["scale"]),

@@ -16,7 +16,7 @@ from typing import Optional
 import click
 
 from models import check_backbone_name, list_backbones
-from serving.bundle.cliopts import OUT, POSITIVE, guarded, key_values
+from serving.bundle.cliopts import OUT, POSITIVE, guarded, key_values, slc_command
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
 from trainer.augment import AUGMENTS
@@ -41,7 +41,7 @@ def _run_dir(ctx: click.Context, param: click.Parameter, value: Path) -> Path:
     if missing == ["checkpoint.pt"] and (value / "checkpoints").is_dir():
         status = json.loads((value / "config.json").read_text()).get("status", "running")
         raise click.BadParameter(f"{value} has not finished training ({status}); continue it with "
-                                 f"slc train --resume {value}", ctx, param)
+                                 f"{slc_command()} train --resume {value}", ctx, param)
     if missing:
         raise click.BadParameter(f"{value} is not a run directory of `slc train` (missing {', '.join(missing)})",
                                  ctx, param)
@@ -234,7 +234,7 @@ def _summary(out: Path, seconds: float) -> None:
         best = f" (best epoch {chosen['best_epoch'] + 1})" if chosen.get("chosen") == "best" else ""
         click.echo(f"trained {out} in {seconds:.0f} s{best}: test accuracy {test['accuracy']:.4f}, "
                    f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}; curves {out / 'curves.png'}"
-                   f"  -> next: slc export {out} --out BUNDLE")
+                   f"  -> next: {slc_command()} export {out} --out BUNDLE")
         if warning := _short_run(out):
             click.echo(warning)
 
@@ -350,7 +350,7 @@ def export(run: Path, out: Path, overwrite: bool, target_precision: Optional[flo
              f"{test['per_class_mean_recall']:.3f}") if test else ""
     click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}, thresholds {b.calibration.get('method', {}).get('name', '?')}"
                f"{' on calibration + style-shifted copies' if b.calibration.get('shift') else ''}"
-               f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: slc serve {out}")
+               f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: {slc_command()} serve {out}")
 
 
 @click.group(no_args_is_help=True)

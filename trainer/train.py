@@ -58,6 +58,7 @@ from trainer.losses import build_loss
 from serving.calibration.chunks import head_chunks
 from trainer.metrics import pooled_separation, slc_metrics, streaming_slc_metrics
 from trainer.run_dir import check_out, clear_run, make_out
+from trainer.start_line import announce
 from trainer.sampled_head import ClassSampler
 from trainer.sharded_head import Shard, gather_head, keep_shard, sharded_losses
 
@@ -557,6 +558,7 @@ def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite:
     if rank == 0:
         _write_json(out / "config.json", resolved)
         _write_json(out / "data.json", data_info)
+        announce(resolved, resume)  # what was chosen, before the first step
     return _Session(cfg, out, rank, world, device, splits, y_train, model, net, loss_fn, sampler, augment, optimizer,
                     schedule, scaler, batch, steps_per_epoch, total_steps, ckpt_dir, history, state, resolved,
                     chance_check_epoch(steps_per_epoch, cfg.val_every, total_steps))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from serving.bundle.cliopts import OUT, bundle_dir as existing_bundle, guarded
+from serving.bundle.cliopts import OUT, bundle_dir as existing_bundle, guarded, slc_command
 from serving.bundle.synthetic import ROW_KINDS
 
 
@@ -49,7 +49,7 @@ def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, prec
                            negatives=negatives, heads=wanted, overwrite=overwrite)
     head_mb = classes * (dim + 1) * 4 / 2**20
     click.echo(f"bundle {out}: {classes:,} {rows} classes, d={dim}, head {head_mb:,.1f} MiB "
-               f"({time.perf_counter() - t0:.1f} s)  -> slc verify {out}; slc serve {out}")
+               f"({time.perf_counter() - t0:.1f} s)  -> {slc_command()} verify {out}; {slc_command()} serve {out}")
 
 
 @bundle.command()
@@ -70,8 +70,8 @@ def quantize(bundle_dir: Path, precisions: tuple[str, ...]) -> None:
     sizes = {p: sum((bundle_dir / n).stat().st_size for n in FILES[p].values()) / 2**20 for p in precisions}
     base = (bundle_dir / "head_weight.npy").stat().st_size / 2**20
     click.echo(f"{bundle_dir}: " + ", ".join(f"{p} head {mb:,.1f} MiB" for p, mb in sizes.items())
-               + f" (float32 {base:,.1f} MiB; {time.perf_counter() - t0:.1f} s)  -> slc verify {bundle_dir}; "
-               f"SLC_HEAD_PRECISION={precisions[0]} slc serve {bundle_dir}")
+               + f" (float32 {base:,.1f} MiB; {time.perf_counter() - t0:.1f} s)  -> {slc_command()} verify {bundle_dir}; "
+               f"SLC_HEAD_PRECISION={precisions[0]} {slc_command()} serve {bundle_dir}")
 
 
 @bundle.command()
@@ -127,7 +127,7 @@ def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"bundle {out}: {len(classes)} enrolled classes folded into {bundle_dir}'s head as ids "
-               f"{trained}..{trained + len(classes) - 1}  -> slc verify {out}; slc serve {out}")
+               f"{trained}..{trained + len(classes) - 1}  -> {slc_command()} verify {out}; {slc_command()} serve {out}")
 
 
 def _servable(records: list, bundle) -> list:

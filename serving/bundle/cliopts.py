@@ -14,6 +14,36 @@ from serving.bundle.files import check_writable_dir
 from serving.bundle.format import MANIFEST
 
 
+def slc_command() -> str:
+    """How to run slc again, for every next-command hint: `slc` when PATH finds the program running
+    now; else its own path (`.venv/bin/slc`, as the README runs it, on no PATH), or `PYTHON -m slc`."""
+    import shutil
+    import sys
+
+    found = shutil.which("slc")
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if program is not None and program.name == "slc":
+        if found and os.path.realpath(found) == os.path.realpath(program):
+            return "slc"
+        return _shown_path(program)
+    if found and os.path.dirname(os.path.realpath(found)) == os.path.dirname(os.path.realpath(sys.executable)):
+        return "slc"  # `python -m slc` of the install whose slc PATH finds
+    return f"{_shown_path(Path(sys.executable))} -m slc"
+
+
+def _shown_path(path: Path) -> str:
+    """A path as a user pastes it: relative to the working directory when under it, else absolute."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
+
+
+# the files that make a folder a training run (trainer/run_dir.py RUN_FILES: the server never imports the trainer)
+RUN_MARKERS = ("config.json", "checkpoint.pt")
+
+
 def out_dir(ctx: click.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:
     """--out must be a writable directory, or creatable inside one."""
     if value is None:
@@ -27,6 +57,9 @@ def out_dir(ctx: click.Context, param: click.Parameter, value: Optional[Path]) -
 def bundle_dir(ctx: click.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:
     """A bundle directory with its manifest (what it holds is verify's job)."""
     if value is not None and not (Path(value) / MANIFEST).is_file():
+        if all((Path(value) / name).is_file() for name in RUN_MARKERS):
+            raise click.BadParameter(f"{value} is a training run, not a bundle: export it first with "
+                                     f"`{slc_command()} export {value} --out BUNDLE`, then give BUNDLE", ctx, param)
         what = "does not exist" if not Path(value).exists() else f"has no {MANIFEST}"
         raise click.BadParameter(f"{value} is not a bundle directory ({what})", ctx, param)
     return None if value is None else Path(value)

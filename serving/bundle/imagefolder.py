@@ -177,5 +177,12 @@ def read_regular(path: str | os.PathLike) -> bytes:
         os.close(fd)
 
 
-def one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+def one_line(exc: BaseException, data: bytes | None = None) -> str:
+    """An error as one line, without Python object addresses; with the file's bytes, what they look
+    like when Pillow could not tell (serving/bundle/sniff.py)."""
+    from serving.bundle.sniff import describe, plain
+
+    line = f"{type(exc).__name__}: {plain(' '.join(str(exc).split()))[:160]}"
+    if data is not None and type(exc).__name__ == "UnidentifiedImageError":
+        line += f" (the file holds {describe(data)})"
+    return line

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir
+from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir, slc_command
 from serving.calibration.recalibrate import (CV, DEFAULT_RULE, KEPT_RULE, Images, Options, adapt_rows, embed_files,
                                               fit, head_rows, list_images, open_source, per_image_counts, pooled,
                                               resolve_options)
@@ -76,10 +76,31 @@ def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshol
     return report
 
 
-def _line(what: str, r: dict) -> str:
+def _before(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test, y_test) -> dict:
+    """Pooled precision and recall of the bundle's previous thresholds and rows on the same images:
+    the "before" of each summary line (a recall that fell reads as a regression without the precision
+    it bought)."""
+    weight, bias = head_rows(bundle)
+    threshold = np.array([np.nan if e.get("threshold") is None else e["threshold"] for e in old["per_class"]],
+                         dtype=np.float32)
+    out = {"fit": _rates(*per_image_counts(h, y, weight, bias, threshold))}
+    if y_test is not None and len(y_test):
+        out["test"] = _rates(*per_image_counts(h_test, y_test, weight, bias, threshold))
+    return out
+
+
+def _rates(tp: np.ndarray, fp: np.ndarray) -> dict:
+    t, f = int(tp.sum()), int(fp.sum())
+    return {"precision": t / (t + f) if t + f else 1.0, "recall": t / max(len(tp), 1)}
+
+
+def _line(what: str, r: dict, before: dict | None = None) -> str:
+    """One summary line: precision and recall (before → after when the previous figures are given)."""
     (pl, ph), (rl, rh) = r["precision_interval"], r["recall_interval"]
-    return (f"{what}: precision {r['precision']:.3f} [{pl:.3f}, {ph:.3f}], recall {r['recall']:.3f} "
-            f"[{rl:.3f}, {rh:.3f}] ({r['images']:,} images, {r['matches']:,} matches; {r['interval']})")
+    was = {k: f"{before[k]:.3f} → " if before else "" for k in ("precision", "recall")}
+    return (f"{what}: precision {was['precision']}{r['precision']:.3f} [{pl:.3f}, {ph:.3f}], recall "
+            f"{was['recall']}{r['recall']:.3f} [{rl:.3f}, {rh:.3f}] ({r['images']:,} images, {r['matches']:,} "
+            f"matches; {r['interval']}{'; before: the previous thresholds' if before else ''})")
 
 
 @click.command("calibrate")
@@ -132,6 +153,7 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
     except ValueError as exc:  # the estimator refusing these data (say, non-finite logits): one line
         raise click.ClickException(f"{bundle}: {exc}") from None
     report = _report(bundle, h, y, h_test, y_test, threshold, rows)
+    before = _before(bundle, old, h, y, h_test, y_test)
     D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
     note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": absolute_name(data),
             "images": len(y), "test_images": 0 if y_test is None else len(y_test),
@@ -143,7 +165,8 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
         write_recalibrated(bundle, cal, target, note, head=rows, in_place=in_place, overwrite=overwrite)
     except RecalibrationError as exc:
         raise click.ClickException(str(exc)) from None
-    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"))
+    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"),
+             before)
 
 
 def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):
@@ -155,7 +178,7 @@ def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):
 
 
 def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
-             seconds: float, choice: dict | None = None) -> None:
+             seconds: float, choice: dict | None = None, before: dict | None = None) -> None:
     import hashlib
 
     sha = hashlib.sha256((target / "calibration.json").read_bytes()).hexdigest()
@@ -171,16 +194,17 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
         click.echo(f"method chosen by {choice['by']}" + (": " if choice["candidates"] else "") + "; ".join(
             f"{r['method']} recall {r['mean_recall']:.3f} at precision {r['pooled_precision']:.3f}"
             + ("" if r["acceptable"] else " (short of the target)") for r in choice["candidates"]))
-    click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"]))
+    before = before or {}
+    click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"], before.get("fit")))
     if "test" in report:
-        click.echo(_line("on the test images (unseen by the choice)", report["test"]))
+        click.echo(_line("on the test images (unseen by the choice)", report["test"], before.get("test")))
     if "adapted_rows" in note:
         a = note["adapted_rows"]
         click.echo(f"rows of {a['classes']:,} classes moved toward their images, step {a['step']:g}"
                    + ("" if isinstance(a["step_choice"], str) else " (chosen: " + "; ".join(
                        f"{c['beta']:g} recalls {c['recall']:.3f}" for c in a["step_choice"]) + ", cross-fitted)"))
     restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target.resolve() == bundle.resolve()
-               else f"slc serve {target}")
+               else f"{slc_command()} serve {target}")
     if "adapted_rows" in note and target.resolve() == bundle.resolve():
         restart = "restart the servers on it (a new head: the reload route takes thresholds only)"
     click.echo(f"recalibrated {note['classes_recalibrated']:,} classes, kept {note['classes_kept']:,}, "

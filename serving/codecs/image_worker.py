@@ -22,11 +22,14 @@ from serving.bundle.image import MAX_PIXELS, ImageTooComplex, ImageTooLarge, Uns
 OUT_OF_MEMORY = "decoder_unavailable"  # the code of a decode that ran out of memory (503)
 
 
-def refusal(exc: BaseException) -> tuple[str, str, str]:
+def refusal(exc: BaseException, body: bytes = b"", fmt: str = "") -> tuple[str, str, str]:
     """(kind, code, message) of the error for a decoding failure (serving/errors.py Kind values): the
     image's fault, except a MemoryError: the body passed the pixel limit, so the memory it lacked is
-    the server's to have (503, retried later), not a reason to call the image invalid."""
+    the server's to have (503, retried later), not a reason to call the image invalid. An invalid
+    body's message says what the bytes look like (serving/bundle/sniff.py), never an object address."""
     from PIL import Image
+
+    from serving.bundle.sniff import not_an_image, plain
 
     if isinstance(exc, MemoryError):
         return ("unavailable", OUT_OF_MEMORY, "the image decoder ran out of memory on an image within the limits "
@@ -38,7 +41,9 @@ def refusal(exc: BaseException) -> tuple[str, str, str]:
         return "too_large", "image_too_complex", f"{exc}: refused before decoding"
     if isinstance(exc, UnsupportedImage):
         return "unsupported_media", "unsupported_media_type", str(exc)
-    return "invalid", "invalid_image", f"the body is not a decodable image ({type(exc).__name__}: {str(exc)[:120]})"
+    if fmt:
+        return "invalid", "invalid_image", not_an_image(body, fmt, str(exc)[:120])
+    return "invalid", "invalid_image", f"the body is not a decodable image ({plain(str(exc))[:120]})"
 
 
 def decode_body(body: bytes, fmt: str, spec: dict, max_pixels: int = MAX_PIXELS) -> np.ndarray:
@@ -70,7 +75,7 @@ def serve(rd, wr) -> None:
             x = decode_body(body, request["format"], request["spec"], request["max_pixels"])
             answer, data = {"ok": True, "shape": list(x.shape)}, np.ascontiguousarray(x, np.float32)
         except Exception as exc:  # noqa: BLE001 - decoder errors are the image's; MemoryError the server's (refusal)
-            (kind, code, message), data = refusal(exc), b""
+            (kind, code, message), data = refusal(exc, body, request["format"]), b""
             answer = {"kind": kind, "code": code, "message": message}
         del body
         wr.send_bytes(json.dumps(answer).encode())

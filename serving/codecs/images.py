@@ -17,7 +17,7 @@ from serving.codecs.image_worker import decode_body, refusal
 from serving.errors import InvalidInput, Kind, NotReady, PayloadTooLarge, SlcError, UnsupportedMediaType
 
 __all__ = ["IMAGE_TYPES", "MAX_PIXELS", "refusal_error", "content_type_of", "decode", "image_format", "is_image",
-           "preprocess"]
+           "preprocess", "unsupported_body"]
 
 IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/bmp": "BMP",
                "image/webp": "WEBP", "image/tiff": "TIFF"}  # content type -> the one Pillow decoder tried
@@ -44,6 +44,33 @@ def image_format(content_type: bytes, spec: Optional[dict]) -> str:
     return IMAGE_TYPES[name]
 
 
+def unsupported_body(content_type: bytes, body: bytes, spec: Optional[dict], forms: bool = False) -> UnsupportedMediaType:
+    """The 415 of a body of a type the route does not read: what was received (its type and what its
+    first bytes look like), the types it takes (images only where the bundle's input is one;
+    `forms`: multipart/form-data of enrollment) and the curl flags that send them; one line."""
+    from serving.bundle.sniff import describe, image_type
+
+    got = f"Content-Type {content_type.decode('latin-1')}" if content_type else "no Content-Type"
+    takes = ["application/json (-H 'Content-Type: application/json' -d @BODY.json)"]
+    if spec is not None:
+        takes.append(f"an image ({', '.join(IMAGE_TYPES)}: -H 'Content-Type: image/png' --data-binary @IMAGE.png)")
+        if forms:
+            takes.append("several images as multipart/form-data (curl -F image=@a.png -F image=@b.png)")
+    found, what = image_type(body), describe(body)
+    send = "send the file itself with --data-binary @FILE and -H 'Content-Type: image/png'"
+    if found is not None and spec is not None:
+        lead = (f"the body is {what} sent with {got}: send it with -H 'Content-Type: {found}' "
+                f"--data-binary @FILE")
+    elif spec is not None and "line breaks were removed" in what:
+        lead = f"the body is {what}, sent with {got}: {send}, which sends the bytes unchanged"
+    elif spec is not None and what.startswith("form data") and not forms:
+        lead = (f"the body is {what}, which only PUT /v1/classes/{{name}} and POST /v1/classes/{{name}}/examples "
+                f"read: {send}")
+    else:
+        lead = f"the body ({what}) came with {got}"
+    return UnsupportedMediaType(f"{lead}; this route takes {' or '.join(takes)}")
+
+
 RETRY_AFTER_S = 1  # of a decode that failed for the server's want (memory): 503 + Retry-After
 
 
@@ -64,4 +91,4 @@ def decode(body: bytes, content_type: bytes, spec: Optional[dict], input_shape: 
     try:
         return decode_body(body, fmt, spec)
     except Exception as exc:  # noqa: BLE001 - a decoder or EXIF failure is the image's fault, never a 500
-        raise refusal_error(*refusal(exc)) from None
+        raise refusal_error(*refusal(exc, body, fmt)) from None

@@ -17,11 +17,12 @@ Inputs arrive decoded (serving/codecs/); errors are serving/errors.py's, protoco
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import orjson
@@ -31,7 +32,7 @@ from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
-from serving.bundle.names import refused_character, shown
+from serving.bundle.names import IdNames, refused_character, shown
 from serving.core.enrollment import check_name
 from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError, StoreDown
 from serving.gallery import GalleryUnavailable, StorageFull, StoreUnavailable
@@ -42,6 +43,28 @@ log = logging.getLogger(__name__)
 # A batch holding a pass over all D classes waits for batch-mates up to this share of the pass's
 # measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
 SCAN_PATIENCE_SHARE = 0.05
+
+
+SUGGEST_MAX = 5_000  # names an unknown one is compared with (difflib, on the event loop: bounded)
+
+
+def unknown_class(ref: str, trained: Sequence, enrolled: list[str], num_classes: int) -> str:
+    """The 404's one line: the names nearest to `ref` (difflib) or a few of them, and a case hint
+    when a name differs from it in case only. Names "0".."D-1" (IdNames) are not listed: the id range says it."""
+    names = list(enrolled) if isinstance(trained, IdNames) or len(trained) > SUGGEST_MAX else [*trained, *enrolled]
+    folded = ref.casefold()
+    same = [n for n in names if n.casefold() == folded]
+    close = [n for n in difflib.get_close_matches(ref, names, n=4, cutoff=0.5) if n not in same]
+    if same:
+        hint = f"did you mean {' or '.join(map(repr, same[:3]))}? class names are case-sensitive"
+    elif close:
+        hint = f"nearest names: {', '.join(map(repr, close[:3]))}"
+    elif names:
+        hint = f"the names are {', '.join(map(repr, names[:5]))}{', …' if len(names) > 5 else ''}"
+    else:
+        hint = "the classes are named by their ids"
+    return (f"unknown class {ref!r}: {hint} (a class name, an id 0..{num_classes - 1}, or an enrolled class's "
+            "name or id)")
 
 
 def sigmoid(t: np.ndarray) -> np.ndarray:
@@ -259,8 +282,8 @@ class Engine:
             raise InvalidInput(f"the class name {shown(ref)} holds {bad}, which no class name holds",
                                code="invalid_class_name")
         if pos is None:
-            raise NotFound(f"unknown class {ref!r} (a class name, an id 0..{self.num_classes - 1}, or an enrolled "
-                           f"class's name or id)", code="unknown_class")
+            enrolled = [snap.name(i) for i in range(min(snap.n, SUGGEST_MAX))]
+            raise NotFound(unknown_class(ref, self.bundle.classes, enrolled, self.num_classes), code="unknown_class")
         return ClassRef(int(snap.ids_of_positions(pos)), snap.name(pos), snap, pos)
 
     def resolve_id(self, class_id: int, snap: Enrolled) -> ClassRef:
@@ -490,19 +513,27 @@ class Engine:
                                          accumulator=_tagged(lambda n: head_scan.AllLogits(n, self.num_classes + snap.n), snap))
 
     # ------------------------------------------------------------------ enrolled classes
-    async def enroll(self, name: str, x: np.ndarray) -> tuple[dict, bool]:
-        """Create or replace the class `name` from the examples x [n, *input_shape]: (its answer, created).
-        Answered once the class is committed to the store and in this process's snapshot."""
+    async def enroll(self, name: str, x: np.ndarray, add: bool = False) -> tuple[dict, bool]:
+        """Create or replace the class `name` from the examples x [n, *input_shape], or with `add`, add
+        them to its examples (the row made again from all of them): (its answer, created). Answered
+        once the class is committed to the store and in this process's snapshot."""
         try:
             self.bundle.class_id(name)
-            raise Conflict(f"{name!r} names a class of the bundle; an enrolled class needs a new name", code="class_exists")
+            raise Conflict(f"{name!r} names a class of the bundle; an enrolled class needs a new name" if not add else
+                           f"{name!r} is a class of the bundle (its row is trained); examples are added to enrolled "
+                           "classes only", code="class_exists")
         except KeyError:
             pass
         check_name(name)
+        if len(x) > self.settings.max_class_examples:
+            raise InvalidInput(f"{len(x)} examples; a class is made from at most {self.settings.max_class_examples} "
+                               "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
         h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32), self._timeout())
-        row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
         try:
-            return await self._gallery(self.enrolled.put, name, row)
+            if add:
+                return await self._gallery(self.enrolled.add, name, h)
+            row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
+            return await self._gallery(self.enrolled.put, name, row, h)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
 

@@ -33,8 +33,8 @@ import numpy as np
 
 from serving.bundle.names import enrolled_class_problem
 from serving.core import enrollment, enrolled_report
-from serving.errors import InvalidInput
-from serving.gallery.enrolled import (EnrolledRecord, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
+from serving.errors import Conflict, InvalidInput, NotFound
+from serving.gallery.enrolled import (Changed, EnrolledRecord, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
                                       ModelRecord, Written)
 
 log = logging.getLogger(__name__)
@@ -313,9 +313,11 @@ class EnrolledClasses:
         return row
 
     # ------------------------------------------------------------------ writes (blocking: the gallery's executor)
-    def put(self, name: str, row: enrollment.ClassRow) -> tuple[dict, bool]:
-        """Store the class; (its description, created), from what was committed: never read back, since
-        another replica may have replaced or deleted it by then."""
+    def put(self, name: str, row: enrollment.ClassRow, h: Optional[np.ndarray] = None,
+            expect_seq: Optional[int] = None) -> tuple[dict, bool]:
+        """Store the class with the embeddings h [n, d] its row was made from (kept for adding); (its
+        description, created), from what was committed: never read back, since another replica may
+        have replaced or deleted it by then. `expect_seq`: store.Changed unless the class is still at it."""
         values = (row.bias, row.threshold, row.platt_a, row.platt_b)
         if not (np.isfinite(row.row).all() and all(math.isfinite(v) for v in values)):
             raise InvalidInput("the class's row, bias, threshold or Platt values are not finite; nothing was written",
@@ -323,13 +325,37 @@ class EnrolledClasses:
         rule = f"{self.rule()}+{row.threshold_rule}"
         with self._lock:
             written = self.store.put(name, row.row, row.bias, row.threshold, row.platt_a, row.platt_b, row.examples,
-                                     rule, self.settings.max_enrolled_classes)
+                                     rule, self.settings.max_enrolled_classes, embeddings=h, expect_seq=expect_seq)
             own = EnrolledRecord(slot=written.slot, name=name, row=np.asarray(row.row, dtype="<f4").astype(np.float32),
                                  bias=float(row.bias), threshold=float(row.threshold), platt_a=float(row.platt_a),
                                  platt_b=float(row.platt_b), examples=int(row.examples), rule=rule,
                                  created=written.at, seq=written.seq, deleted=False)
             self._settle(own)
         return describe_record(self.num_trained, own), written.created
+
+    def add(self, name: str, h: np.ndarray, tries: int = 3) -> tuple[dict, bool]:
+        """Add the examples h [n, d] to the live class `name`: its row made again by the rule from the
+        kept embeddings and these, so exactly the row of enrolling all of them at once. Written only
+        if no other write reached the class meanwhile (else read again, `tries` times in all)."""
+        for _ in range(tries):
+            kept = self.store.kept(name)
+            if kept is None:
+                raise NotFound(f"no enrolled class {name!r} to add examples to: create it first with "
+                               f"PUT /v1/classes/{{name}}", code="unknown_class")
+            if kept.embeddings is None or kept.embeddings.shape[1] != self.embed_dim:
+                raise Conflict(f"{name!r} was enrolled by an older slc, which kept its row but not its examples' "
+                               "embeddings: enroll it again with all its examples (PUT)", code="examples_not_kept")
+            total = len(kept.embeddings) + len(h)
+            if total > self.settings.max_class_examples:
+                raise InvalidInput(f"{name!r} would have {total} examples; the limit is {self.settings.max_class_examples} "
+                                   "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
+            every = np.concatenate([kept.embeddings, np.asarray(h, dtype=np.float32)])
+            try:
+                return self.put(name, self.compute(every), every, expect_seq=kept.seq)
+            except Changed:
+                continue
+        raise Conflict(f"{name!r} kept changing while examples were added ({tries} tries); retry",
+                       code="class_changed")
 
     def delete(self, ref: str) -> Optional[int]:
         """Delete in the store the class `ref` names: an id (D + slot) exactly that slot, a name whatever

@@ -222,7 +222,7 @@ async def load(state: ServerState) -> None:
         log.info("ready: %s (D=%d, d=%d, input %s) providers=%s softmax=%s index=%s",
                  bundle.name, bundle.num_classes, bundle.embed_dim, list(bundle.input_shape), state.runtime.providers,
                  engine.softmax_impl, state.index.kind)
-        _log_default_model_hint(s)
+        _log_curl_hint(s, bundle)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # noqa: BLE001 - reported, and the process exits under `slc serve`
@@ -232,13 +232,14 @@ async def load(state: ServerState) -> None:
             state.on_fatal(exc)
 
 
-def _log_default_model_hint(s: Settings) -> None:
-    if s.bundle is None:
-        from serving.default_model import curl_hint
+def _log_curl_hint(s: Settings, bundle) -> None:
+    """A ready-to-paste curl for the served model: the default model's with its example 7, any other
+    bundle's from its classes and input (serving/default_model.py)."""
+    from serving.default_model import bundle_curl_hint, curl_hint
 
-        hint = curl_hint(s.home, s.host, s.port)
-        if hint:
-            log.info(hint)
+    hint = curl_hint(s.home, s.host, s.port) if s.bundle is None else None
+    if s.http:
+        log.info(hint or bundle_curl_hint(bundle, s.host, s.port))
 
 
 def _reembed_gallery(gallery, engine) -> None:

@@ -2,7 +2,9 @@
 or the PostgreSQL of `--gallery-url`, shared by every replica.
 
 One row per slot: (digest, slot, name, row bytes, bias, threshold, Platt a/b, examples, rule,
-created, seq, deleted). A write runs in one transaction that holds the writers' lock (SQLite's
+created, seq, deleted); beside it, in `enrolled_examples`, the embeddings of the examples the row was
+made from (float32 [n, d]), written in the same transaction: adding examples recomputes the row from
+all of them, exactly as enrolling them at once would (readers that follow changes never read them). A write runs in one transaction that holds the writers' lock (SQLite's
 BEGIN IMMEDIATE, PostgreSQL's advisory lock), draws the next `seq` of its bundle digest and, for a
 new name, the next slot (slots are never reused: a deleted class keeps its row as a tombstone,
 `deleted = 1`, its bytes dropped). It is answered only after COMMIT, so a kill -9 after the answer
@@ -48,6 +50,20 @@ _COLUMNS = "slot, name, row, bias, threshold, platt_a, platt_b, examples, rule, 
 
 class LimitReached(Exception):
     """The bundle already has the configured number of enrolled classes; nothing was written."""
+
+
+class Changed(Exception):
+    """The class was written by another request since it was read (`put(expect_seq=…)`); nothing was written."""
+
+
+@dataclass
+class Kept:
+    """What the store keeps of a live class's examples: its slot, the seq of its last write, and the
+    embeddings its row was made from ([n, d] float32; None for a class an older slc stored)."""
+
+    slot: int
+    seq: int
+    embeddings: Optional[np.ndarray]
 
 
 @dataclass
@@ -125,6 +141,11 @@ def _schema(blob: str, real: str, integer: str) -> list[str]:
                PRIMARY KEY (digest, slot))""",
         "CREATE UNIQUE INDEX IF NOT EXISTS enrolled_live_name ON enrolled_classes(digest, name) WHERE deleted = 0",
         "CREATE INDEX IF NOT EXISTS enrolled_seq ON enrolled_classes(digest, seq)",
+        f"""CREATE TABLE IF NOT EXISTS enrolled_examples (
+               digest TEXT NOT NULL, slot {integer} NOT NULL,
+               dim {integer} NOT NULL,
+               embeddings {blob} NOT NULL,       -- float32 [examples, dim], little-endian: what the row was made from
+               PRIMARY KEY (digest, slot))""",
         f"""CREATE TABLE IF NOT EXISTS enrolled_state (
                digest TEXT PRIMARY KEY, next_slot {integer} NOT NULL, seq {integer} NOT NULL, live {integer} NOT NULL)""",
         *models_schema(real, integer),
@@ -166,16 +187,21 @@ class EnrolledStore(ModelTables):
         return int(row[0]), int(row[1]), int(row[2])
 
     def put(self, name: str, row: np.ndarray, bias: float, threshold: float, platt_a: float, platt_b: float,
-            examples: int, rule: str, limit: int) -> Written:
-        """Create or replace the class `name` (a replaced class keeps its slot); durable once it returns.
-        LimitReached when creating would pass `limit` live classes."""
+            examples: int, rule: str, limit: int, embeddings: Optional[np.ndarray] = None,
+            expect_seq: Optional[int] = None) -> Written:
+        """Create or replace the class `name` (a replaced class keeps its slot), with the examples'
+        `embeddings` [n, d] it was made from (kept so that examples can be added exactly); durable once
+        it returns. LimitReached when creating would pass `limit` live classes; Changed when
+        `expect_seq` is given and the class is no longer at that write (added to meanwhile)."""
         blob = np.asarray(row, dtype="<f4").tobytes()
         now = time.time()
         values = (blob, float(bias), float(threshold), float(platt_a), float(platt_b), int(examples), rule, now)
         with self._write() as db:
             next_slot, seq, live = self._state(db)
-            found = db.execute(self._sql("SELECT slot FROM enrolled_classes WHERE digest = ? AND name = ? AND deleted = 0"),
+            found = db.execute(self._sql("SELECT slot, seq FROM enrolled_classes WHERE digest = ? AND name = ? AND deleted = 0"),
                                (self.key, name)).fetchone()
+            if expect_seq is not None and (found is None or int(found[1]) != expect_seq):
+                raise Changed(name)
             seq += 1
             if found is not None:
                 slot = int(found[0])
@@ -191,7 +217,29 @@ class EnrolledStore(ModelTables):
                            (self.key, slot, name, *values, seq))
             db.execute(self._sql("UPDATE enrolled_state SET next_slot = ?, seq = ?, live = ? WHERE digest = ?"),
                        (next_slot, seq, live, self.key))
+            self._keep(db, slot, embeddings)
         return Written(slot=slot, created=found is None, seq=seq, at=now)
+
+    def _keep(self, db, slot: int, embeddings: Optional[np.ndarray]) -> None:
+        """The examples' embeddings of `slot`, replacing what was kept (none: nothing kept)."""
+        db.execute(self._sql("DELETE FROM enrolled_examples WHERE digest = ? AND slot = ?"), (self.key, slot))
+        if embeddings is not None:
+            h = np.asarray(embeddings, dtype="<f4")
+            db.execute(self._sql("INSERT INTO enrolled_examples (digest, slot, dim, embeddings) VALUES (?, ?, ?, ?)"),
+                       (self.key, slot, int(h.shape[1]), h.tobytes()))
+
+    def kept(self, name: str) -> Optional[Kept]:
+        """The live class `name`'s slot, seq and kept embeddings; None when no class is live under it."""
+        rows = self._read(self._sql("""SELECT c.slot, c.seq, e.dim, e.embeddings FROM enrolled_classes c
+                                       LEFT JOIN enrolled_examples e ON e.digest = c.digest AND e.slot = c.slot
+                                       WHERE c.digest = ? AND c.name = ? AND c.deleted = 0"""), (self.key, name))
+        if not rows:
+            return None
+        slot, seq, dim, blob = rows[0]
+        h = None
+        if blob is not None and dim and len(blob) % (4 * int(dim)) == 0:
+            h = np.frombuffer(bytes(blob), dtype="<f4").reshape(-1, int(dim)).astype(np.float32)
+        return Kept(int(slot), int(seq), h)
 
     def delete(self, name: str) -> Optional[Written]:
         """Delete the class live under `name` now: its slot (a tombstone now), or None when there is none."""
@@ -213,6 +261,7 @@ class EnrolledStore(ModelTables):
                                     WHERE digest = ? AND slot = ?"""), (seq + 1, self.key, int(found[0])))
             db.execute(self._sql("UPDATE enrolled_state SET seq = ?, live = ? WHERE digest = ?"),
                        (seq + 1, live - 1, self.key))
+            self._keep(db, int(found[0]), None)
         return Written(slot=int(found[0]), created=False, seq=seq + 1, at=time.time())
 
     # ------------------------------------------------------------------ reads

@@ -103,7 +103,7 @@ class ModelTables:
         if old is None:
             return None
         if db.execute(one.format(1, "enrolled_state", "digest"), (self.key,)).fetchone() is None:
-            for table in ("enrolled_classes", "enrolled_state"):  # slots, seqs and tombstones as they are
+            for table in ("enrolled_classes", "enrolled_state", "enrolled_examples"):  # slots, seqs, tombstones as they are
                 db.execute(self._sql(f"UPDATE {table} SET digest = ? WHERE digest = ?"), (self.key, legacy))
             return Adopted(legacy, moved=int(old[0]), renumbered=False)
         return self._merge(db, legacy)
@@ -128,12 +128,14 @@ class ModelTables:
                 db.execute(self._sql("""UPDATE enrolled_classes SET row = ?, bias = ?, threshold = ?, platt_a = ?,
                                         platt_b = ?, examples = ?, rule = ?, created = ?, seq = ?
                                         WHERE digest = ? AND slot = ?"""), (*r[2:], seq, self.key, int(mine[0])))
+                db.execute(self._sql("DELETE FROM enrolled_examples WHERE digest = ? AND slot = ?"),
+                           (self.key, int(mine[0])))  # its examples are not the legacy row's
                 done.replaced.append(str(r[1]))
             else:
                 done.dropped.append(str(r[1]))
         db.execute(self._sql("UPDATE enrolled_state SET next_slot = ?, seq = ?, live = ? WHERE digest = ?"),
                    (next_slot, seq, live, self.key))
-        for table in ("enrolled_classes", "enrolled_state"):
+        for table in ("enrolled_classes", "enrolled_state", "enrolled_examples"):
             db.execute(self._sql(f"DELETE FROM {table} WHERE digest = ?"), (legacy,))
         return done
 

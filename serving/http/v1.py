@@ -22,8 +22,9 @@ from starlette.responses import Response
 
 
 
-from serving.codecs import fast_json, image_decoder, images, strict_json as read
-from serving.errors import Forbidden, InvalidInput, Unauthorized, UnsupportedMediaType
+from serving.bundle import sniff
+from serving.codecs import fast_json, forms, image_decoder, images, strict_json as read
+from serving.errors import Forbidden, InvalidInput, SlcError, Unauthorized, UnsupportedMediaType
 from serving.gallery import bodies
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
@@ -45,11 +46,12 @@ def _is_json(scope) -> bool:
 
 
 def _read_object(scope, body: bytes, optional: bool = False) -> dict:
-    """The body as a JSON object; with `optional`, an empty body is {} whatever its type."""
+    """The body as a JSON object; with `optional`, an empty body is {} whatever its type. Another type:
+    415 naming what came and that the route takes JSON."""
     if optional and not body.strip():
         return {}
     if not _is_json(scope):
-        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+        raise images.unsupported_body(images.content_type_of(scope), body, None)
     return read.parse_object(body)
 
 
@@ -70,6 +72,7 @@ _SEARCH_ERRORS = error_responses(400, 404, 408, 413, 415, 422, 429, 503, 504)
 _ADMIN_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 503)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ENROLL_ERRORS = error_responses(400, 401, 403, 408, 409, 413, 415, 422, 429, 503, 504, 507)
+_ADD_ERRORS = error_responses(400, 401, 403, 404, 408, 409, 413, 415, 422, 429, 503, 504, 507)
 
 
 async def require_api_key(request: Request) -> None:
@@ -123,7 +126,7 @@ async def model(engine=Depends(ready_engine), state=Depends(server_state)):
 # ----------------------------------------------------------------------------- POST and PUT bodies
 # Answered from the raw body by FastRoutes (serving/http/fast_routes.py): one implementation each.
 async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[[dict], dict],
-                 extra_values: int = 0, lists: tuple[str, ...] = ()) -> tuple[Any, dict, np.ndarray]:
+                 extra_values: int = 0, lists: tuple[str, ...] = (), forms: bool = False) -> tuple[Any, dict, np.ndarray]:
     """(engine, the route's parameters, examples [N, *shape]) of a query route: bounds on the raw bytes,
     the parse, the fields, the parameters (`params(obj)`), and only then the examples' conversion.
     An image body (Content-Type image/*) is one example; its parameters come from the query string.
@@ -135,11 +138,13 @@ async def _query(scope, body: bytes, allowed: tuple[str, ...], params: Callable[
         read.check_keys(obj, tuple(k for k in allowed if k != "inputs"), where="query string")
         p = params(obj)
         return engine, p, await _image_example(engine, body, content_type)
+    if not _is_json(scope):  # 415 first: a PNG sent without its type is not counted as JSON
+        raise images.unsupported_body(content_type, body, engine.bundle.image, forms)
     n, shape = engine.settings.max_inputs, engine.input_shape
     lists_per_example = sum(math.prod(shape[:i]) for i in range(len(shape)))  # nested form; 1 when flat
     read.check_structure(body, max_values=n * math.prod(shape) + 8 + extra_values,
                          max_lists=1 + n * lists_per_example + extra_values, max_objects=1)
-    fast = fast_json.query(body, shape, n, lists) if _is_json(scope) else None  # plain bodies: no float objects
+    fast = fast_json.query(body, shape, n, lists)  # plain bodies: no float objects
     obj = fast if fast is not None else _read_object(scope, body)
     read.check_keys(obj, allowed, required=("inputs",))
     p = params(obj)
@@ -257,7 +262,7 @@ async def gallery_upsert(scope, body: bytes):
     s = engine.settings
     bodies.check_upsert_structure(body, s.max_inputs, engine.input_shape, s.max_metadata_values)
     if not _is_json(scope):
-        raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+        raise images.unsupported_body(images.content_type_of(scope), body, None)
     items, x = await engine.off_loop(bodies.read_upsert, body, s, engine.input_shape)
     ids = await engine.gallery_upsert(items, x)
     return 201, {"upserted": len(ids), "ids": ids}
@@ -276,7 +281,7 @@ async def gallery_put(scope, body: bytes):
     if not images.is_image(content_type):
         bodies.check_upsert_structure(body, 1, engine.input_shape, s.max_metadata_values, what="item")
         if not _is_json(scope):
-            raise UnsupportedMediaType("send the body as JSON with the header Content-Type: application/json")
+            raise images.unsupported_body(content_type, body, engine.bundle.image)
         items, x = await engine.off_loop(bodies.read_put, body, item_id, s, engine.input_shape)
         ids = await engine.gallery_upsert(items, x)
         return 201, {"upserted": len(ids), "ids": ids}
@@ -341,13 +346,61 @@ async def reload_calibration(scope, body: bytes):
 @fast_route(router, "PUT", "/classes/{class}", name="enroll", body=EnrollRequest, status_code=201,
             response_model=EnrolledClass, responses=_ENROLL_ERRORS, tags=["classes"])
 async def enroll(scope, body: bytes):
-    """Create (201) or replace (200) a class from examples: JSON {inputs} like detect, or one image
-    body. Its row is computed by the server's enrollment rule; answered once committed."""
+    """Create (201) or replace (200) a class from examples: JSON {inputs} like detect, one image body,
+    or several images as multipart/form-data (curl -F image=@a.png -F image=@b.png). Its row is
+    computed by the server's enrollment rule; answered once committed."""
     _require_key(scope)  # 401 before the body is parsed
     name = _class_ref(scope)
-    engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
+    engine, x = await _enroll_examples(scope, body)
     answer, created = await engine.enroll(name, x)
     return (201 if created else 200), answer
+
+
+@fast_route(router, "POST", "/classes/{class}/examples", name="enroll_add", body=EnrollRequest,
+            response_model=EnrolledClass, responses=_ADD_ERRORS, tags=["classes"])
+async def enroll_add(scope, body: bytes):
+    """Add examples to an enrolled class (200): the same bodies as PUT. Its row is made again from the
+    embeddings of all its examples, kept with the class: exactly the row of enrolling them at once."""
+    _require_key(scope)
+    name = _class_ref(scope)
+    engine, x = await _enroll_examples(scope, body)
+    answer, _ = await engine.enroll(name, x, add=True)
+    return 200, answer
+
+
+async def _enroll_examples(scope, body: bytes) -> tuple[Any, np.ndarray]:
+    """(engine, examples [N, *shape]) of an enrollment body: JSON {inputs}, one image, or images as
+    multipart/form-data, each part decoded like an image body, in order; a refusal names the part."""
+    if images.content_type_of(scope) != forms.FORM_TYPE:
+        engine, _, x = await _query(scope, body, ("inputs",), lambda o: {}, forms=True)
+        return engine, x
+    engine = app_state(scope).ready_engine()
+    if engine.bundle.image is None:
+        raise UnsupportedMediaType("this bundle's input is not an image: send JSON {\"inputs\": [...]} "
+                                   "(Content-Type: application/json), not files")
+    read.check_keys(_query_string(scope), (), where="query string")
+    header = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+    parts = forms.parse(header, body, engine.settings.max_inputs)
+    return engine, np.concatenate([await _part_example(engine, part) for part in parts])
+
+
+async def _part_example(engine, part: forms.Part) -> np.ndarray:
+    """One example [1, *shape] from a form's part, decoded by the type its bytes show (browsers label
+    by extension; every type slc reads has its magic bytes); 415 / 422 for a part that is no image
+    (422 when it was declared image/*), naming it."""
+    content_type = (sniff.image_type(part.data) or "").encode()
+    if not content_type:
+        declared = part.content_type.decode("latin-1") or "none"
+        error = InvalidInput if images.is_image(part.content_type) else UnsupportedMediaType
+        raise error(f"{part.label()} is not an image slc reads: it holds {sniff.describe(part.data)} (Content-Type "
+                    f"{declared}); send image files ({', '.join(images.IMAGE_TYPES)})",
+                    code="invalid_image" if error is InvalidInput else None)
+    try:
+        return await _image_example(engine, part.data, content_type)
+    except SlcError as exc:  # the same error, the part named
+        exc.message = f"{part.label()}: {exc.message}"
+        exc.args = (exc.message,)
+        raise
 
 
 @router.delete("/classes/{class_ref}", status_code=204, responses=error_responses(401, 403, 404, 409, 422, 429, 503, 507),

@@ -147,6 +147,17 @@ def test_worker_processes_build_the_same_cache(folder, tmp_path, monkeypatch):
         np.testing.assert_array_equal(parallel.split(name)[0], serial.split(name)[0])
 
 
+def test_an_unreadable_file_says_what_it_holds_never_an_object_address(folder, tmp_path):
+    """Issue 50: `cannot identify image file <_io.BytesIO object at 0x7fd2…>` said nothing to the user."""
+    work = shutil.copytree(folder, tmp_path / "letters")
+    (work / "C" / "3.png").write_bytes(b"<html><body>404 not found</body></html>")  # a download that failed
+    with pytest.raises(ValueError) as err:
+        load_dataset(f"imagefolder:{work}", progress=False)
+    message = str(err.value)
+    assert "C/3.png" in message and "(the file holds HTML or XML text)" in message, message
+    assert "0x" not in message and "BytesIO" not in message
+
+
 def test_unreadable_files_are_one_line_naming_them_or_skipped_with_one_warning(folder, tmp_path, caplog):
     work = shutil.copytree(folder, tmp_path / "letters")
     (work / "C" / "3.png").write_bytes(b"not a png at all")  # the header check finds it

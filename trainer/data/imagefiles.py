@@ -64,14 +64,16 @@ def _scan_chunk(paths: list[str]) -> list[tuple[int, int, bool, str | None]]:
 
     out = []
     for p in paths:
+        data = None
         try:
-            with Image.open(io.BytesIO(read_regular(p)), formats=list(FORMATS)) as img:
+            data = read_regular(p)
+            with Image.open(io.BytesIO(data), formats=list(FORMATS)) as img:
                 check_header(img, FILE_MAX_PIXELS)
                 if img.format != "JPEG":  # a JPEG decodes at a reduced scale: checked when decoded
                     check_decoded_bytes(img, FILE_MAX_DECODED_BYTES)
                 out.append((img.width, img.height, is_grey(img), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
-            out.append((0, 0, False, one_line(exc)))
+            out.append((0, 0, False, one_line(exc, data)))
     return out
 
 
@@ -80,13 +82,14 @@ def _decode_chunk(x_path: str, start: int, paths: list[str], spec: dict) -> list
     x = np.load(x_path, mmap_mode="r+", allow_pickle=False)
     out = []
     for i, p in enumerate(paths):
+        data = None
         try:
             data = read_regular(p)
             x[start + i] = decode_image(io.BytesIO(data), spec, max_pixels=FILE_MAX_PIXELS,
                                         max_bytes=FILE_MAX_DECODED_BYTES)  # whole numbers 0..255
             out.append((hashlib.sha256(data).hexdigest(), None))
         except Exception as exc:  # noqa: BLE001 - any failure is this file's, reported by name
-            out.append((None, one_line(exc)))
+            out.append((None, one_line(exc, data)))
     x.flush()
     return out
 

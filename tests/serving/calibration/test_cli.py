@@ -450,3 +450,29 @@ def test_the_user_calibration_study_measures_over_http_what_offline_math_gives(t
     assert got["precision"] == pytest.approx(true.sum() / match.sum())
     assert got["mean_precision"] == pytest.approx(np.mean(per_class)) and got["unsure_images"] == 0
     assert got["matches"] > got["true_matches"]  # the exported thresholds let false matches through: both precisions tested
+
+
+def test_the_summary_prints_precision_and_recall_before_and_after(trained, images, tmp_path, capsys):
+    """Issue 50: "recall 0.267" alone read like a regression when precision went from 0.667 to 0.970.
+    Both figures before → after, against detect's rule applied offline to our own embeddings."""
+    import onnxruntime as ort
+
+    from serving.bundle import load_bundle
+
+    source = trained[1]
+    main(["calibrate", str(source), "--data", f"imagefolder:{images}", "--out", str(tmp_path / "b")])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("on the images the thresholds"))
+    b = load_bundle(source)
+    paths, y = files_and_labels(images, list(b.classes))
+    x = np.stack([load_image_file(p, b.image) for p in paths])
+    h = ort.InferenceSession(str(source / "backbone.onnx"), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    z = h.astype(np.float64) @ np.asarray(b.weight, np.float64).T + np.asarray(b.bias, np.float64)  # [N, D]
+
+    def rates(cal: dict) -> tuple[float, float]:
+        match = z >= np.array([e["threshold"] for e in cal["per_class"]], np.float32).astype(np.float64)
+        tp = match[np.arange(len(y)), y]
+        return tp.sum() / max(match.sum(), 1), tp.mean()
+
+    (p0, r0), (p1, r1) = rates(cal_of(source)), rates(cal_of(tmp_path / "b"))
+    assert f"precision {p0:.3f} → {p1:.3f} [" in line and f"recall {r0:.3f} → {r1:.3f} [" in line, line
+    assert line.endswith("; before: the previous thresholds)")

@@ -71,7 +71,7 @@ def test_every_post_and_put_route_has_exactly_one_implementation_its_fast_route(
     from serving.http.fast_routes import _FAST_HANDLERS
 
     routes = [r for router in (v1.router, v2.router) for r in router.routes if {"POST", "PUT"} & set(r.methods)]
-    assert len(routes) == 11  # detect (one class, a set), softmax, topk, gallery POST + PUT, class search, enroll, infer
+    assert len(routes) == 12  # detect (one class, a set), softmax, topk, gallery POST + PUT, class search, enroll, examples, infer
     # (+ versioned), reload-calibration
     assert all(r.endpoint in _FAST_HANDLERS for r in routes)
     assert all(r.endpoint.__qualname__.startswith("_description.") for r in routes)

@@ -8,6 +8,7 @@ with nothing but --dataset and --out learns on a few hundred images, and the tes
 (tests/trainer/test_small_folder.py) builds it the same way.
 
     python -m tools.small_folder DIR [--seed 0]        # render the folder
+    python -m tools.small_folder DIR --issue50         # issue 50's: 10 letters x 30 PNGs, three DejaVu Sans faces
     python -m tools.small_folder DIR --top1 BUNDLE     # top-1 of every image of DIR by an exported bundle
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ FACES = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "Dej
 LETTERS = "ABCDEFGHJKMR"
 PER_CLASS = 24
 SIZE = 64
+# issue 50's folder (docs/results/small-folder-defaults.md): 10 letters x 30 PNGs, the three DejaVu Sans faces
+ISSUE50 = (LETTERS[:10], 30, FACES[:3])
 
 
 def font_path(name: str) -> Path | None:
@@ -60,14 +63,15 @@ def render_letter(font, char: str, rng: np.random.Generator):
     return canvas.resize((SIZE, SIZE), Image.LANCZOS)
 
 
-def render(root: Path, seed: int = 0, letters: str = LETTERS, per_class: int = PER_CLASS) -> Path:
+def render(root: Path, seed: int = 0, letters: str = LETTERS, per_class: int = PER_CLASS,
+           faces: tuple[str, ...] = FACES) -> Path:
     """root/LETTER/NN.png: per_class images of each letter, the faces taken in turn."""
     from PIL import ImageFont
 
-    if missing := missing_fonts():
+    if missing := [f for f in faces if font_path(f) is None]:
         raise FileNotFoundError(f"missing fonts {', '.join(missing)}: pip install matplotlib, or apt-get install "
                                 "fonts-dejavu-core fonts-dejavu-extra")
-    fonts = [ImageFont.truetype(str(font_path(f)), 64) for f in FACES]
+    fonts = [ImageFont.truetype(str(font_path(f)), 64) for f in faces]
     rng = np.random.default_rng(seed)
     root = Path(root)
     for c in letters:
@@ -101,13 +105,16 @@ def main() -> None:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top1", type=Path, metavar="BUNDLE", help="score the folder's images with BUNDLE instead")
+    parser.add_argument("--issue50", action="store_true", help="issue 50's folder: 10 letters x 30 PNGs from the "
+                        "three DejaVu Sans faces (Sans, Bold, Oblique)")
     args = parser.parse_args()
     if args.top1:
         right, total = top1(args.top1, args.dir)
         print(f"{args.top1}: top-1 right on {right} of {total} images of {args.dir}")
         return
-    render(args.dir, args.seed)
-    print(f"{args.dir}: {len(LETTERS)} letters x {PER_CLASS} PNGs ({SIZE}x{SIZE}) from {len(FACES)} DejaVu faces")
+    letters, per_class, faces = ISSUE50 if args.issue50 else (LETTERS, PER_CLASS, FACES)
+    render(args.dir, args.seed, letters, per_class, faces)
+    print(f"{args.dir}: {len(letters)} letters x {per_class} PNGs ({SIZE}x{SIZE}) from {len(faces)} DejaVu faces")
 
 
 if __name__ == "__main__":

@@ -351,6 +351,17 @@ def export(run: Path, out: Path, overwrite: bool, target_precision: Optional[flo
     click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}, thresholds {b.calibration.get('method', {}).get('name', '?')}"
                f"{' on calibration + style-shifted copies' if b.calibration.get('shift') else ''}"
                f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: {slc_command()} serve {out}")
+    if line := _support_line(b.calibration, run, out):
+        click.echo(line)
+
+
+def _support_line(calibration: dict, run: Path, out: Path) -> str | None:
+    """serving/calibration/support.py's line when the calibration split cannot show the target."""
+    from serving.calibration.support import support_line
+
+    sup = calibration.get("support")
+    choose = f"{slc_command()} export {run} --out {out} --overwrite --target-precision {{p}}"
+    return support_line(sup, choose) if sup else None
 
 
 @click.group(no_args_is_help=True)

@@ -42,6 +42,7 @@ from trainer import calibration_shift
 from serving.calibration.estimator import calibrate_chunks
 from serving.calibration.defaults import default_rule
 from serving.calibration.chunks import chunk_classes
+from serving.calibration.support import support
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,8 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
     (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]; with
     shift "style", on the split and its style-shifted copy (trainer/calibration_shift.py). Also a
     sample of the clean embeddings with their labels (serving/bundle/negatives.py: an enrolled class's
-    negatives); returns (calibration, the manifest's `negatives`)."""
+    negatives); `support`: what the clean split can show (serving/calibration/support.py); returns
+    (calibration, the manifest's `negatives`)."""
     from serving.calibration.chunks import head_chunks
 
     weight, bias = r.head  # [D, d], [D]
@@ -265,6 +267,8 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
                                  head_chunks(h_test, weight, bias, chunk) if has_test else None,
                                  r.y_test if has_test else None, method={"name": "global"}, progress=True)
         cal = calibration_shift.with_clean_global(cal, clean, entry)
+    # what the clean calibration images can show (shifted copies are no new evidence): reported, never used
+    cal["support"] = support(head_chunks(h_cal, weight, bias, chunk), r.y_cal, len(weight), target)
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
     return cal, write_negatives(stage, h_cal, r.y_cal)
 

@@ -161,12 +161,34 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
     if adaptation is not None:
         note["adapted_rows"] = adaptation
     cal["recalibration"] = {**note, "kept_rule": KEPT_RULE, "pooled": report, "previous_calibration": PREVIOUS}
+    cal["support"] = _support(bundle, h, y, rows, opts)
     try:
         write_recalibrated(bundle, cal, target, note, head=rows, in_place=in_place, overwrite=overwrite)
     except RecalibrationError as exc:
         raise click.ClickException(str(exc)) from None
     _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"),
              before)
+    _support_echo(cal["support"], bundle, data, out, in_place)
+
+
+def _support(bundle: Path, h: np.ndarray, y: np.ndarray, rows, opts: Options) -> dict:
+    """What the fit images can show at the rows the thresholds are for (serving/calibration/support.py)."""
+    from serving.calibration.chunks import chunk_classes
+    from serving.calibration.recalibrate import head_chunks
+    from serving.calibration.support import support
+
+    weight, bias = head_rows(bundle)
+    weight = weight if rows is None else rows
+    return support(head_chunks(h, weight, bias, chunk_classes(len(y), len(weight))), y, len(weight), opts.target)
+
+
+def _support_echo(sup: dict, bundle: Path, data: str, out: Path | None, in_place: bool) -> None:
+    """The one line when the images cannot show the target, with the command that chooses another."""
+    from serving.calibration.support import support_line
+
+    where = "--in-place" if in_place else f"--out {out} --overwrite"
+    if line := support_line(sup, f"{slc_command()} calibrate {bundle} --data {data} {where} --target-precision {{p}}"):
+        click.echo(line)
 
 
 def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):

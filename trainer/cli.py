@@ -97,8 +97,8 @@ def _optimisation_options() -> list:
     """How it is fitted: epochs, optimizer, schedule, budget and the head's sampling or sharding."""
     return [
         click.option("--epochs", type=click.IntRange(min=1),
-                     help="[default: 20, more when that makes fewer than 150 steps (docs/training.md: Defaults on "
-                          "small data)]"),
+                     help="[default: 20, more when that makes fewer than 150 steps; below 1,024 training examples, "
+                          "a budget of 3 times that, stopped by --patience (docs/training.md: Defaults on small data)]"),
         click.option("--lr", type=POSITIVE, default=0.01, show_default=True),
         click.option("--batch-size", type=click.IntRange(min=2),
                      help="the global batch [default: 128, less on small data: the largest power of two from 16 "
@@ -106,7 +106,8 @@ def _optimisation_options() -> list:
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adam", show_default=True),
         click.option("--schedule", type=click.Choice(SCHEDULES), default="cosine", show_default=True),
         click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="a budget: stop after N steps, the schedule ending there (0: --epochs decide)"),
+                     help="a budget: stop after N steps, the schedule ending there (0: --epochs decide; with "
+                          "--epochs unset below 1,024 training examples, the convergence budget)"),
         click.option("--warmup-steps", type=click.IntRange(min=-1), default=-1, show_default=True,
                      help="linear LR warmup; -1 = 5%% of the steps, at most 1,000"),
         click.option("--clip-grad-norm", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
@@ -146,9 +147,11 @@ def _validation_options() -> list:
     return [
         click.option("--val-every", type=click.IntRange(min=0),
                      help="validate on the calibration split every N epochs (0: never) [default: 1; past 20 "
-                          "epochs, ceil(epochs/20)]"),
-        click.option("--patience", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="early stopping: stop after N validations without a better accuracy (0: off)"),
+                          "epochs, ceil(epochs/20), unless training to convergence]"),
+        click.option("--patience", type=click.IntRange(min=0),
+                     help="early stopping: stop after N validations without a better accuracy (0: off) [default: "
+                          "off; 10 (and at least 100 steps' worth) when --epochs is left unset below 1,024 "
+                          "training examples]"),
         click.option("--restore-best/--no-restore-best", default=True, show_default=True,
                      help="export the best validated weights, not the last"),
         click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
@@ -235,8 +238,24 @@ def _summary(out: Path, seconds: float) -> None:
         click.echo(f"trained {out} in {seconds:.0f} s{best}: test accuracy {test['accuracy']:.4f}, "
                    f"auprc {test['auprc']:.4f}, p@r0.99 {test['p_at_r99']:.4f}; curves {out / 'curves.png'}"
                    f"  -> next: {slc_command()} export {out} --out BUNDLE")
-        if warning := _short_run(out):
-            click.echo(warning)
+        for line in _convergence(out):
+            click.echo(line)
+
+
+def _convergence(out: Path) -> list[str]:
+    """Whether the run converged (config.json's verdict, trainer/defaults.py), then the too-short
+    warning, unless the verdict already says the run stopped while improving."""
+    from trainer.defaults import convergence_line
+
+    config = json.loads((out / "config.json").read_text())
+    verdict = config.get("convergence")
+    converge = (config.get("defaults") or {}).get("stopping") == "converge"
+    lines = [line] if (line := convergence_line(verdict, config["epochs"], int(config.get("step", config["steps"])),
+                                                 converge)) else []
+    warning = _short_run(out)
+    if warning and not (verdict and not verdict["converged"] and "still rising" in warning):
+        lines.append(warning)
+    return lines
 
 
 def _short_run(out: Path) -> str | None:

@@ -49,7 +49,7 @@ from trainer.augment import augment_generator, build_augment
 from trainer.checkpoint import atomic_save, checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.data import Splits, load_dataset
 from trainer.data.imagefiles import dataset_path
-from trainer.defaults import resolve_defaults
+from trainer.defaults import convergence, resolve_defaults
 from trainer.device import autocast, check_precision, grad_scaler, process_group_backend, resolve_device
 from trainer.distributed import all_gather_no_grad, all_gather_with_grad, broadcast_parameters, sum_gradients
 from trainer.history import History, plot_curves
@@ -93,7 +93,8 @@ class TrainConfig:
     workers: int = 0  # DataLoader worker processes
     augment: str = "none"  # none | geometry (trainer/augment.py), image datasets only
     val_every: int | None = None  # validate every N epochs; 0 = never; None: 1, or about 20 a run (trainer/defaults.py)
-    patience: int = 0  # early stopping: stop after N validations without a better accuracy; 0 = off
+    patience: int | None = None  # stop after N validations without a better one; 0 = off; None: by trainer/defaults.py
+    converge: bool | None = None  # train to convergence (a budget, patience); None: by trainer/defaults.py
     restore_best: bool = True  # the run's checkpoint.pt holds the best validated weights, not the last
     checkpoint_every: int = 0  # training-state checkpoint every N steps (and at every epoch end); 0 = epoch ends
     keep_checkpoints: int = 2  # how many training-state checkpoints to keep
@@ -350,6 +351,7 @@ class _Progress:
 
     step: int = 0  # completed optimizer steps
     best: float | None = None  # best calibration accuracy seen by a validation
+    kept: float | None = None  # the calibration accuracy of the weights in best.pt (converging runs: within one image)
     best_epoch: int | None = None
     best_step: int | None = None
     stale: int = 0  # validations since the best one
@@ -444,11 +446,9 @@ def _validate(model: SLCNet, splits: Splits, progress: _Progress, epoch: int, hi
     history.log_epoch(progress.step, epoch, **{f"cal_{k}": m[k] for k in
                                                ("accuracy", "top5_accuracy", "auprc", "p_at_r99", "separation")},
                       val_seconds=time.perf_counter() - t0)
-    if progress.best is None or m["accuracy"] > progress.best:
-        progress.best, progress.best_epoch, progress.best_step, progress.stale = m["accuracy"], epoch, progress.step, 0
+    if _keep(m["accuracy"], progress, cfg.converge, len(splits.calibration[1])):
+        progress.best_epoch, progress.best_step, progress.kept = epoch, progress.step, m["accuracy"]
         atomic_save(_model_state(model), out / "best.pt")
-    else:
-        progress.stale += 1
     chance = 1.0 / splits.num_classes
     if check_chance and m["accuracy"] < 2 * chance:
         echo(f"warning: calibration accuracy {m['accuracy']:.4f} after epoch {epoch + 1} ({progress.step} steps) is chance "
@@ -457,6 +457,18 @@ def _validate(model: SLCNet, splits: Splits, progress: _Progress, epoch: int, hi
              f"(docs/losses.md, docs/training.md)")
     if cfg.patience and progress.stale >= cfg.patience:
         progress.stopped_early = True
+
+
+def _keep(accuracy: float, progress: _Progress, converge: bool, n_cal: int) -> bool:
+    """Count the validation (a better accuracy resets the patience) and say whether its weights go to
+    best.pt: a better accuracy; on a converging run also one within one calibration image of the best,
+    the later weights being the more trained ones (a first maximum on 60 images is often a lucky
+    epoch at a high learning rate: docs/results/small-folder-defaults.md)."""
+    if progress.best is None or accuracy > progress.best:
+        progress.best, progress.stale = accuracy, 0
+        return True
+    progress.stale += 1
+    return bool(converge) and accuracy >= progress.best - 1.0 / max(1, n_cal) - 1e-9
 
 
 @dataclass
@@ -664,7 +676,8 @@ def _end(s: _Session, train_seconds: float, images: int) -> None:
     if s.cfg.head_shard:
         s.model.head = gather_head(s.model.head, s.splits.num_classes)
     if s.rank == 0:
-        _finish(s.out, s.model, s.splits, s.state, s.resolved, s.cfg, train_seconds, images)
+        cal = [float(r["cal_accuracy"]) for r in s.history.rows if r["kind"] == "epoch" and r.get("cal_accuracy") != ""]
+        _finish(s.out, s.model, s.splits, s.state, s.resolved, s.cfg, train_seconds, images, cal)
     if s.world > 1:
         import torch.distributed as dist
 
@@ -703,8 +716,9 @@ def _agree(flag: bool, world: int, device: torch.device) -> bool:
 
 
 def _finish(out: Path, model: SLCNet, splits: Splits, state: _Progress, resolved: dict, cfg: TrainConfig,
-            train_seconds: float, images: int) -> None:
-    """The run's final files: chosen weights, metrics on both held-out splits, curves."""
+            train_seconds: float, images: int, cal_accuracy: list[float]) -> None:
+    """The run's final files: chosen weights, metrics on both held-out splits, whether it converged
+    (trainer/defaults.py), curves."""
     t0 = time.perf_counter()
     chosen = "last"
     if cfg.restore_best and (out / "best.pt").is_file() and state.best_step is not None:
@@ -717,7 +731,8 @@ def _finish(out: Path, model: SLCNet, splits: Splits, state: _Progress, resolved
     _write_json(out / "config.json", {
         **resolved, "status": "completed", "step": state.step, "stopped_early": state.stopped_early,
         "kept_weights": {"chosen": chosen, "best_epoch": state.best_epoch, "best_step": state.best_step,
-                    "best_calibration_accuracy": state.best},
+                    "best_calibration_accuracy": state.best, "kept_calibration_accuracy": state.kept},
+        "convergence": convergence(cal_accuracy, cfg.patience, state.stopped_early),
         "train_seconds": round(train_seconds, 1), "train_images_per_second": round(images / max(train_seconds, 1e-9), 1),
         "eval_seconds": round(time.perf_counter() - t0, 1)})
     plot_curves(out, title=f"{out.name}: {cfg.loss} on {cfg.dataset}")

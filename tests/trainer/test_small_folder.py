@@ -2,15 +2,19 @@
 
 A new user's folder, 12 letters x 24 PNGs of six DejaVu faces (tools/small_folder.py), trained by
 `slc train --dataset imagefolder:DIR --out RUN` and nothing else: the rule of trainer/defaults.py
-resolves the batch, epochs and validation cadence from the training split's size, config.json
-records it, and the run learns. Explicit --batch-size / --epochs are kept as given, and a run too
-short to converge says so in one line. The rule itself is checked on sizes alone, including
-digits' (which it must leave at batch 128, 20 epochs).
+resolves the batch, the epochs (below 1,024 examples a budget the run stops within by patience:
+issue 50, tests/trainer/test_convergence.py), the validation cadence and the patience from the
+training split's size, config.json records it, the run learns and says it converged. Explicit
+--batch-size / --epochs are kept as given, and a run too short to converge says so in one line.
+The rule itself is checked on sizes alone, including digits' (which it must leave at batch 128,
+20 epochs, no patience).
 
 The accuracy bound is 0.85, not the issue's 0.9: measured (docs/results/small-folder.md), this
 run gives 0.914 on one torch thread (53 of the 58 test images) and 0.897 on two; other seeds and
 folders gave 0.897-0.931. 0.9 is one image from failing, so the bound keeps 3-4 images of margin
 for other CPUs' rounding, and is still far above the old defaults' 0.57 and 0.67 (20 steps).
+Trained to convergence (issue 50) the run gives 0.931 (54 of 58), stopped by patience after 300
+of its 600 budget steps: about 260 s on one busy thread, where the 200 fixed steps took 80-100 s.
 """
 from __future__ import annotations
 
@@ -33,13 +37,17 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(bool(missing_fonts()), reason=f"DejaVu fonts missing: {missing_fonts()}")
 
 
-def _docs_rule(n: int) -> tuple[int, int, int]:
-    """(batch, epochs, val_every) as docs/training.md states the rule, written out independently."""
+def _docs_rule(n: int) -> tuple[int, int, int, int]:
+    """(batch, epochs, val_every, patience) as docs/training.md states the rule, written out
+    independently: below 1,024 examples the epochs are a budget of 3 times, every epoch validated,
+    a patience of 10 validations and at least 100 steps ("Training to convergence")."""
     batch = next(b for b in (128, 64, 32, 16) if n // b >= 8 or b == 16)
     batch = min(batch, n)
     epochs = max(20, math.ceil(150 / (n // batch)))
+    if n < 1024:
+        return batch, 3 * epochs, 1, max(10, math.ceil(100 / (n // batch)))
     val_every = math.ceil(epochs / 20)
-    return batch, math.ceil(epochs / val_every) * val_every, val_every
+    return batch, math.ceil(epochs / val_every) * val_every, val_every, 0
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +73,21 @@ def _read(run: Path, name: str) -> dict:
 
 
 def test_the_defaults_learn_a_small_folder_and_say_what_they_chose(env, folder, tmp_path):
-    """Nothing but --dataset and --out: test accuracy >= 0.85, the batch and steps the docs' rule
-    gives for the training split's size, recorded as the rule's, and no warning in the output."""
+    """Nothing but --dataset and --out: test accuracy >= 0.85, the batch, budget and patience the docs'
+    rule gives for the training split's size, recorded as the rule's, and no warning in the output."""
     run = tmp_path / "run"
     r = _train(env, folder, run)
     config, sizes = _read(run, "config.json"), _read(run, "data.json")["sizes"]
-    batch, epochs, val_every = _docs_rule(sizes["train"])
-    assert (config["batch_size"], config["epochs"], config["val_every"]) == (batch, epochs, val_every)
+    batch, epochs, val_every, patience = _docs_rule(sizes["train"])
+    assert (config["batch_size"], config["epochs"], config["val_every"], config["patience"]) == \
+        (batch, epochs, val_every, patience)
     assert config["steps"] == epochs * (sizes["train"] // batch) >= defaults.MIN_STEPS
-    assert config["defaults"]["by_rule"] == {"batch_size": batch, "epochs": epochs, "val_every": val_every}
+    assert config["defaults"]["by_rule"] == {"batch_size": batch, "epochs": epochs, "val_every": val_every,
+                                             "patience": patience}
     assert config["defaults"]["given"] == {} and config["defaults"]["n_train"] == sizes["train"]
     assert _read(run, "metrics.json")["test"]["accuracy"] >= 0.85  # measured 0.914: see the module docstring
     assert "warning" not in r.stdout + r.stderr, r.stdout
+    assert config["convergence"]["converged"] and "\nconverged: " in r.stdout
 
 
 def test_explicit_batch_and_epochs_are_kept_and_a_short_run_is_warned(env, folder, tmp_path):
@@ -94,8 +105,8 @@ def test_explicit_batch_and_epochs_are_kept_and_a_short_run_is_warned(env, folde
 @pytest.mark.parametrize("n", [20, 72, 172, 300, 1023, 1024, 5000])
 def test_the_rule_is_what_the_docs_say(n):
     cfg, record = resolve_defaults(TrainConfig(dataset="x"), n)
-    assert (cfg.batch_size, cfg.epochs, cfg.val_every) == _docs_rule(n)
-    assert record["given"] == {} and set(record["by_rule"]) == {"batch_size", "epochs", "val_every"}
+    assert (cfg.batch_size, cfg.epochs, cfg.val_every, cfg.patience) == _docs_rule(n)
+    assert record["given"] == {} and set(record["by_rule"]) == {"batch_size", "epochs", "val_every", "patience"}
 
 
 def test_digits_keeps_batch_128_and_20_epochs():
@@ -103,17 +114,21 @@ def test_digits_keeps_batch_128_and_20_epochs():
     from trainer.data import load_dataset
 
     cfg, _ = resolve_defaults(TrainConfig(dataset="digits"), len(load_dataset("digits").train[1]))
-    assert (cfg.batch_size, cfg.epochs, cfg.val_every) == (128, 20, 1)
+    assert (cfg.batch_size, cfg.epochs, cfg.val_every, cfg.patience, cfg.converge) == (128, 20, 1, 0, False)
 
 
 def test_given_values_win_and_a_budget_turns_the_step_floor_off():
     base = TrainConfig(dataset="x")
     cfg, record = resolve_defaults(replace(base, batch_size=128, epochs=2, val_every=1), 172)
-    assert (cfg.batch_size, cfg.epochs, cfg.val_every) == (128, 2, 1) and record["by_rule"] == {}
-    cfg, _ = resolve_defaults(replace(base, batch_size=128), 172)  # one step an epoch: epochs make the floor
-    assert cfg.batch_size == 128 and cfg.val_every == 8 and cfg.epochs == 152  # 150 rounded to validate the last
-    cfg, _ = resolve_defaults(replace(base, max_steps=40), 172)
-    assert (cfg.batch_size, cfg.epochs) == (16, 20)
+    assert (cfg.batch_size, cfg.epochs, cfg.val_every) == (128, 2, 1) and record["by_rule"] == {"patience": 0}
+    cfg, _ = resolve_defaults(replace(base, batch_size=128, epochs=None, val_every=None), 5000)  # past 20 epochs
+    assert (cfg.batch_size, cfg.epochs, cfg.val_every) == (128, 20, 1)
+    cfg, _ = resolve_defaults(replace(base, batch_size=128), 172)  # one step an epoch: a budget of 3 x 150 epochs
+    assert cfg.batch_size == 128 and cfg.val_every == 1 and cfg.epochs == 450 and cfg.patience == 100
+    cfg, _ = resolve_defaults(replace(base, batch_size=128, epochs=150), 172)  # epochs given: validated 20 times
+    assert cfg.val_every == 8 and cfg.epochs == 150 and cfg.patience == 0
+    cfg, _ = resolve_defaults(replace(base, max_steps=40), 172)  # the budget in steps
+    assert (cfg.batch_size, cfg.epochs) == (16, 4)
     cfg, _ = resolve_defaults(base, 172, world=16)  # every rank gets 2 examples
     assert cfg.batch_size == 32
 

@@ -1,7 +1,8 @@
 """Answers must not move: every threshold rule, the rule choosers, row adaptation, the defaults each
 command applies, and a served bundle's answers, recorded before calibration became one package and
 compared after (tests/fixtures/answers.json; SLC_RECORD_ANSWERS=1 writes it again, for a change that
-means to move them).
+means to move them). The served answers are asked over HTTP and again over gRPC (KServe v2, the
+unmodified tritonclient): both must be the recorded ones.
 
 The logits are exact: embeddings and rows are small multiples of 1/8, so h·W + b is the same float64
 number on every processor, and the rules see the same input wherever the test runs."""
@@ -143,3 +144,37 @@ def test_answers_are_those_recorded(answers):
     want = json.loads(FIXTURE.read_text())
     for part in want:
         assert got[part] == want[part], part
+
+
+def grpc_answers(tmp_path: Path) -> dict:
+    """The served bundle of `served_answers` asked over KServe v2 gRPC: detect of class 3 (the single-logit
+    model) and the exact top 5 (the full model's classification output), to 6 digits."""
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
+    from serving.bundle.synthetic import build_synthetic_bundle
+    from serving.main import build
+    from tests.serving.helpers import free_port, make_settings, uvicorn_in_thread
+
+    bundle = build_synthetic_bundle(classes=40, dim=16, input_dim=8, seed=5, out=tmp_path / "b")
+    x = np.random.default_rng(9).standard_normal((4, 8)).round(3).astype(np.float32)
+    r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
+    port = free_port()
+    with uvicorn_in_thread(build(make_settings(bundle, tmp_path, grpc_port=port))[0]):
+        client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+        name = json.loads((bundle / "manifest.json").read_text())["name"]
+        inp = grpcclient.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        ids = grpcclient.InferInput("class_id", [4], "INT64")
+        ids.set_data_from_numpy(np.full(4, 3, dtype=np.int64))
+        one = client.infer(name, [inp, ids])
+        full = client.infer(name + "-full", [inp], outputs=[grpcclient.InferRequestedOutput("logits", class_count=5)])
+        client.close()
+    entries = [[s.decode().split(":") for s in row] for row in full.as_numpy("logits")]
+    return {"detect": [[r6(z), bool(m)] for z, m in zip(one.as_numpy("logit").tolist(), one.as_numpy("match"))],
+            "topk": [[[int(i), r6(float(v))] for v, i, _ in row] for row in entries]}
+
+
+def test_grpc_answers_are_the_recorded_http_answers(tmp_path):
+    got = grpc_answers(tmp_path)
+    want = json.loads(FIXTURE.read_text())["served"]
+    assert got["detect"] == [row[:2] for row in want["detect"]]
+    assert got["topk"] == want["topk"]["exact"]

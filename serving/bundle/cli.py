@@ -100,7 +100,7 @@ def triton(bundle_dir: Path, out: Path, overwrite: bool, max_batch: int, delay_u
 @guarded("bundle", inputs=("bundle_dir",))
 def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
     """A new bundle with the enrolled classes of BUNDLE as ordinary rows (docs/api.md "Enroll a class")."""
-    from serving.bundle.fold import FoldedClass, fold_bundle
+    from serving.bundle.fold import fold_bundle
     from serving.bundle.loader import load_bundle
     from serving.gallery import DB_NAME
     from serving.gallery.enrolled import open_for_bundle
@@ -117,8 +117,7 @@ def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
         records = [r for r in store.changes(0) if not r.deleted]
     finally:
         store.close()
-    classes = [FoldedClass(r.name, r.slot, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples, r.rule)
-               for r in _servable(records, original)]
+    classes = _servable(records, original)
     if not classes:
         raise click.ClickException(f"{source} holds no enrolled classes of {bundle_dir} (model {model.key[:12]}…); "
                                    "nothing to fold")

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from serving.bundle import output
+from serving.bundle.class_row import ClassRow
 from serving.bundle.format import MANIFEST, SELF_HASH_KEY, json_load, write_manifest
 from serving.bundle.graphs import external_locations, external_tensor
 from serving.bundle.names import enrolled_class_problem, shown
@@ -38,22 +38,7 @@ CHUNK_ROWS = 65_536
 REWRITTEN = ("head_weight.npy", "head_bias.npy", "calibration.json", "samples.npz", "full.onnx", "single.onnx")
 
 
-@dataclass
-class FoldedClass:
-    """One enrolled class as the store holds it (serving/gallery/enrolled.py's EnrolledRecord, plainly)."""
-
-    name: str
-    slot: int
-    row: np.ndarray  # [d] float32
-    bias: float
-    threshold: float
-    platt_a: float
-    platt_b: float
-    examples: int
-    rule: str
-
-
-def fold_bundle(src: Path | str, classes: list[FoldedClass], out: Path | str, overwrite: bool = False) -> Path:
+def fold_bundle(src: Path | str, classes: list[ClassRow], out: Path | str, overwrite: bool = False) -> Path:
     """Write NEW (module docstring) from BUNDLE and its enrolled classes (in slot order); returns `out`.
     ValueError, one line, when there is nothing to fold or the result does not verify."""
     from serving.bundle.loader import load_bundle
@@ -83,7 +68,7 @@ def _verified(stage: Path) -> list[str]:
     return []
 
 
-def _check_classes(bundle, classes: list[FoldedClass]) -> None:
+def _check_classes(bundle, classes: list[ClassRow]) -> None:
     """ValueError naming the first class fold must not carry into a bundle: one a server would refuse
     to serve (serving/bundle/names.py and calibration.py hold the rules the server applies too), a
     trained class's name, or a name twice. Before anything is written."""
@@ -148,7 +133,7 @@ def row_blocks(weight, rows: int = CHUNK_ROWS):
         yield weight[start:start + rows]
 
 
-def _write_head(stage: Path, bundle, classes: list[FoldedClass]) -> dict[str, int]:
+def _write_head(stage: Path, bundle, classes: list[ClassRow]) -> dict[str, int]:
     """The trained rows streamed, then the enrolled ones; the data offsets of both files."""
     D, d, n = bundle.num_classes, bundle.embed_dim, len(classes)
     blocks = [*row_blocks(bundle.weight), np.stack([c.row for c in classes])]
@@ -197,7 +182,7 @@ def write_graphs(src: Path, stage: Path, d: int, offsets: dict[str, int], total:
     onnx.save_model(single, str(stage / "single.onnx"))
 
 
-def _write_calibration(src: Path, stage: Path, bundle, classes: list[FoldedClass]) -> None:
+def _write_calibration(src: Path, stage: Path, bundle, classes: list[ClassRow]) -> None:
     cal = json_load((src / "calibration.json").read_bytes())
     D = bundle.num_classes
     for i, c in enumerate(classes):
@@ -231,7 +216,7 @@ def write_samples(src: Path, stage: Path, trained: int) -> None:
     np.savez(stage / "samples.npz", **out)
 
 
-def _manifest(src: Path, stage: Path, bundle, classes: list[FoldedClass]) -> dict:
+def _manifest(src: Path, stage: Path, bundle, classes: list[ClassRow]) -> dict:
     from serving.bundle.format import base_manifest
 
     old = json_load((src / MANIFEST).read_bytes())

@@ -27,6 +27,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -34,7 +35,8 @@ import numpy as np
 from serving.bundle.names import enrolled_class_problem
 from serving.core import enrollment, enrolled_report
 from serving.errors import Conflict, InvalidInput, NotFound
-from serving.gallery.enrolled import (Changed, EnrolledRecord, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
+from serving.bundle.class_row import ClassRow
+from serving.gallery.enrolled import (Changed, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
                                       ModelRecord, Written)
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ class _Buffers:
         self.position: dict[str, int] = {}  # name -> position
         self.used = 0
 
-    def append(self, rec: EnrolledRecord) -> None:
+    def append(self, rec: ClassRow) -> None:
         if self.used == len(self.slots):  # grow: a new array; older snapshots keep their views of the old one
             cap = 2 * len(self.slots)
             self.rows = _grown(self.rows, cap)
@@ -144,12 +146,12 @@ def _description(class_id: int, name: str, row: np.ndarray, bias: float, thresho
             "platt": {"a": float(pa), "b": float(pb)}, "examples": int(examples), "rule": rule, "created": created}
 
 
-def describe_record(num_trained: int, r: EnrolledRecord) -> dict:
+def describe_record(num_trained: int, r: ClassRow) -> dict:
     return _description(num_trained + r.slot, r.name, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples,
                         r.rule, r.created)
 
 
-def unservable(r: EnrolledRecord, d: int, trained) -> Optional[str]:
+def unservable(r: ClassRow, d: int, trained) -> Optional[str]:
     """Why a live stored row cannot be served (None: it can): a value the store could not give, a row
     not of d finite values, a non-finite bias, threshold or Platt value, a name no route can address
     or that `trained(name)` says a trained class has."""
@@ -166,7 +168,7 @@ def empty_snapshot(num_trained: int, d: int) -> Enrolled:
     return Enrolled(num_trained, 0, 0, _Buffers(d))
 
 
-def _snapshot(num_trained: int, d: int, live: dict[int, EnrolledRecord], seq: int) -> Enrolled:
+def _snapshot(num_trained: int, d: int, live: dict[int, ClassRow], seq: int) -> Enrolled:
     """A fresh snapshot (new buffers) of the live records {slot: record}."""
     buf = _Buffers(d, max(16, len(live)))
     for slot in sorted(live):
@@ -181,7 +183,7 @@ class EnrolledClasses:
         self.store, self.bundle, self.settings = store, bundle, settings
         self.num_trained, self.embed_dim = int(bundle.num_classes), int(bundle.embed_dim)
         self.model = model or ModelRecord.of_bundle(bundle)
-        self._live: dict[int, EnrolledRecord] = {}  # slot -> record (the truth the snapshot is built from)
+        self._live: dict[int, ClassRow] = {}  # slot -> record (the truth the snapshot is built from)
         self.skipped: dict[int, tuple[str, str]] = {}  # slot -> (name, why): stored rows that cannot be served
         self.snapshot = empty_snapshot(self.num_trained, self.embed_dim)
         self._lock = threading.Lock()  # catch-ups and writes of this process, one at a time
@@ -201,7 +203,7 @@ class EnrolledClasses:
             if records:
                 self._apply(records, max(r.seq for r in records))
 
-    def _apply(self, records: list[EnrolledRecord], seq: Optional[int] = None) -> None:
+    def _apply(self, records: list[ClassRow], seq: Optional[int] = None) -> None:
         """Records as the store holds them now; the snapshot's seq advanced to `seq` (None: kept, for
         this process's own write shown before a catch-up confirms it). New slots are appended to the
         shared buffers when that is all they are; otherwise a rebuild. Under the lock."""
@@ -231,7 +233,7 @@ class EnrolledClasses:
         else:
             self.snapshot = _snapshot(self.num_trained, self.embed_dim, self._live, seq)
 
-    def _unservable(self, r: EnrolledRecord) -> Optional[str]:
+    def _unservable(self, r: ClassRow) -> Optional[str]:
         return unservable(r, self.embed_dim, self._is_trained)
 
     def _is_trained(self, name: str) -> bool:
@@ -296,7 +298,7 @@ class EnrolledClasses:
             self._neg_stats = enrollment.negative_stats(self.bundle.weight, self.bundle.bias, self.negatives(), labels)
         return self._neg_stats
 
-    def compute(self, h: np.ndarray) -> enrollment.ClassRow:
+    def compute(self, h: np.ndarray) -> ClassRow:
         """The rule (serving/core/enrollment.py) on the examples' embeddings h [n, d]."""
         stats = self.stats()
         if self.rule() == "standardised":
@@ -307,13 +309,11 @@ class EnrolledClasses:
             t = enrollment.negatives_threshold(row, h, np.asarray(neg, dtype=np.float32), self.num_trained,
                                                stats.target_precision)
             if t is not None:
-                from dataclasses import replace
-
-                row = replace(row, threshold=t, threshold_rule="negatives")
+                row = replace(row, threshold=t, rule="negatives")
         return row
 
     # ------------------------------------------------------------------ writes (blocking: the gallery's executor)
-    def put(self, name: str, row: enrollment.ClassRow, h: Optional[np.ndarray] = None,
+    def put(self, name: str, row: ClassRow, h: Optional[np.ndarray] = None,
             expect_seq: Optional[int] = None) -> tuple[dict, bool]:
         """Store the class with the embeddings h [n, d] its row was made from (kept for adding); (its
         description, created), from what was committed: never read back, since another replica may
@@ -322,14 +322,14 @@ class EnrolledClasses:
         if not (np.isfinite(row.row).all() and all(math.isfinite(v) for v in values)):
             raise InvalidInput("the class's row, bias, threshold or Platt values are not finite; nothing was written",
                                code="non_finite_output")
-        rule = f"{self.rule()}+{row.threshold_rule}"
+        rule = f"{self.rule()}+{row.rule}"
         with self._lock:
             written = self.store.put(name, row.row, row.bias, row.threshold, row.platt_a, row.platt_b, row.examples,
                                      rule, self.settings.max_enrolled_classes, embeddings=h, expect_seq=expect_seq)
-            own = EnrolledRecord(slot=written.slot, name=name, row=np.asarray(row.row, dtype="<f4").astype(np.float32),
-                                 bias=float(row.bias), threshold=float(row.threshold), platt_a=float(row.platt_a),
-                                 platt_b=float(row.platt_b), examples=int(row.examples), rule=rule,
-                                 created=written.at, seq=written.seq, deleted=False)
+            own = replace(row, row=np.asarray(row.row, dtype="<f4").astype(np.float32), bias=float(row.bias),
+                          threshold=float(row.threshold), platt_a=float(row.platt_a), platt_b=float(row.platt_b),
+                          examples=int(row.examples), rule=rule, name=name, slot=written.slot, created=written.at,
+                          seq=written.seq, deleted=False)
             self._settle(own)
         return describe_record(self.num_trained, own), written.created
 
@@ -371,7 +371,7 @@ class EnrolledClasses:
                 self._settle(_tombstone(written))
         return None if written is None else self.num_trained + written.slot
 
-    def _settle(self, own: EnrolledRecord) -> None:
+    def _settle(self, own: ClassRow) -> None:
         """After a committed write of this process (under the lock): catch up with the store, or, when
         that read fails, show the write alone so that it is served at once; the follower confirms it."""
         try:
@@ -400,7 +400,7 @@ class EnrolledClasses:
         return groups
 
 
-def _tombstone(written: Written) -> EnrolledRecord:
+def _tombstone(written: Written) -> ClassRow:
     """A deletion this process committed, as the record the store now holds."""
-    return EnrolledRecord(slot=written.slot, name="", row=None, bias=0.0, threshold=0.0, platt_a=0.0, platt_b=0.0,
-                          examples=0, rule="", created=written.at, seq=written.seq, deleted=True)
+    return ClassRow(slot=written.slot, name="", row=None, bias=0.0, threshold=0.0, platt_a=0.0, platt_b=0.0,
+                    examples=0, rule="", created=written.at, seq=written.seq, deleted=True)

@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from serving.bundle.class_row import ClassRow
 from serving.bundle.names import class_name_problem, shown
 from serving.errors import InvalidInput
 
@@ -51,23 +52,6 @@ class HeadStats:
     platt_b: float
     threshold: float
     target_precision: float  # calibration.json target (0.99 when it names none): the negatives rule aims at it
-
-
-@dataclass(frozen=True)
-class ClassRow:
-    """One enrolled class: its row and everything detect needs beside it."""
-
-    row: np.ndarray  # [d] float32
-    bias: float
-    threshold: float
-    platt_a: float
-    platt_b: float
-    examples: int
-    threshold_rule: str  # how the threshold was chosen ("global" or "negatives")
-
-    @property
-    def norm(self) -> float:
-        return float(np.linalg.norm(self.row.astype(np.float64)))
 
 
 def head_stats(weight: np.ndarray, bias: np.ndarray, platt_a: np.ndarray, platt_b: np.ndarray,
@@ -106,7 +90,7 @@ def imprint(h: np.ndarray, stats: HeadStats) -> ClassRow:
                            code="degenerate_examples")
     row = (stats.row_norm / size * mean).astype(np.float32)
     return ClassRow(row=row, bias=stats.bias, threshold=stats.threshold, platt_a=stats.platt_a,
-                    platt_b=stats.platt_b, examples=int(h.shape[0]), threshold_rule="global")
+                    platt_b=stats.platt_b, examples=int(h.shape[0]), rule="global")
 
 
 def negatives_threshold(row: ClassRow, h_pos: np.ndarray, h_neg: np.ndarray, num_trained: int,
@@ -198,4 +182,4 @@ def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.
     tail = neg.logit_mean + scale * (float(np.quantile(p, neg.tail_quantile)) - float(p.mean()))
     bias -= max(0.0, tail - neg.logit_tail)
     return ClassRow(row=row.astype(np.float32), bias=bias, threshold=stats.threshold, platt_a=stats.platt_a,
-                    platt_b=stats.platt_b, examples=centred.examples, threshold_rule="global")
+                    platt_b=stats.platt_b, examples=centred.examples, rule="global")

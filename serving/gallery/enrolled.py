@@ -37,6 +37,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from serving.bundle.class_row import ClassRow
 from serving.gallery.base import GalleryUnavailable, StorageFull, StoreUnavailable
 from serving.gallery.enrolled_models import ModelRecord, ModelTables, models_schema
 from serving.gallery.sqlite import DB_NAME, _rollback, store_error
@@ -67,26 +68,6 @@ class Kept:
 
 
 @dataclass
-class EnrolledRecord:
-    """One stored slot: a live class, or a tombstone (deleted, row None). `problem`: why the stored
-    values cannot be read as a class (a NULL or non-number column); the reader skips such a row."""
-
-    slot: int
-    name: str
-    row: Optional[np.ndarray]  # [d] float32
-    bias: float
-    threshold: float
-    platt_a: float
-    platt_b: float
-    examples: int
-    rule: str
-    created: float
-    seq: int
-    deleted: bool
-    problem: Optional[str] = None
-
-
-@dataclass
 class Written:
     """What a write committed: the class's slot, whether it was new, the seq of the write, its time."""
 
@@ -105,7 +86,7 @@ def _number(value, what: str, problems: list[str]) -> float:
         return float("nan")
 
 
-def _record(r: tuple) -> EnrolledRecord:
+def _record(r: tuple) -> ClassRow:
     """One row of _COLUMNS as a record, whatever its values: what cannot be read is named in `problem`."""
     problems: list[str] = []
     row = None
@@ -120,7 +101,7 @@ def _record(r: tuple) -> EnrolledRecord:
     examples = _number(r[7], "examples", problems)
     if math.isinf(examples):  # NaN is noted already
         problems.append(f"examples is {examples}")
-    return EnrolledRecord(slot=int(r[0]), name=str(r[1]), row=row, bias=bias, threshold=threshold, platt_a=pa,
+    return ClassRow(slot=int(r[0]), name=str(r[1]), row=row, bias=bias, threshold=threshold, platt_a=pa,
                           platt_b=pb, examples=int(examples) if math.isfinite(examples) else 0, rule=str(r[8]),
                           created=_number(r[9], "created", problems), seq=int(r[10]), deleted=bool(r[11]),
                           problem="; ".join(problems) or None)
@@ -276,7 +257,7 @@ class EnrolledStore(ModelTables):
                           (self.key,))
         return int(rows[0][0])
 
-    def changes(self, since: int = 0) -> list[EnrolledRecord]:
+    def changes(self, since: int = 0) -> list[ClassRow]:
         """Every slot written after seq `since` (tombstones included), in seq order; a row whose values
         cannot be read comes with its `problem` (never an exception: one bad row must not stop a reader)."""
         rows = self._read(self._sql(f"SELECT {_COLUMNS} FROM enrolled_classes WHERE digest = ? AND seq > ? ORDER BY seq"),

@@ -189,23 +189,13 @@ class BatchCrossEntropy(nn.Module):
 
 
 @register_loss("batch_max_margin")
-class BatchMaxMargin(SmoothHinge, nn.Module):
+class BatchMaxMargin(SmoothHinge):
     """(1/m)·max(0, γ − z⁺ + z⁻) + mean_i max_margin_i, z⁺ = min true logit, z⁻ = max false logit
     of the (global) batch. Default gamma=1; tau=0, anneal=0 (the SmoothHinge option, off: with
     tau > 0 every max is τ·logsumexp(·/τ) and the min −τ·logsumexp(−·/τ)).
     """
 
     pols = True
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
-
-    def __init__(self, num_classes: int, gamma: float = 1.0, tau: float = 0.0, anneal: float = 0.0):
-        super().__init__()
-        self.num_classes, self.gamma = num_classes, float(gamma)
-        self._init_smooth(tau, anneal)
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: only differences of logits enter the loss."""
-        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]

@@ -39,16 +39,24 @@ def smooth_max(z: torch.Tensor, tau: float, dim: int | None = 1) -> torch.Tensor
     return z.amax(dim=dim) if tau == 0 else tau * torch.logsumexp(z / tau, dim=dim)
 
 
-class SmoothHinge:
-    """The hinge losses' option (docs/losses.md, "Hinge losses at many classes"): `tau` > 0 replaces
-    each max over false logits by tau·logsumexp(·/tau) (and a min by its mirror); `anneal` in
-    (0, 1] lowers tau linearly to 0 over that share of training (set_progress), so the loss is the
-    exact hinge from then on. Defaults tau=0, anneal=0: the hinge as defined."""
+class SmoothHinge(nn.Module):
+    """A hinge loss of margin `gamma` and its option (docs/losses.md, "Hinge losses at many classes"):
+    `tau` > 0 replaces each max over false logits by tau·logsumexp(·/tau) (and a min by its mirror);
+    `anneal` in (0, 1] lowers tau linearly to 0 over that share of training (set_progress), so the
+    loss is the exact hinge from then on. Defaults tau=0, anneal=0: the hinge as defined."""
 
-    def _init_smooth(self, tau: float, anneal: float) -> None:
+    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
+
+    def __init__(self, num_classes: int, gamma: float = 1.0, tau: float = 0.0, anneal: float = 0.0):
+        super().__init__()
         if tau < 0 or not 0 <= anneal <= 1:
             raise ValueError(f"need tau >= 0 and 0 <= anneal <= 1, got tau={tau}, anneal={anneal}")
+        self.num_classes, self.gamma = num_classes, float(gamma)
         self.tau, self.anneal, self.progress = float(tau), float(anneal), 0.0
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
+        """None: only differences of logits enter a hinge."""
+        return None
 
     def set_progress(self, fraction: float) -> None:
         self.progress = min(max(float(fraction), 0.0), 1.0)
@@ -94,21 +102,11 @@ class CrossEntropy(nn.Module):
 
 
 @register_loss("max_margin")
-class MaxMargin(SmoothHinge, nn.Module):
+class MaxMargin(SmoothHinge):
     """Multiclass hinge max(0, γ − z_y + max_{j≠y} z_j). Default gamma=1; tau=0, anneal=0 (the
     SmoothHinge option, off: with tau > 0 the max is τ·logsumexp_{j≠y}(z_j/τ))."""
 
     pols = False
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
-
-    def __init__(self, num_classes: int, gamma: float = 1.0, tau: float = 0.0, anneal: float = 0.0):
-        super().__init__()
-        self.num_classes, self.gamma = num_classes, float(gamma)
-        self._init_smooth(tau, anneal)
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: only differences of logits enter the loss."""
-        return None
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         tau = self.current_tau

@@ -32,6 +32,16 @@ def write_negatives(out: Path, h: np.ndarray, labels: np.ndarray, split: str = "
             "sample": f"uniform without replacement, seed {seed}, at most {limit}"}
 
 
+def read_negatives(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """(embeddings [N, d] float32, memory-mapped; labels [N] int64) of the bundle at `path`, or None
+    when it carries none (an older bundle): the one place their file names are read."""
+    path = Path(path)
+    if not (path / EMBEDDINGS).is_file():
+        return None
+    return (np.load(path / EMBEDDINGS, mmap_mode="r", allow_pickle=False),
+            np.load(path / LABELS, allow_pickle=False))
+
+
 def check_negatives(path: Path, manifest: dict, deep: bool) -> list[str]:
     """Problems of the negatives a bundle lists (none when it has none): shapes, dtypes, labels in
     0..D-1, and with `deep` finite embeddings."""

@@ -26,13 +26,13 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 
 from serving.bundle.names import enrolled_class_problem
+from serving.bundle.negatives import read_negatives
 from serving.core import enrollment, enrolled_report
 from serving.errors import Conflict, InvalidInput, NotFound
 from serving.bundle.class_row import ClassRow
@@ -189,6 +189,7 @@ class EnrolledClasses:
         self._lock = threading.Lock()  # catch-ups and writes of this process, one at a time
         self._stats: Optional[enrollment.HeadStats] = None
         self._negatives: Optional[np.ndarray] = None
+        self._negative_labels: Optional[np.ndarray] = None
         self._neg_stats: Optional[enrollment.NegativeStats] = None
         self._stop = threading.Event()
         self._follower: Optional[threading.Thread] = None
@@ -273,12 +274,11 @@ class EnrolledClasses:
         return self._stats
 
     def negatives(self) -> Optional[np.ndarray]:
-        """The bundle's calibration negatives [N, d] (calibration_embeddings.npy), or None without them."""
+        """The bundle's calibration negatives [N, d] (serving/bundle/negatives.py), or None without them."""
         if self._negatives is None:
-            path = Path(self.bundle.path) / "calibration_embeddings.npy"
-            if not path.is_file():
+            if (found := read_negatives(self.bundle.path)) is None:
                 return None
-            self._negatives = np.load(path, mmap_mode="r", allow_pickle=False)
+            self._negatives, self._negative_labels = found
         return self._negatives
 
     def rule(self) -> str:
@@ -294,8 +294,8 @@ class EnrolledClasses:
     def negative_stats(self) -> enrollment.NegativeStats:
         """The trained head's logits on the negatives (computed once, over a sample of classes)."""
         if self._neg_stats is None:
-            labels = np.load(Path(self.bundle.path) / "calibration_labels.npy", allow_pickle=False)
-            self._neg_stats = enrollment.negative_stats(self.bundle.weight, self.bundle.bias, self.negatives(), labels)
+            self._neg_stats = enrollment.negative_stats(self.bundle.weight, self.bundle.bias, self.negatives(),
+                                                        self._negative_labels)
         return self._neg_stats
 
     def compute(self, h: np.ndarray) -> ClassRow:

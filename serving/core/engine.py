@@ -594,7 +594,7 @@ class Engine:
             raise GalleryDown(f"{exc}; retry") from None
 
     async def gallery_upsert(self, items: list[dict], x: np.ndarray) -> list[str]:
-        """Embed the items' inputs x [N, *input_shape] (checked: serving/gallery/bodies.py) and store them."""
+        """Embed the items' inputs x [N, *input_shape] (checked: serving/codecs/gallery_bodies.py) and store them."""
         from serving.gallery import GalleryRecord
 
         h = await self.batcher.submit(x, "embed", lambda rows: finite_output(np.array(rows, np.float32)), self._timeout())

@@ -43,7 +43,7 @@ class GalleryRecord:
     embedding: np.ndarray  # [d] float32: h(input) under the current bundle
     metadata: dict | None = None
     input: list = field(default_factory=list)
-    metadata_json: Optional[bytes] = None  # the metadata already serialised and checked (serving/gallery/bodies.py)
+    metadata_json: Optional[bytes] = None  # the metadata already serialised and checked (serving/codecs/gallery_bodies.py)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from serving.bundle import sniff
 from serving.codecs import fast_json, forms, image_decoder, images, strict_json as read
 from serving.errors import Forbidden, InvalidInput, SlcError, Unauthorized, UnsupportedMediaType
-from serving.gallery import bodies
+from serving.codecs import gallery_bodies as bodies
 from serving.http.deps import error_responses, ready_engine, server_state
 from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route, path_is_utf8
@@ -256,7 +256,7 @@ def _require_key(scope) -> None:
 async def gallery_upsert(scope, body: bytes):
     """Upsert by id; answered only once the items are committed to disk."""
     # counts on the raw bytes here; the parse and every per-value check on the gallery's executor
-    # (serving/gallery/bodies.py)
+    # (serving/codecs/gallery_bodies.py)
     _require_key(scope)  # 401 before the body is parsed
     engine = app_state(scope).ready_engine()
     s = engine.settings

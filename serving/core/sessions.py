@@ -1,8 +1,9 @@
 """onnxruntime sessions of a bundle: the backbone (every query) and, lazily, full.onnx.
 
-The providers come from the device setting; with `auto` CUDA is tried when this onnxruntime
-build lists it, and what the session really uses (session.get_providers(), which falls back to
-CPU when no GPU is usable) is what gets logged and reported by /v1/model.
+The providers come from the device setting through the device backend (serving/core/device/backend.py:
+with `auto` CUDA is tried when this onnxruntime build lists it and the driver sees a GPU); what the
+session really uses (session.get_providers(), CPU when no GPU is usable) is what gets logged and
+reported by /v1/model.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ ifneq ($(GPU),)
 	$(BIN)/pip uninstall -q -y onnxruntime
 	$(BIN)/pip install -q --force-reinstall --no-deps "onnxruntime-gpu>=1.27,<2"
 endif
-	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; from serving.core.sessions import usable_providers; print('setup ok: torch', torch.__version__, 'cuda', torch.version.cuda, '| onnxruntime', onnxruntime.__version__, 'uses', usable_providers(), '| faiss', faiss.__version__)"
+	@$(BIN)/python -c "import torch, onnxruntime, faiss, fastapi; from serving.core.device.backend import usable_providers; print('setup ok: torch', torch.__version__, 'cuda', torch.version.cuda, '| onnxruntime', onnxruntime.__version__, 'uses', usable_providers(), '| faiss', faiss.__version__)"
 	touch $(STAMP)
 
 serve: setup

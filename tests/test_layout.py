@@ -188,3 +188,84 @@ def test_no_test_hook_lives_in_product_code(package):
     """What only tests need (a worker that stalls on cue, a switch read from the environment) lives in
     tests/ and reaches the product by monkeypatching (tests/serving/stalling_worker.py)."""
     assert [f"{p.relative_to(ROOT)}: {h}" for p in _modules(package) for h in HOOKS if h in p.read_text()] == []
+
+
+# ---------------------------------------------------------------------------- the device as one backend
+DEVICE_PACKAGE = "serving/core/device"  # the only place of the server that decides anything about CUDA
+
+
+def _mentions_cuda(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        text = (n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
+                else n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else "")
+        if "cuda" in text.lower():
+            return True
+    return False
+
+
+def cuda_branch_points(source: str) -> list[tuple[int, str]]:
+    """(line, kind) of each CUDA branch point of a module: a condition (the test of an if, while,
+    conditional expression, assert or comprehension filter, or any other boolean operation, comparison
+    or `not` outside one) naming cuda (a name, attribute or string holding "cuda", any case: uses_cuda,
+    device == "cuda"); a call loading libcuda; a "CUDAExecutionProvider" literal outside a counted
+    condition. Docstrings, comments and plain messages are not branch points."""
+    tree, found, seen = ast.parse(source), [], set()
+
+    def mark(node: ast.AST, kind: str) -> None:
+        found.append((node.lineno, kind))
+        seen.update(id(n) for n in ast.walk(node))
+
+    tests = [t for n in ast.walk(tree) for t in (
+        [n.test] if isinstance(n, (ast.If, ast.While, ast.IfExp, ast.Assert)) else
+        n.ifs if isinstance(n, ast.comprehension) else [])]
+    for t in tests:
+        if id(t) not in seen and _mentions_cuda(t):
+            mark(t, "condition")
+    for n in ast.walk(tree):
+        if id(n) in seen:
+            continue
+        if isinstance(n, (ast.BoolOp, ast.Compare, ast.UnaryOp)) and _mentions_cuda(n):
+            mark(n, "condition")
+        elif isinstance(n, ast.Call) and any(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                                             and "libcuda" in a.value for a in n.args):
+            mark(n, "libcuda load")
+    for n in ast.walk(tree):
+        if id(n) not in seen and isinstance(n, ast.Constant) and n.value == "CUDAExecutionProvider":
+            mark(n, "provider literal")
+    return sorted(found)
+
+
+def cuda_branch_counts(root: Path = ROOT) -> dict[str, int]:
+    """{serving/ file: its CUDA branch points}, files without any left out."""
+    counts = {str(p.relative_to(root)): len(cuda_branch_points(p.read_text()))
+              for p in sorted((root / "serving").rglob("*.py"))}
+    return {path: n for path, n in counts.items() if n}
+
+
+def test_no_cuda_branch_outside_the_device_backend():
+    """Providers, the libcuda probe, device memory, lanes, the index policy and the device head pass are
+    asked of serving/core/device/; no other module of the server tests for CUDA itself."""
+    assert [p for p in cuda_branch_counts() if not p.startswith(DEVICE_PACKAGE + "/")] == []
+
+
+@pytest.mark.parametrize("snippet, kinds", [
+    ('lanes = n if threads > 1 and not runtime.uses_cuda else 1', ["condition"]),
+    ('if device == "cuda":\n    pass', ["condition"]),
+    ('on = wanted == "device" or (wanted == "auto" and rt.uses_cuda)', ["condition"]),
+    ('P = [("CUDAExecutionProvider", {"use_tf32": "0"})]', ["provider literal"]),
+    ('import ctypes\nlib = ctypes.CDLL("libcuda.so.1")', ["libcuda load"]),
+    ('x = [p for p in ps if "CUDAExecutionProvider" in p]', ["condition"]),
+    ('"""Runs on CUDA when asked."""\n# if device == "cuda"\nlog.info("cuda: %s", x)', []),
+    ('lanes = backend.lanes(n, runtime)\nwhere = backend.kind(runtime)', []),
+])
+def test_the_cuda_check_sees_branches_and_not_prose(snippet, kinds):
+    assert [kind for _, kind in cuda_branch_points(snippet)] == kinds
+
+
+if __name__ == "__main__":  # python tests/test_layout.py [ROOT]: the CUDA branch points per serving/ file
+    import sys
+
+    counts = cuda_branch_counts(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT)
+    for path, n in counts.items():
+        print(f"{n:3d}  {path}")
+    print(f"{sum(counts.values()):3d}  total in {len(counts)} files")

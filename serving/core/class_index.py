@@ -48,6 +48,7 @@ from serving.core import head_scan
 from serving.bundle.files import atomic_replace
 from serving.bundle.session import ort_session
 from serving.core.class_cells import HeadLists
+from serving.core.device.index import faiss_gpus, place_index
 
 log = logging.getLogger(__name__)
 # faiss is imported where an index needs it (about 13 MiB of the server's memory): a server whose
@@ -255,7 +256,7 @@ class ClassIndex:
             return cls(weight, bias, meta, None, "cpu")
         if kind == "flat":  # cheap to build: not cached
             meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact")
-            if device == "cpu" or _gpu_count() == 0:  # on CPU, search() uses numpy over the mmap head: no copy
+            if device == "cpu" or faiss_gpus() == 0:  # on CPU, search() uses numpy over the mmap head: no copy
                 return cls(weight, bias, meta, None, "cpu")
             import faiss
 
@@ -267,7 +268,7 @@ class ClassIndex:
             meta = _Meta(kind, digest, num_classes, embed_dim, recall_at_k=1.0, recall_queries="exact",
                          build_seconds=time.perf_counter() - t0)
             cls.builds += 1
-            index, dev = _to_device(index, device)
+            index, dev = place_index(index, device)
             return cls(weight, bias, meta, index, dev)
 
         cache_dir = Path(cache_dir)
@@ -280,7 +281,7 @@ class ClassIndex:
             dev = "cpu"
             if index is not None:
                 _set_search_params(index, meta)
-                index, dev = _to_device(index, device, meta)
+                index, dev = place_index(index, device, meta)
             where = _lists_path(index_path) if isinstance(index, HeadLists) else index_path
             log.info("class index %s loaded from %s (recall@%d %.3f)", kind, where, RECALL_K, meta.recall_at_k or -1)
             return cls(weight, bias, meta, index, dev, loaded_from_cache=True)
@@ -294,7 +295,7 @@ class ClassIndex:
         self._tune(bundle, params)
         _save_cached(self.index, meta, index_path, meta_path)
         if self.index is not None:
-            self.index, self.device = _to_device(self.index, device, meta)
+            self.index, self.device = place_index(self.index, device, meta)
         log.info("class index %s built in %.1fs: %s", kind, meta.build_seconds, self.info())
         return self
 
@@ -550,42 +551,6 @@ def _set_search_params(index: Any, meta: _Meta) -> None:
         faiss.extract_index_ivf(index).nprobe = meta.nprobe
     if meta.kind == "hnsw" and meta.ef_search:
         index.hnsw.efSearch = meta.ef_search
-
-
-def _gpu_count() -> int:
-    import faiss
-
-    try:
-        return faiss.get_num_gpus()
-    except AttributeError:  # a CPU-only faiss build
-        return 0
-
-
-def _to_device(index: Any, device: str, meta: _Meta | None = None) -> tuple[Any, str]:
-    """Move the index to GPU 0 when asked (cuda/auto) and one is there; HNSW has no GPU version and
-    cells of class ids read the head in host memory: both stay on CPU."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device == "cpu" or isinstance(index, HeadLists):
-        return index, "cpu"
-    import faiss
-
-    if isinstance(index, faiss.IndexHNSW):
-        return index, "cpu"
-    if _gpu_count() == 0:
-        if device == "cuda":
-            log.warning("device cuda asked for but faiss sees no GPU: class index on CPU")
-        return index, "cpu"
-    try:
-        res = faiss.StandardGpuResources()
-        gpu_index = faiss.index_cpu_to_gpu(res, 0, index)
-        gpu_index._slc_resources = res  # keep the resources alive as long as the index
-        if meta is not None and meta.kind == "ivf" and meta.nprobe:
-            faiss.GpuParameterSpace().set_index_parameter(gpu_index, "nprobe", meta.nprobe)
-        return gpu_index, "cuda:0"
-    except Exception as exc:  # noqa: BLE001 - any GPU failure falls back to the CPU index
-        log.warning("cannot move the class index to GPU (%s): staying on CPU", exc)
-        return index, "cpu"
 
 
 def _load_cached(index_path: Path, meta_path: Path, digest: str, kind: str, num_classes: int,

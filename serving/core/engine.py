@@ -31,6 +31,7 @@ from serving.core import head_scan, open_set
 from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
+from serving.core.device import backend
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
 from serving.bundle.names import IdNames, refused_character, shown
 from serving.core.enrollment import check_name
@@ -121,8 +122,7 @@ class Engine:
         self.calibration = Thresholds.of_bundle(bundle)
         self._reload_lock = threading.Lock()
         self.head_pass = HeadPass(bundle, runtime, settings)  # the passes over all D classes
-        # batches computed at once: a second lane only where there are threads to share (not on CUDA)
-        lanes = settings.concurrent_batches if runtime.threads > 1 and not runtime.uses_cuda else 1
+        lanes = backend.lanes(settings.concurrent_batches, runtime)  # batches computed at once
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
         self.gallery_pool = GalleryExecutor(settings.gallery_threads, settings.gallery_queue_size)

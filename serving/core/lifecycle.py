@@ -151,30 +151,26 @@ async def _open_bundle(state: ServerState):
 async def _open_stores(state: ServerState) -> None:
     """Sessions, the class index and the gallery of the loaded bundle."""
     from serving.core.class_index import ClassIndex
+    from serving.core.device import backend
     from serving.core.sessions import Runtime
     from serving.gallery import open_gallery
 
     s, bundle = state.settings, state.bundle
     state.runtime = await asyncio.to_thread(Runtime, bundle, s.device, s.intra_op_threads)
-    device = "cuda" if state.runtime.uses_cuda else "cpu"
+    device = backend.kind(state.runtime)
     s.data_dir.mkdir(parents=True, exist_ok=True)
     state.index = await asyncio.to_thread(ClassIndex.open, bundle, s.data_dir / "index-cache", device,
                                           index_kind(s, device))
     state.gallery = await asyncio.to_thread(open_gallery, s.gallery_url, s.data_dir, bundle.digest,
-                                            bundle.embed_dim, device, s.gallery_max_bytes)
+                                            bundle.embed_dim, s.gallery_max_bytes)
     state.enrolled = await asyncio.to_thread(_open_enrolled, s, bundle)
 
 
 def index_kind(s: Settings, device: str) -> str | None:
-    """The class index to open (None: by D). On CUDA, `auto` with the head pass free to go on the device
-    (any head precision) is exact: the device's exact top-k answers mode=index (faster than the CPU index, and
-    exact), and nothing is built at start."""
-    if s.class_index != "auto":
-        return s.class_index
-    if device == "cuda" and s.softmax_impl in ("auto", "device"):
-        log.info("class index: none on CUDA (mode=index is the device's exact top-k)")
-        return "exact"
-    return None
+    """The class index to open (None: by D): the device's policy (serving/core/device/index.py)."""
+    from serving.core.device.index import index_kind as device_index_kind
+
+    return device_index_kind(s.class_index, s.softmax_impl, device)
 
 
 def _open_enrolled(s: Settings, bundle):

@@ -1,8 +1,9 @@
 """onnxruntime sessions of a bundle: the backbone (every query) and, lazily, full.onnx.
 
-The providers come from the device setting; with `auto` CUDA is tried when this onnxruntime
-build lists it, and what the session really uses (session.get_providers(), which falls back to
-CPU when no GPU is usable) is what gets logged and reported by /v1/model.
+The providers come from the device setting through the device backend (serving/core/device/backend.py:
+with `auto` CUDA is tried when this onnxruntime build lists it and the driver sees a GPU); what the
+session really uses (session.get_providers(), CPU when no GPU is usable) is what gets logged and
+reported by /v1/model.
 """
 from __future__ import annotations
 
@@ -17,60 +18,9 @@ import numpy as np
 import onnxruntime as ort
 
 from serving.bundle.session import CPU, ort_session
+from serving.core.device import backend
 
 log = logging.getLogger(__name__)
-
-
-def cuda_device_count() -> int:
-    """GPUs the CUDA driver sees (0 without a driver), asked of libcuda directly: no torch needed."""
-    import ctypes
-
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return int(count.value)
-
-
-# TF32 off: a float32 MatMul or Conv in TF32 moves an embedding by about 1e-3 relative, enough to
-# move a logit across its calibrated threshold (onnxruntime's CUDA provider turns it on by default).
-# cuDNN's convolution algorithm by heuristics, not onnxruntime's default exhaustive search: the
-# search runs again for every new input shape, so each batch size the batcher forms would pay it on
-# its first call, and the start-up's timings (many batch sizes) all of them.
-CUDA = [("CUDAExecutionProvider", {"use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC"}), *CPU]
-_preloaded = False
-
-
-def preload_cuda() -> None:
-    """Load the CUDA and cuDNN libraries of the nvidia-* wheels (the ones torch brings) before the first
-    CUDA session, so that no LD_LIBRARY_PATH is needed; once, and quietly where there are none."""
-    global _preloaded
-    if _preloaded or not hasattr(ort, "preload_dlls"):
-        return
-    _preloaded = True
-    try:
-        ort.preload_dlls(msvc=False, directory="")
-    except Exception as exc:  # noqa: BLE001 - the default library path may still hold them
-        log.info("onnxruntime.preload_dlls: %s", exc)
-
-
-def _providers_for(device: str) -> list:
-    available = ort.get_available_providers()
-    if device == "cpu":
-        return CPU
-    if device == "cuda":
-        if "CUDAExecutionProvider" not in available:
-            raise RuntimeError(f"device=cuda but this onnxruntime has no CUDAExecutionProvider (has {available})")
-        preload_cuda()
-        return CUDA
-    # auto: only try CUDA when this build has it and a GPU is there (else ORT prints a failed probe)
-    if "CUDAExecutionProvider" in available and cuda_device_count() > 0:
-        preload_cuda()
-        return CUDA
-    return CPU
 
 
 SMALL_SESSION_MAX_BYTES = 64 << 20  # a second, one-thread backbone session only below this graph size
@@ -102,9 +52,7 @@ class Runtime:
         self._lock = threading.Lock()
         self.backbone = self._session(bundle.graph_path("backbone"))
         self.providers: list[str] = list(self.backbone.get_providers())
-        if device == "cuda" and "CUDAExecutionProvider" not in self.providers:
-            raise RuntimeError(f"device=cuda but onnxruntime could not use CUDA (session runs on {self.providers}); "
-                               "check the CUDA/cuDNN libraries or use --device auto")
+        backend.require(device, self.providers, "the backbone session")
         self._full: Optional[ort.InferenceSession] = None
         self._small: Optional[ort.InferenceSession] = None  # one thread, for small batches (choose_small_batches)
         self.small_batch_max = 0
@@ -120,19 +68,12 @@ class Runtime:
 
     @property
     def uses_cuda(self) -> bool:
-        return "CUDAExecutionProvider" in self.providers
+        return backend.is_cuda(self.providers)
 
     def _session(self, path: Path) -> ort.InferenceSession:
         # No spin-waiting between runs: a spinning worker burns the cores the event loop and the
         # JSON work need.
-        wanted = _providers_for(self.device)
-        try:
-            return ort_session(path, threads=self.threads, providers=wanted, spin=False)
-        except Exception as exc:  # CUDA listed but unusable (no driver / no GPU): CPU under `auto`
-            if self.device != "auto" or wanted == CPU:
-                raise
-            log.warning("CUDA session for %s failed (%s); using CPU", Path(path).name, exc)
-            return ort_session(path, threads=self.threads, providers=CPU, spin=False)
+        return backend.session(path, self.device, threads=self.threads, spin=False)
 
     @property
     def full(self) -> ort.InferenceSession:
@@ -165,7 +106,7 @@ class Runtime:
         the copies and kernel launches of a GPU call cost more than the CPU's work (detect at batch 1).
         Only for a backbone small enough to hold twice; on the CPU only with more than one thread."""
         path = Path(self.bundle.graph_path("backbone"))
-        if (self.threads == 1 and not self.uses_cuda) or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
+        if not backend.small_session_pays(self.threads, self.providers) or path.stat().st_size > SMALL_SESSION_MAX_BYTES:
             return 0
         small = ort_session(path, threads=1, providers=CPU, spin=False)
         best = pinned if pinned is not None else self._time_small_batches(small, sizes, timer or _best_time, rounds)
@@ -195,20 +136,3 @@ class Runtime:
         sess = self.full
         (z,) = sess.run([sess.get_outputs()[0].name], {sess.get_inputs()[0].name: x})
         return z
-
-
-def usable_providers() -> list[str]:
-    """The providers a session really gets here (a one-node graph opened with CUDA first where this
-    onnxruntime lists it): make setup prints it, since a listed provider may fail to load its libraries."""
-    from onnx import TensorProto, helper
-
-    node = helper.make_node("Identity", ["x"], ["y"])
-    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    wanted = _providers_for("auto")
-    try:
-        return list(ort_session(model.SerializeToString(), providers=wanted).get_providers())
-    except Exception:  # noqa: BLE001 - CUDA listed but unusable: the CPU's
-        return list(ort_session(model.SerializeToString(), providers=CPU).get_providers())

@@ -16,11 +16,11 @@ __all__ = ["DB_NAME", "Gallery", "GalleryBase", "GalleryRecord", "GalleryUnavail
            "open_gallery"]
 
 
-def open_gallery(url: Optional[str], data_dir: Path, bundle_digest: str, embed_dim: int, device: str = "auto",
+def open_gallery(url: Optional[str], data_dir: Path, bundle_digest: str, embed_dim: int,
                  max_bytes: Optional[int] = None) -> GalleryBase:
     """PostgreSQL when `url` is given (postgresql://…), else SQLite under `data_dir`."""
     if url:
         from serving.gallery.postgres import PostgresGallery
 
         return PostgresGallery(url, bundle_digest, embed_dim)
-    return Gallery(data_dir, bundle_digest, embed_dim, device, max_bytes)
+    return Gallery(data_dir, bundle_digest, embed_dim, max_bytes)

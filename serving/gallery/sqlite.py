@@ -63,9 +63,7 @@ def _rollback(db: sqlite3.Connection, exc: BaseException) -> None:
 class Gallery(GalleryBase):
     """Thread-safe: one SQLite connection and the index behind one lock."""
 
-    def __init__(self, data_dir: Path, bundle_digest: str, embed_dim: int, device: str = "auto",
-                 max_bytes: int | None = None):
-        # device is accepted for symmetry with ClassIndex (the gallery index stays on CPU)
+    def __init__(self, data_dir: Path, bundle_digest: str, embed_dim: int, max_bytes: int | None = None):
         super().__init__(bundle_digest, embed_dim)
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The device-resident head (serving/core/device_head.py) on the CPU provider, against float64 numpy:
+"""The device-resident head (serving/core/device/head.py) on the CPU provider, against float64 numpy:
 the two-stage log-sum-exp, argmax and top-k over padded blocks (D below, at and above a block's
 width; ties; non-finite rows), the server's answers with SLC_SOFTMAX_IMPL=device (softmax, exact
 top-k, all logits over KServe v2), the memory check that refuses a head too large for the GPU in
@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.core import device_head, head_scan
-from serving.core.device_memory import DeviceMemoryError, check_fits, needed_bytes
+from serving.core import head_scan
+from serving.core.device import head as device_head
+from serving.core.device.memory import DeviceMemoryError, check_fits, needed_bytes
 from tests.serving.helpers import D
 
 
@@ -22,7 +23,7 @@ def _has_cuda() -> bool:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return False
-    from serving.core.sessions import preload_cuda, usable_providers
+    from serving.core.device.backend import preload_cuda, usable_providers
 
     preload_cuda()
     return "CUDAExecutionProvider" in usable_providers()
@@ -248,7 +249,7 @@ def test_a_device_error_is_503_and_readiness_follows_the_device(client_factory, 
 
 def test_the_host_lets_go_of_the_rows_once_they_live_on_the_device(tmp_path):
     """drop_host_pages: the mapped rows' resident pages released (they stay readable from the file)."""
-    from serving.core.compute import drop_host_pages
+    from serving.core.device.head_pass import drop_host_pages
 
     def resident() -> int:  # this process's resident bytes
         import os

@@ -150,7 +150,7 @@ def test_hash_mismatch_is_never_ready(client_factory, bundle_path, tmp_path):
 
 
 def test_device_cuda_without_a_usable_gpu_is_never_ready(client_factory):
-    from serving.core.sessions import cuda_device_count
+    from serving.core.device.libcuda import cuda_device_count
 
     if cuda_device_count() > 0:
         pytest.skip("a GPU is present")

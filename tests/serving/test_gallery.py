@@ -31,7 +31,7 @@ def fill(gallery: Gallery, n: int, seed: int = 0, prefix: str = "item") -> dict[
 
 @pytest.fixture
 def gallery(tmp_path):
-    g = Gallery(tmp_path / "data", "digest-a", DIM, device="cpu")
+    g = Gallery(tmp_path / "data", "digest-a", DIM)
     yield g
     g.close()
 

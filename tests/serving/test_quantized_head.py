@@ -206,11 +206,11 @@ def test_a_quantized_head_on_the_device_lets_go_of_its_host_pages(qbundle, tmp_p
     read them all: at 10^7 classes that kept 2.6 / 5.1 GB resident on the host, docs/results/gpu-serving.md)."""
     from fastapi.testclient import TestClient
 
-    from serving.core import compute
+    from serving.core.device import head_pass
     from serving.http.app import create_app
 
     dropped = []
-    monkeypatch.setattr(compute, "drop_host_pages", lambda rows: dropped.append(rows))
+    monkeypatch.setattr(head_pass, "drop_host_pages", lambda rows: dropped.append(rows))
     settings = make_settings(qbundle, tmp_path, head_precision=precision, softmax_impl="device")
     with TestClient(create_app(settings)) as c:
         wait_ready(c.get)

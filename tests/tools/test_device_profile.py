@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from serving.core import device_head
+from serving.core.device import head as device_head
 from tools.bench import device_profile
 
 

@@ -459,7 +459,7 @@ def _precisions(ctx, param, value: str) -> tuple[str, ...]:
 def device(classes: list[int], dim: int, duration: float, cpu_max_classes: int, precisions: tuple[str, ...],
            out: Path) -> None:
     """The server on a GPU against the device floor and the CPU server, as D grows: OUT/gpu-serving.{json,md}."""
-    from serving.core.sessions import preload_cuda, usable_providers
+    from serving.core.device.backend import preload_cuda, usable_providers
     from tools.bench.device import device_markdown, run_device_bench
 
     preload_cuda()

@@ -39,7 +39,7 @@ def device_bandwidth(rounds: int = 9) -> Optional[float]:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from serving.core.sessions import preload_cuda
+    from serving.core.device.backend import preload_cuda
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return None
@@ -109,7 +109,7 @@ def with_heads(bundle: Path, precisions: Sequence[str]) -> Path:
 def run_device_bench(classes: Sequence[int], dim: int, duration: float, cpu_max_classes: int, log_dir: Path,
                      precisions: Sequence[str] = ("float32",)) -> dict:
     """Per D and head precision, the GPU server (and up to cpu_max_classes, the float32 CPU server)."""
-    from serving.core.device_head import resident_bytes
+    from serving.core.device.head import resident_bytes
 
     t0 = time.perf_counter()
     bandwidth = device_bandwidth()

@@ -35,7 +35,7 @@ def median_ms(fn: Callable[[], object], runs: int = RUNS) -> float:
 
 def _bound_run(sess, head, h: np.ndarray, extra: dict, where: str) -> None:
     """One run with every output left on `where` (no copy back), synchronised."""
-    from serving.core import device_head
+    from serving.core.device import head as device_head
 
     io = sess.io_binding()
     for name, value in device_head.input_rows(h, head.precision).items():
@@ -54,7 +54,8 @@ def node_profile(head, h: np.ndarray, j: np.ndarray, where: str, runs: int = 60)
     """onnxruntime's profile of the softmax graph: [[node, provider, op, median us]] and the run's median."""
     import onnxruntime as ort
 
-    from serving.core import device_head
+    from serving.core.device import head as device_head
+    from serving.core.device.backend import head_providers
 
     opts = ort.SessionOptions()
     opts.enable_profiling = True
@@ -62,7 +63,7 @@ def node_profile(head, h: np.ndarray, j: np.ndarray, where: str, runs: int = 60)
     opts.profile_file_prefix = str(Path(tmp) / "softmax")
     sess = ort.InferenceSession(device_head.softmax_graph(head.num_classes, head.embed_dim, head.blocks, head.width,
                                                           head.precision),
-                                sess_options=opts, providers=device_head.providers_for(where))
+                                sess_options=opts, providers=head_providers(where))
     for _ in range(runs):
         _bound_run(sess, head, h, {"j": j}, "cpu")
     events = json.loads(Path(sess.end_profiling()).read_text())
@@ -96,7 +97,8 @@ def random_head(num_classes: int, dim: int, precision: str) -> tuple[np.ndarray,
 
 
 def profile(num_classes: int, dim: int, where: str, precision: str = "float32") -> dict:
-    from serving.core import device_head, head_scan
+    from serving.core import head_scan
+    from serving.core.device import head as device_head
 
     rng = np.random.default_rng(1)
     w, b, scale = random_head(num_classes, dim, precision)
@@ -126,7 +128,7 @@ def profile(num_classes: int, dim: int, where: str, precision: str = "float32") 
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="also append the lines here")
 def main(classes: str, dim: int, where: str, precision: str, out: Path | None) -> None:
     """Time a device pass's parts at D = each of --classes and each --precision; one JSON line each."""
-    from serving.core.sessions import preload_cuda
+    from serving.core.device.backend import preload_cuda
 
     preload_cuda()
     for D, prec in ((int(c), p) for c in classes.split(",") for p in precision.split(",")):

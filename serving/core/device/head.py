@@ -33,6 +33,7 @@ import math
 import numpy as np
 
 from serving.core import head_scan
+from serving.core.device.backend import head_providers
 
 log = logging.getLogger(__name__)
 
@@ -191,13 +192,6 @@ def logits_graph(d: int, precision: str = "float32") -> bytes:
     return _graph("device_logits", [], outputs, _gemm(precision), d, [], precision)
 
 
-def providers_for(device: str, device_id: int = 0) -> list:
-    """The session providers of a device pass: CUDA with TF32 off, or the CPU."""
-    if device == "cuda":
-        return [("CUDAExecutionProvider", {"device_id": str(device_id), "use_tf32": "0"}), "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
 def resident_bytes(num_classes: int, embed_dim: int, precision: str = "float32") -> int:
     """Bytes of a device head's rows, bias (and int8 scales)."""
     per_weight = {"float32": 4, "bf16": 2, "int8": 1}[precision]
@@ -240,7 +234,7 @@ class DeviceHead:
     every accumulator of `parts` (head_scan's SoftmaxStats, TopK, AllLogits) from one run per kind over
     its rows; nothing of size D comes back but the logits a request asked for. `precision` says which
     rows `weight` holds: float32, bf16 (uint16 bits) or int8 (with the per-class `scale`); the
-    engine re-scores a quantized head's top-k and asked logit on the float32 rows (compute.py)."""
+    engine re-scores a quantized head's top-k and asked logit on the float32 rows (head_pass.py)."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray, device: str = "cpu", device_id: int = 0,
                  max_k: int = 1, threads: int = 1, precision: str = "float32", scale: np.ndarray | None = None):
@@ -260,7 +254,7 @@ class DeviceHead:
                        "b": value(np.ascontiguousarray(bias, dtype=np.float32))}
         if precision == "int8":
             self.values["ws"] = value(np.ascontiguousarray(scale, dtype=np.float32))
-        providers = providers_for(device, device_id)
+        providers = head_providers(device, device_id)
         opts = ort_session_options(threads, spin=False, arena=device == "cuda")
 
         def session(model: bytes):

@@ -1,15 +1,15 @@
 """Whether the head fits the GPU, asked before anything is uploaded: a head that does not fit is one
 line at load naming the bytes needed and free, never an out-of-memory error under load.
 
-Free memory comes from the CUDA driver (libcuda's cuMemGetInfo on the primary context, the one
-onnxruntime's CUDA provider uses), so no torch and no CUDA runtime library are needed to ask.
+Free memory comes from the CUDA driver (libcuda.py's cuda_memory), so no torch and no CUDA runtime
+library are needed to ask.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Callable, Optional
 
-from serving.core.device_head import GROUP_VALUES, block_shape, resident_bytes
+from serving.core.device.head import GROUP_VALUES, block_shape, resident_bytes
+from serving.core.device.libcuda import cuda_memory
 
 WORK_COPIES = 4  # [rows, D] intermediates of one run alive at once (z, padded z, z - max, exp)
 CONTEXT_BYTES = 512 << 20  # the CUDA context, cuBLAS workspace and onnxruntime's arena slack
@@ -17,28 +17,6 @@ CONTEXT_BYTES = 512 << 20  # the CUDA context, cuBLAS workspace and onnxruntime'
 
 class DeviceMemoryError(RuntimeError):
     """The head does not fit the device's free memory."""
-
-
-def cuda_memory(device_id: int = 0) -> Optional[tuple[int, int]]:
-    """(free, total) bytes of GPU `device_id`, or None without a driver or device."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
-    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device_id) != 0:
-        return None
-    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
-        return None
-    try:
-        if cuda.cuCtxPushCurrent_v2(ctx) != 0:
-            return None
-        ok = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
-        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-        return (int(free.value), int(total.value)) if ok else None
-    finally:
-        cuda.cuDevicePrimaryCtxRelease_v2(dev)
 
 
 def needed_bytes(num_classes: int, embed_dim: int, max_batch: int, max_k: int,

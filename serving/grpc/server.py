@@ -113,8 +113,10 @@ class Calls:
         self.state = state
         self.trimmer = trimmer
 
-    def engine(self):
-        return self.state.ready_engine()  # NotReady (-> UNAVAILABLE) while loading or draining
+    def engine(self, model: str):
+        """The engine of the model a v2 name is of: NotReady (-> UNAVAILABLE) while loading, NotFound for
+        a name no served model has."""
+        return self.state.engine_for(model)
 
     async def run(self, method: str, context, work, read=None):
         """work(request) within the request deadline; `read(context)` first (outside the deadline,
@@ -206,12 +208,12 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
 
         async def ModelReady(self, request, context):
             async def work(_):
-                model_kind(calls.engine(), request.name)
+                model_kind(calls.engine(request.name), request.name)
                 return pb.ModelReadyResponse(ready=bool(state.is_ready and await state.device_ready()))
             return await calls.run("ModelReady", context, work)
 
         async def ModelMetadata(self, request, context):
-            return await calls.run("ModelMetadata", context, lambda _: _aw(model_metadata(calls.engine(), request.name, pb)))
+            return await calls.run("ModelMetadata", context, lambda _: _aw(model_metadata(calls.engine(request.name), request.name, pb)))
 
         async def ModelInfer(self, request_iterator, context):
             """Served as a stream-unary call (the wire is the same as unary): the message is awaited
@@ -219,7 +221,7 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
             async def read(ctx):
                 return await read_message(ctx, state.settings.body_timeout_s)
 
-            return await calls.run("ModelInfer", context, lambda request: infer(calls.engine(), request, pb), read=read)
+            return await calls.run("ModelInfer", context, lambda request: infer(calls.engine(request.model_name), request, pb), read=read)
 
     return Service
 

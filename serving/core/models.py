@@ -163,7 +163,9 @@ class ModelRepository:
     def index(self) -> list[dict]:
         """KServe v2 repository index: every model served or loadable by name, with its state."""
         out = [{"name": m.name, "version": "1", "state": m.state} for m in self.models.values()]
-        for name in sorted(self.sources):
+        root = self.settings.model_repository
+        folders = {p.name for p in Path(root).iterdir() if p.is_dir()} if root is not None and Path(root).is_dir() else set()
+        for name in sorted(set(self.sources) | folders):
             if name not in self.models:
                 entry = {"name": name, "version": "1", "state": "UNAVAILABLE"}
                 if name in self.failed:

@@ -26,8 +26,11 @@ class ModelRuntime:
     """One model's view of a shared Runtime: the backbone sessions (and their small-batch choice) are the
     group's; full.onnx, which holds the head, is this bundle's own."""
 
-    def __init__(self, group: "BackboneGroup", bundle):
+    def __init__(self, group: "BackboneGroup", bundle, first: bool):
         self.group = group
+        # full.onnx holds a copy of the backbone: only the group's first model (a server of one bundle
+        # as before) may open it; a model sharing the backbone has its passes read its head rows
+        self.first = first
         self.shared = group.runtime
         self.bundle = bundle
         self._lock = threading.Lock()
@@ -45,6 +48,9 @@ class ModelRuntime:
 
     @property
     def full(self):
+        if not self.first:
+            raise RuntimeError("full.onnx is not opened for a model sharing its backbone (it holds a second copy "
+                               "of the backbone); the passes read the head rows")
         with self._lock:
             if self._full is None:
                 self._full = self.shared._session(self.bundle.graph_path("full"))
@@ -68,6 +74,7 @@ class BackboneGroup:
         self.runtime = runtime
         self.engines: set = set()
         self.small_chosen = False
+        self.views = 0  # models that have joined the group, ever
         self.stopped = False
         lanes = settings.concurrent_batches if runtime.threads > 1 and not runtime.uses_cuda else 1
         self.batcher = Batcher(self.compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
@@ -86,7 +93,8 @@ class BackboneGroup:
             await self.batcher.stop()
 
     def view(self, bundle) -> ModelRuntime:
-        return ModelRuntime(self, bundle)
+        self.views += 1
+        return ModelRuntime(self, bundle, first=self.views == 1)
 
     def compute(self, jobs: list[Job], shared: bool = False) -> list[Any]:
         """The batch's results, one per job: one backbone call over every job's inputs, then each

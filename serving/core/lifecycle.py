@@ -213,10 +213,21 @@ async def _open_stores(state: ServerState, model) -> None:
     device = "cuda" if model.runtime.uses_cuda else "cpu"
     model.data_dir.mkdir(parents=True, exist_ok=True)
     model.index = await asyncio.to_thread(ClassIndex.open, bundle, model.data_dir / "index-cache", device,
-                                          index_kind(s, device))
+                                          _shared_index_kind(model, index_kind(s, device), device))
     model.gallery = await asyncio.to_thread(open_gallery, s.gallery_url, model.data_dir, bundle.digest,
                                             bundle.embed_dim, device, s.gallery_max_bytes)
     model.enrolled = await asyncio.to_thread(_open_enrolled, s, bundle, model.data_dir)
+
+
+def _shared_index_kind(model, kind: str | None, device: str) -> str | None:
+    """A model that shares its backbone with one loaded before it opens no `flat` copy of its rows on the CPU,
+    where the engine answers mode=index by the exact pass over the mapped rows anyway (ClassIndex.reads_every_row):
+    `exact` there, which holds no copy. A server of one bundle chooses as before."""
+    from serving.core.class_index import EXACT_MAX_CLASSES
+
+    if kind is None and device == "cpu" and not model.runtime.first and model.bundle.num_classes <= EXACT_MAX_CLASSES:
+        return "exact"
+    return kind
 
 
 def index_kind(s: Settings, device: str) -> str | None:

@@ -12,7 +12,7 @@ from serving.bundle.cliopts import bundle_dir
 
 
 @click.command()
-@click.argument("bundles", nargs=-1, metavar="[BUNDLE]... ", callback=lambda ctx, param, value: _bundles(ctx, param, value))
+@click.argument("bundles", nargs=-1, metavar="[BUNDLE]...", callback=lambda ctx, param, value: _bundles(ctx, param, value))
 @click.option("--model-repository", type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="a folder of bundle folders: each served under its folder's name, loadable and unloadable by "
                    "name (POST /v2/repository/models/NAME/load | unload) [default: none]")
@@ -38,6 +38,7 @@ def serve(bundles: tuple, **flags) -> None:
     Several bundles (`slc serve A B NAME=C`): each served under its own name (its manifest's, or NAME),
     the first as the default model of today's routes, every one under /v1/models/NAME/… and
     /v2/models/NAME/…; bundles with the same backbone graph share one backbone session.
+
     Flags override SLC_* environment variables (docs/configuration.md)."""
     from pydantic import ValidationError
 

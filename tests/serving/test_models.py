@@ -94,8 +94,16 @@ def test_two_bundles_with_one_shared_backbone_answer_their_own_classes(bundles, 
         np.testing.assert_allclose(logit, offline["beta"].logits(x)[np.arange(4), ids], rtol=1e-4, atol=1e-4)
         assert client.get("/v1/models/beta/model").json()["num_classes"] == 30
         assert_envelope(client.post("/v1/models/nope/topk", json={"inputs": x.tolist()}), 404, "unknown_model")
+        # enrolled classes are each model's own: one enrolled into beta is not alpha's
+        r = client.put("/v1/models/beta/classes/newcomer", json={"inputs": _x(2, seed=3).tolist()})
+        assert r.status_code == 201, r.text
+        assert r.json()["class_id"] == 30  # beta's D + slot 0
+        assert [c["class_name"] for c in client.get("/v1/models/beta/classes").json()["classes"]] == ["newcomer"]
+        assert client.get("/v1/classes").json()["count"] == 0
+        assert_envelope(client.post("/v1/classes/newcomer/detect", json={"inputs": x.tolist()}), 404, "unknown_class")
+        assert client.post("/v1/models/beta/classes/newcomer/detect", json={"inputs": x.tolist()}).status_code == 200
         metrics = client.get("/metrics").text
-        assert 'slc_model_requests_total{endpoint="/v1/classes/{class}/detect",model="beta",status="200"} 1.0' in metrics
+        assert 'slc_model_requests_total{endpoint="/v1/classes/{class}/detect",model="beta",status="200"} 2.0' in metrics
         assert 'slc_model_loaded{model="beta"} 1.0' in metrics
 
 

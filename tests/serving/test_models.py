@@ -252,3 +252,32 @@ def test_one_bundle_serves_as_before(bundles, offline, tmp_path):
         listing = client.get("/v1/models").json()
         assert [m["name"] for m in listing["models"]] == [offline["gamma"].bundle.name]
         assert json.loads(client.post("/v2/repository/index").text)[0]["state"] == "READY"
+
+
+def test_each_model_over_grpc(bundles, offline, tmp_path):
+    """KServe v2 over gRPC: each model under its name (and `-full`), its own head; per-model metrics."""
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc]'")
+    from serving.main import build
+    from tests.serving.helpers import free_port
+
+    port = free_port()
+    app = build(make_settings(bundles["alpha"], tmp_path, bundles=[f"beta={bundles['beta']}"], grpc_port=port))[0]
+    with uvicorn_in_thread(app) as url:
+        client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+        try:
+            x, ids = _x(3, seed=4), np.array([0, 12, 29], dtype=np.int64)
+            tensors = [grpcclient.InferInput("input", list(x.shape), "FP32"),
+                       grpcclient.InferInput("class_id", [3], "INT64")]
+            tensors[0].set_data_from_numpy(x)
+            tensors[1].set_data_from_numpy(ids)
+            got = client.infer("beta", tensors).as_numpy("logit")
+            np.testing.assert_allclose(got, offline["beta"].logits(x)[np.arange(3), ids], rtol=1e-4, atol=1e-4)
+            full = client.infer("beta-full", tensors[:1]).as_numpy("logits")
+            np.testing.assert_allclose(full, offline["beta"].logits(x), rtol=1e-4, atol=1e-4)
+            assert client.is_model_ready("beta") and client.is_model_ready(offline["alpha"].bundle.name)
+            with pytest.raises(Exception, match="unknown_model"):
+                client.infer("nope", tensors)
+        finally:
+            client.close()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'slc_model_requests_total{endpoint="grpc:ModelInfer",model="beta",status="OK"} 2.0' in metrics

@@ -1,5 +1,6 @@
 """The server's life, protocol-free: load -> sessions -> index -> gallery -> warm-up -> ready ->
-drain. `Lifecycle.start()` loads in the background (fronts answer not-ready until then);
+drain, for each model it serves (serving/core/models.py: the default one first, which today's
+routes serve; `open_model` / `close_model` are how the repository opens and closes one). `Lifecycle.start()` loads in the background (fronts answer not-ready until then);
 `Lifecycle.stop()` stops the fronts, then drains the batch queue and closes what was opened.
 
 Fronts (HTTP, gRPC) are attached by serving/main.py as `Front`s: this module knows none of them.

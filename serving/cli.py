@@ -12,7 +12,10 @@ from serving.bundle.cliopts import bundle_dir
 
 
 @click.command()
-@click.argument("bundle", required=False, type=click.Path(path_type=Path), callback=bundle_dir)
+@click.argument("bundles", nargs=-1, metavar="[BUNDLE]...", callback=lambda ctx, param, value: _bundles(ctx, param, value))
+@click.option("--model-repository", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="a folder of bundle folders: each served under its folder's name, loadable and unloadable by "
+                   "name (POST /v2/repository/models/NAME/load | unload) [default: none]")
 @click.option("--host", help="[default: 127.0.0.1, or SLC_HOST]")
 @click.option("--port", type=click.IntRange(0, 65535), help="[default: 8000, or SLC_PORT]")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="gallery and index cache [default: $SLC_HOME/data]")
@@ -29,8 +32,12 @@ from serving.bundle.cliopts import bundle_dir
 @click.option("--allow-open-writes", is_flag=True, default=None,
               help="accept gallery writes without SLC_API_KEY on a non-loopback --host (anyone who reaches the port "
                    "may write) [default: refused with 403, or SLC_ALLOW_OPEN_WRITES]")
-def serve(bundle: Optional[Path], **flags) -> None:
+def serve(bundles: tuple, **flags) -> None:
     """Serve BUNDLE over HTTP and/or gRPC (docs/api.md); without one, the embedded default model.
+
+    Several bundles (`slc serve A B NAME=C`): each served under its own name (its manifest's, or NAME),
+    the first as the default model of today's routes, every one under /v1/models/NAME/… and
+    /v2/models/NAME/…; bundles with the same backbone graph share one backbone session.
 
     Flags override SLC_* environment variables (docs/configuration.md)."""
     from pydantic import ValidationError
@@ -38,7 +45,8 @@ def serve(bundle: Optional[Path], **flags) -> None:
     from serving.main import run_server
     from serving.settings import Settings
 
-    overrides = {k: v for k, v in dict(bundle=bundle, **flags).items() if v is not None}
+    bundle, extra = (bundles[0], list(bundles[1:])) if bundles else (None, None)
+    overrides = {k: v for k, v in dict(bundle=bundle, bundles=extra or None, **flags).items() if v is not None}
     try:
         settings = Settings(**overrides)  # every SLC_* variable checked before anything starts
     except ValidationError as exc:
@@ -57,6 +65,21 @@ def serve(bundle: Optional[Path], **flags) -> None:
 
         click.echo("warning: " + OPEN_WRITES_REFUSED.format(host=settings.host), err=True)
     run_server(overrides)
+
+
+def _bundles(ctx: click.Context, param: click.Parameter, values: tuple) -> tuple:
+    """BUNDLE... : the first a bundle folder (the default model), the others `PATH` or `NAME=PATH`,
+    each checked to be a bundle folder before anything starts."""
+    out = []
+    for i, text in enumerate(values):
+        name, sep, path = text.partition("=")
+        named = bool(sep and name and "/" not in name)
+        if named and i == 0:
+            raise click.BadParameter(f"{text}: the first bundle is the default model, served under its manifest's "
+                                     "name (NAME=PATH names the others)", ctx, param)
+        folder = bundle_dir(ctx, param, Path(path if named else text))
+        out.append(folder if i == 0 else (f"{name}={folder}" if named else str(folder)))
+    return tuple(out)
 
 
 class PortTaken(click.ClickException):

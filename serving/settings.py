@@ -25,6 +25,12 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=slc_home, description="SLC_HOME: default bundle and data live here")
     data_dir: Optional[Path] = Field(None, description="gallery and index cache; default $SLC_HOME/data")
     verify: bool = Field(True, description="re-hash every bundle file at start; a mismatch means never ready")
+    bundles: list[str] = Field(default_factory=list, description=(
+        "more bundles served beside SLC_BUNDLE (the default model), each under its own name: `PATH` (its "
+        "manifest's name) or `NAME=PATH`; a JSON list in the variable (`slc serve A B C` on the command line)"))
+    model_repository: Optional[Path] = Field(None, description=(
+        "a folder of bundle folders (a model repository): each served at start under its folder's name, and "
+        "loadable / unloadable by name through POST /v2/repository/models/{name}/load | unload"))
 
     # --- network
     host: str = "127.0.0.1"
@@ -202,6 +208,8 @@ class Settings(BaseSettings):
         self.data_dir = Path(self.data_dir).expanduser()
         if self.bundle is not None:
             self.bundle = Path(self.bundle).expanduser()
+        if self.model_repository is not None:
+            self.model_repository = Path(self.model_repository).expanduser()
         return self
 
     def api_key_value(self) -> Optional[str]:

@@ -30,6 +30,9 @@ def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple
 @click.option("--input-dim", type=click.IntRange(min=1), default=64, show_default=True,
               help="input size of the random backbone")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--backbone-seed", type=int, default=None,
+              help="draw the backbone from this seed: bundles of one backbone seed share a byte-identical "
+                   "backbone.onnx (one backbone session on a server serving them) [default: --seed]")
 @click.option("--rows", type=click.Choice(ROW_KINDS), default="clustered", show_default=True,
               help="clustered: rows share directions, like trained heads; gaussian: i.i.d., the worst case for an index")
 @click.option("--head-precision", "precisions", default="", help="also write quantized heads: int8, bf16 or both "
@@ -39,14 +42,14 @@ def _precisions(ctx: click.Context, param: click.Parameter, value: str) -> tuple
 @click.option("--out", required=True, help="bundle directory (a new folder, or with --overwrite a bundle)", **OUT)
 @guarded("bundle")
 def synthetic(classes: int, dim: int, input_dim: int, seed: int, rows: str, precisions: str, negatives: int,
-              out: Path, overwrite: bool) -> None:
+              out: Path, overwrite: bool, backbone_seed: int | None = None) -> None:
     """A bundle with a random backbone and D random class rows, for scale work."""
     from serving.bundle.synthetic import build_synthetic_bundle
 
     wanted = _precisions(None, None, precisions) if precisions else ()
     t0 = time.perf_counter()
     build_synthetic_bundle(classes=classes, dim=dim, input_dim=input_dim, seed=seed, out=out, rows=rows,
-                           negatives=negatives, heads=wanted, overwrite=overwrite)
+                           negatives=negatives, heads=wanted, overwrite=overwrite, backbone_seed=backbone_seed)
     head_mb = classes * (dim + 1) * 4 / 2**20
     click.echo(f"bundle {out}: {classes:,} {rows} classes, d={dim}, head {head_mb:,.1f} MiB "
                f"({time.perf_counter() - t0:.1f} s)  -> {slc_command()} verify {out}; {slc_command()} serve {out}")

@@ -68,6 +68,18 @@ def model_key(manifest: dict, classes: Sequence[str] | None = None) -> str:
     return h.hexdigest()
 
 
+def backbone_key(manifest: dict) -> str:
+    """The backbone graph of a bundle as one sha256 (backbone.onnx and its external data, from the
+    manifest's `files`): bundles with the same key compute the same embeddings, so a server running
+    several of them shares one backbone session (serving/core/backbones.py)."""
+    files = manifest["files"]
+    backbone_data = (manifest.get("external_data") or {}).get("backbone.onnx") or []
+    h = hashlib.sha256(b"slc-backbone-key/1\n")
+    for name in ("backbone.onnx", *sorted(backbone_data)):
+        h.update(f"{name}\0{files[name]['sha256']}\n".encode())
+    return h.hexdigest()
+
+
 def json_load(data: bytes) -> Any:
     """Strict JSON: orjson rejects NaN, Infinity and overflowing numbers (a bundle holds finite
     numbers), and parses a million-entry calibration.json far faster than json."""

@@ -196,11 +196,14 @@ def _write_head(out: Path, rng: np.random.Generator, D: int, d: int, rows: str, 
 
 def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: int = 0, out: Path | str = "bundle",
                            rows: str = "clustered", image: dict | None = None, negatives: int = 0,
-                           heads: tuple[str, ...] = (), overwrite: bool = False) -> Path:
+                           heads: tuple[str, ...] = (), overwrite: bool = False,
+                           backbone_seed: int | None = None) -> Path:
     """Write a verifiable bundle with a random backbone and `classes` random rows of size `dim`;
     `image` (a manifest image spec with layout flat) lets it take image bodies too; `negatives`:
     that many calibration negatives (embeddings of random inputs, labelled by their top class);
-    `heads`: quantized copies of the head too (int8, bf16). Staged and swapped into place
+    `heads`: quantized copies of the head too (int8, bf16); `backbone_seed`: the backbone drawn from
+    this seed instead (bundles of one backbone_seed have byte-identical backbone.onnx, with the head,
+    classes and thresholds of their own `seed`: a server shares one backbone between them). Staged and swapped into place
     (serving/bundle/output.py); `overwrite` replaces a bundle already at `out`."""
     from serving.bundle import output
 
@@ -212,14 +215,16 @@ def build_synthetic_bundle(classes: int, dim: int, input_dim: int = 64, seed: in
     if D < 1 or d < 1 or input_dim < 1:
         raise ValueError("classes, dim and input_dim must be positive")
     with output.staged(out, "bundle", overwrite=overwrite) as stage:
-        _write_bundle(stage, D, d, int(input_dim), seed, rows, image, negatives, heads)
+        _write_bundle(stage, D, d, int(input_dim), seed, rows, image, negatives, heads, backbone_seed)
     return Path(out)
 
 
 def _write_bundle(out: Path, D: int, d: int, input_dim: int, seed: int, rows: str, image: dict | None,
-                  negatives: int, heads: tuple[str, ...]) -> None:
+                  negatives: int, heads: tuple[str, ...], backbone_seed: int | None = None) -> None:
     rng = np.random.default_rng(seed)
-    params = _backbone_params(rng, input_dim, d)
+    params = _backbone_params(rng, input_dim, d)  # drawn in any case: the head's rows come from the same stream
+    if backbone_seed is not None:
+        params = _backbone_params(np.random.default_rng(backbone_seed), input_dim, d)
     probe = backbone_numpy(params, rng.standard_normal((PROBE, input_dim)))  # [P, d]
     samples = _plan_samples(rng, params, input_dim, D)
     known, offsets, threshold, sd = _write_head(out, rng, D, d, rows, probe, samples)
@@ -235,7 +240,8 @@ def _write_bundle(out: Path, D: int, d: int, input_dim: int, seed: int, rows: st
         f"synthetic-D{D}-d{d}-s{seed}", [input_dim], d, [str(j) for j in range(D)],
         loss={"name": "none", "params": {}, "pols": False},
         backbone={"name": "synthetic_mlp", "params": {"input_dim": int(input_dim), "hidden": HIDDEN, "normalize": "l2"}},
-        training={"synthetic": True, "seed": int(seed), "rows": rows}, test_metrics=None,
+        training={"synthetic": True, "seed": int(seed), "rows": rows,
+                  **({"backbone_seed": int(backbone_seed)} if backbone_seed is not None else {})}, test_metrics=None,
         external_data={"full.onnx": ["head_weight.npy", "head_bias.npy"],
                        "single.onnx": ["head_weight.npy", "head_bias.npy"]},
         **({"image": image} if image is not None else {}), **extra)

@@ -31,11 +31,11 @@ from serving.core import head_scan, open_set
 from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.compute import HeadPass
-from serving.core.device import backend
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
 from serving.bundle.names import IdNames, refused_character, shown
 from serving.core.enrollment import check_name
-from serving.errors import Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, SlcError, StoreDown
+from serving.errors import (Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, NotReady, SlcError,
+                            StoreDown)
 from serving.gallery import GalleryUnavailable, StorageFull, StoreUnavailable
 from serving.gallery.executor import GalleryExecutor
 
@@ -102,8 +102,14 @@ class ClassRef:
 
 class Engine:
     def __init__(self, bundle, runtime, settings, index, gallery, metrics=None,
-                 enrolled: Optional[EnrolledClasses] = None):
+                 enrolled: Optional[EnrolledClasses] = None, *, batcher: Batcher, name: Optional[str] = None):
+        """`batcher`: its backbone group's lane, shared with the other models of the same backbone
+        (serving/core/backbones.py: this engine's jobs carry it as their owner; the group starts and stops
+        the lane). `name`: the name it is served under (default the bundle's)."""
         self.bundle = bundle
+        self.name = name or str(bundle.name)
+        self.active = 0  # calls of this engine on their way through the batcher or the gallery (unload drains them)
+        self.closed = False
         self.enrolled = enrolled
         self._no_enrolled = empty_snapshot(int(bundle.num_classes), int(bundle.embed_dim))
         self.runtime = runtime
@@ -122,23 +128,27 @@ class Engine:
         self.calibration = Thresholds.of_bundle(bundle)
         self._reload_lock = threading.Lock()
         self.head_pass = HeadPass(bundle, runtime, settings)  # the passes over all D classes
-        lanes = backend.lanes(settings.concurrent_batches, runtime)  # batches computed at once
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
         self.gallery_pool = GalleryExecutor(settings.gallery_threads, settings.gallery_queue_size)
-        self.batcher = Batcher(self._compute, max_batch=settings.max_batch, max_delay_ms=settings.max_delay_ms,
-                               queue_size=settings.queue_size, metrics=metrics, inline_max_s=settings.inline_max_ms / 1000,
-                               in_flight=(lambda: metrics.in_flight) if metrics is not None and settings.adaptive_delay else None,
-                               lanes=lanes)
+        self.batcher = batcher
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        self.batcher.start()
-
     async def stop(self) -> None:
-        await self.batcher.stop()
+        """Later calls: 503 (the lane is its group's to drain and stop)."""
+        self.closed = True
         self.gallery_pool.shutdown()
         self.head_pass.close()
+
+    async def _submit(self, x: np.ndarray, kind: str, reduce, **params):
+        """A job of this engine into the batcher, under the request deadline (params: Batcher.submit's)."""
+        if self.closed:
+            raise NotReady(f"the model {self.name!r} was unloaded")
+        self.active += 1
+        try:
+            return await self.batcher.submit(x, kind, reduce, self._timeout(), owner=self, **params)
+        finally:
+            self.active -= 1
 
     async def warm_up(self) -> None:
         """Touch every path once (ORT allocations, mmap pages) and choose the softmax head."""
@@ -167,16 +177,21 @@ class Engine:
         return self.head_pass.timing
 
     # ------------------------------------------------------------------ batch compute (worker thread)
-    def _compute(self, jobs: list[Job], shared: bool = False) -> list[Any]:
+    def needs_embedding(self, jobs: list[Job]) -> bool:
+        """Whether these jobs read the backbone's embeddings (not when every one is a pass by full.onnx)."""
+        return self.head_pass.needs_embedding or any(j.kind != "logits" or _snapshot_of(j).n for j in jobs)
+
+    def _compute(self, jobs: list[Job], shared: bool = False, h: Optional[np.ndarray] = None) -> list[Any]:
         """The batch's results, one per job. `shared`: a pass computes at the same time (this batch
-        is backbone-only, serving/core/batcher.py), so the backbone runs on one thread."""
+        is backbone-only, serving/core/batcher.py), so the backbone runs on one thread. `h`: the jobs'
+        embeddings [M, d] when the backbone already ran over them (a lane shared by several models)."""
         xs = [j.x for j in jobs]
         x = xs[0] if len(xs) == 1 else np.concatenate(xs)  # [M, *input_shape]
         offsets = np.cumsum([0] + [j.n for j in jobs])
         scans = [i for i, j in enumerate(jobs) if j.kind == "logits"]
         extra = [i for i in scans if _snapshot_of(jobs[i]).n]  # passes that go on over enrolled rows
-        need_h = self.head_pass.needs_embedding or len(scans) < len(jobs) or bool(extra)
-        h = self.runtime.embed(x, one_thread=shared) if need_h else None  # [M, d]
+        if h is None and self.needs_embedding(jobs):
+            h = self.runtime.embed(x, one_thread=shared)  # [M, d]
         accumulated = self._scan_head(jobs, scans, offsets, x, h)
         self._scan_enrolled(jobs, extra, offsets, h, accumulated)
         found = self._index_search(jobs, offsets, h)
@@ -246,7 +261,7 @@ class Engine:
         hq = np.array(h if len(rows) == len(h) else h[rows], dtype=np.float32)  # [M', d], our copy
         bad = ~np.isfinite(hq).all(axis=1)  # an overflowed embedding must not take its batch down with it
         hq[bad] = 0.0
-        k = max(int(getattr(jobs[i].reduce, "k", 1)) for i in index_jobs)
+        k = max(jobs[i].k for i in index_jobs)
         logits, ids = self.index.search(hq, k)  # [M', K] each
         if bad.any():
             logits = np.array(logits, dtype=np.float32)
@@ -254,10 +269,9 @@ class Engine:
         found, start = {}, 0
         for i in index_jobs:
             rows = slice(start, start + jobs[i].n)
-            snap = getattr(jobs[i].reduce, "enrolled", None)
+            snap = jobs[i].snapshot
             found[i] = (logits[rows], ids[rows]) if snap is None or not snap.n else \
-                _merge_enrolled(snap, hq[rows], logits[rows], ids[rows], getattr(jobs[i].reduce, "k", 1),
-                                self.head_pass.small_gemm)
+                _merge_enrolled(snap, hq[rows], logits[rows], ids[rows], jobs[i].k, self.head_pass.small_gemm)
             start += jobs[i].n
         return found
 
@@ -353,7 +367,7 @@ class Engine:
             p = sigmoid(pa * z + pb)
             return [{"logit": zi, "match": zi >= thr, "probability": pi} for zi, pi in zip(z.tolist(), p.tolist())]
 
-        results = await self.batcher.submit(x, "embed", reduce, self._timeout())
+        results = await self._submit(x, "embed", reduce)
         return {"class_id": cls.id, "class_name": cls.name, "threshold": thr, "results": results}
 
     async def detect_set(self, refs: list[ClassRef], snap: Enrolled, x: np.ndarray, threshold: Optional[float]) -> dict:
@@ -376,7 +390,7 @@ class Engine:
             return [[{"logit": zi, "match": mi, "probability": pi} for zi, mi, pi in zip(zr, mr, pr)]
                     for zr, mr, pr in zip(spread(z).tolist(), spread(m).tolist(), spread(p).tolist())]
 
-        results = await self.batcher.submit(x, "embed", reduce, self._timeout())
+        results = await self._submit(x, "embed", reduce)
         classes = [{"class_id": r.id, "class_name": r.name, "threshold": t} for r, t in zip(refs, spread(thr).tolist())]
         return {"classes": classes, "results": results}
 
@@ -409,9 +423,9 @@ class Engine:
             return [{"probability": pi, "logit": zi, "is_top1": ti}
                     for pi, zi, ti in zip(p.tolist(), zj.tolist(), top1.tolist())]
 
-        results = await self.batcher.submit(
-            x, "logits", reduce, self._timeout(), patience=self.scan_patience,
-            accumulator=_tagged(lambda n: head_scan.SoftmaxStats(n, col, self.head_pass.logsumexp), snap))
+        results = await self._submit(
+            x, "logits", reduce, patience=self.scan_patience, snapshot=snap,
+            accumulator=lambda n: head_scan.SoftmaxStats(n, col, self.head_pass.logsumexp))
         return {"class_id": cls.id, "class_name": cls.name, "results": results}
 
     async def topk(self, x: np.ndarray, k: int, mode: str, threshold: Optional[float] = None,
@@ -453,16 +467,16 @@ class Engine:
                 logits, cols = acc.result()
                 return finish(logits[:, :k], _ids_of_columns(snap, cols[:, :k]))
 
-            result = await self.batcher.submit(
-                x, "logits", reduce, self._timeout(), patience=self.scan_patience,
-                accumulator=_tagged(lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra), snap))
+            result = await self._submit(
+                x, "logits", reduce, patience=self.scan_patience, snapshot=snap,
+                accumulator=lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra))
         else:
             def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
                 logits, ids = found
                 return finish(finite_output(logits[:, :k]), ids[:, :k])
 
-            reduce.k, reduce.enrolled = k, snap  # _index_search: the whole batch with the largest k, then the enrolled rows
-            result = await self.batcher.submit(x, "index", reduce, self._timeout())
+            # _index_search: the whole batch with the largest k, then the enrolled rows of the job's snapshot
+            result = await self._submit(x, "index", reduce, snapshot=snap, k=k)
         return result
 
     def class_exists(self, class_id: int, snap: Enrolled) -> bool:
@@ -487,7 +501,7 @@ class Engine:
             z = finite_output(np.vecdot(h.astype(np.float64), rows) + b)
             return z.astype(np.float32), z >= thr
 
-        return await self.batcher.submit(x, "embed", reduce, self._timeout())
+        return await self._submit(x, "embed", reduce)
 
     def _mixed_rows(self, ids: np.ndarray, trained: np.ndarray, snap: Enrolled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows [N, d], bias [N], threshold [N]) float64 for ids of trained and enrolled classes."""
@@ -509,8 +523,8 @@ class Engine:
             require_finite(acc.finite)
             return acc.result()
 
-        return await self.batcher.submit(x, "logits", reduce, self._timeout(), patience=self.scan_patience,
-                                         accumulator=_tagged(lambda n: head_scan.AllLogits(n, self.num_classes + snap.n), snap))
+        return await self._submit(x, "logits", reduce, patience=self.scan_patience, snapshot=snap,
+                                  accumulator=lambda n: head_scan.AllLogits(n, self.num_classes + snap.n))
 
     # ------------------------------------------------------------------ enrolled classes
     async def enroll(self, name: str, x: np.ndarray, add: bool = False) -> tuple[dict, bool]:
@@ -528,7 +542,7 @@ class Engine:
         if len(x) > self.settings.max_class_examples:
             raise InvalidInput(f"{len(x)} examples; a class is made from at most {self.settings.max_class_examples} "
                                "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
-        h = await self.batcher.submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32), self._timeout())
+        h = await self._submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32))
         try:
             if add:
                 return await self._gallery(self.enrolled.add, name, h)
@@ -584,6 +598,9 @@ class Engine:
         """gallery.<method>(*args) (or method(*args) when it is a function) on the gallery's executor;
         storage errors become the envelope's 507 / 503."""
         fn = getattr(self.gallery, method) if isinstance(method, str) else method
+        if self.closed:
+            raise NotReady(f"the model {self.name!r} was unloaded")
+        self.active += 1
         try:
             return await self.gallery_pool.run(fn, *args)
         except StorageFull as exc:
@@ -592,12 +609,14 @@ class Engine:
             raise StoreDown(f"{exc}; {nothing}; reads still answer, retry later") from None
         except GalleryUnavailable as exc:
             raise GalleryDown(f"{exc}; retry") from None
+        finally:
+            self.active -= 1
 
     async def gallery_upsert(self, items: list[dict], x: np.ndarray) -> list[str]:
         """Embed the items' inputs x [N, *input_shape] (checked: serving/codecs/gallery_bodies.py) and store them."""
         from serving.gallery import GalleryRecord
 
-        h = await self.batcher.submit(x, "embed", lambda rows: finite_output(np.array(rows, np.float32)), self._timeout())
+        h = await self._submit(x, "embed", lambda rows: finite_output(np.array(rows, np.float32)))
         records = [GalleryRecord(id=it["id"], embedding=h[i], metadata=it.get("metadata"), input=it["input"],
                                  metadata_json=it.get("metadata_json")) for i, it in enumerate(items)]
         await self._gallery("upsert", records)
@@ -637,21 +656,12 @@ class Engine:
         return {"count": int(count), "index_kind": str(gallery.index_kind)}
 
 
-def _tagged(factory, snap: Enrolled):
-    """An accumulator factory whose accumulators remember the snapshot their request started with."""
-    def make(n: int):
-        return factory(n)
-
-    make.enrolled = snap  # read by _compute before the accumulators exist
-    return make
-
-
 _NONE = empty_snapshot(0, 0)
 
 
 def _snapshot_of(job: Job) -> Enrolled:
     """The enrolled snapshot of a pass job (none for jobs that do not read one)."""
-    return getattr(job.accumulator, "enrolled", None) or _NONE
+    return job.snapshot or _NONE
 
 
 def _ids_of_columns(snap: Enrolled, cols: np.ndarray) -> np.ndarray:

@@ -32,8 +32,16 @@ class Metrics:
         self.rejections = Counter("slc_rejections_total", "requests refused, by reason (error code)", ["reason"],
                                   registry=r)
         self.ready = Gauge("slc_ready", "1 when the server answers inference requests", registry=r)
+        # per served model (issue 51: many class-sets on one server), labelled by its name
+        self.model_requests = Counter("slc_model_requests_total", "requests to a model's routes by model, route "
+                                      "template and status", ["model", "endpoint", "status"], registry=r)
+        self.model_latency = Histogram("slc_model_request_duration_seconds", "latency of a model's routes by model",
+                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.model_loaded = Gauge("slc_model_loaded", "1 while the model is served", ["model"], registry=r)
+        self.model_head_bytes = Gauge("slc_model_head_bytes", "bytes of the model's head rows and biases (mapped)",
+                                      ["model"], registry=r)
         self.in_flight = 0  # HTTP requests inside the app right now (the batcher reads it)
-        self._series: dict[tuple[str, str, str], tuple] = {}
+        self._series: dict[tuple, tuple] = {}
 
     def observe_request(self, endpoint: str, method: str, status: str, seconds: float) -> None:
         """Count and time one request; the labelled series are looked up once per label set."""
@@ -43,6 +51,29 @@ class Metrics:
             series = self._series[key] = (self.requests.labels(*key), self.latency.labels(*key))
         series[0].inc()
         series[1].observe(seconds)
+
+    def observe_model(self, model: str, endpoint: str, status: str, seconds: float) -> None:
+        """Count and time one request to a model's routes (the labels are bounded: served names)."""
+        key = ("model", model, endpoint, status)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = (self.model_requests.labels(model, endpoint, status),
+                                          self.model_latency.labels(model))
+        series[0].inc()
+        series[1].observe(seconds)
+
+    def forget_model(self, model: str) -> None:
+        """An unloaded model's per-model series dropped."""
+        for key in [k for k in self._series if len(k) == 4 and k[1] == model]:
+            self._series.pop(key)
+            try:
+                self.model_requests.remove(*key[1:])
+            except KeyError:
+                pass
+        try:
+            self.model_latency.remove(model)
+        except KeyError:
+            pass
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(reason).inc()

@@ -51,7 +51,7 @@ def check_version(version: Optional[str]) -> None:
 
 
 def model_kind(engine, model: str) -> str:
-    name = engine.bundle.name
+    name = engine.name
     if model == name:
         return "single"
     if model == f"{name}-full":
@@ -60,7 +60,7 @@ def model_kind(engine, model: str) -> str:
 
 
 def model_metadata_of(engine, kind: str) -> dict:
-    name = engine.bundle.name
+    name = engine.name
     x = {"name": "input", "datatype": "FP32", "shape": [-1, *engine.input_shape]}
     if kind == "single":
         return {"name": name, "versions": [VERSION], "platform": "onnxruntime_onnx",

@@ -113,15 +113,17 @@ class Calls:
         self.state = state
         self.trimmer = trimmer
 
-    def engine(self):
-        return self.state.ready_engine()  # NotReady (-> UNAVAILABLE) while loading or draining
+    def engine(self, model: str):
+        """The engine of the model a v2 name is of: NotReady (-> UNAVAILABLE) while loading, NotFound for
+        a name no served model has."""
+        return self.state.engine_for(model)
 
-    async def run(self, method: str, context, work, read=None):
+    async def run(self, method: str, context, work, read=None, model: Optional[str] = None):
         """work(request) within the request deadline; `read(context)` first (outside the deadline,
         as an HTTP body is read before it) for a call served as a stream."""
         grpc, _, _ = _modules()
         t0 = time.perf_counter()
-        status = "OK"
+        status, request = "OK", None
         try:
             request = await read(context) if read is not None else None
             return await self._within_deadline(work, request)
@@ -139,9 +141,22 @@ class Calls:
                 await context.abort(grpc.StatusCode.INTERNAL, "internal error")
             raise
         finally:
-            self.state.metrics.observe_request(f"grpc:{method}", "POST", status, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.state.metrics.observe_request(f"grpc:{method}", "POST", status, seconds)
+            self._observe_model(method, model if model is not None else getattr(request, "model_name", None),
+                                status, seconds)
             if self.trimmer is not None and read is not None:
                 self.trimmer.poke()  # its buffers are freed: back to the system
+
+    def _observe_model(self, method: str, name: Optional[str], status: str, seconds: float) -> None:
+        """slc_model_requests_total for a call naming a served model (a v2 name `X-full` counts as X)."""
+        models = getattr(self.state, "models", None)
+        if not name or models is None:
+            return
+        if name not in models.models and name.endswith("-full"):
+            name = name[:-5]
+        if name in models.models:
+            self.state.metrics.observe_model(name, f"grpc:{method}", status, seconds)
 
     async def _within_deadline(self, work, request):
         timeout = self.state.settings.request_timeout_s
@@ -206,12 +221,14 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
 
         async def ModelReady(self, request, context):
             async def work(_):
-                model_kind(calls.engine(), request.name)
+                model_kind(calls.engine(request.name), request.name)
                 return pb.ModelReadyResponse(ready=bool(state.is_ready and await state.device_ready()))
-            return await calls.run("ModelReady", context, work)
+            return await calls.run("ModelReady", context, work, model=request.name)
 
         async def ModelMetadata(self, request, context):
-            return await calls.run("ModelMetadata", context, lambda _: _aw(model_metadata(calls.engine(), request.name, pb)))
+            def work(_):
+                return _aw(model_metadata(calls.engine(request.name), request.name, pb))
+            return await calls.run("ModelMetadata", context, work, model=request.name)
 
         async def ModelInfer(self, request_iterator, context):
             """Served as a stream-unary call (the wire is the same as unary): the message is awaited
@@ -219,7 +236,7 @@ def build_service(state, trimmer: Optional[Trimmer] = None):
             async def read(ctx):
                 return await read_message(ctx, state.settings.body_timeout_s)
 
-            return await calls.run("ModelInfer", context, lambda request: infer(calls.engine(), request, pb), read=read)
+            return await calls.run("ModelInfer", context, lambda request: infer(calls.engine(request.model_name), request, pb), read=read)
 
     return Service
 

@@ -55,14 +55,16 @@ def create_app(settings: Optional[Settings] = None, *, lifecycle: Optional[Lifec
 def _include_routes(app: FastAPI, state) -> None:
     from serving.http.demo import router as demo_router
     from serving.http.metrics import metrics_router
+    from serving.http.models import ModelPaths, router as models_router
     from serving.http.v1 import router as v1
     from serving.http.v2 import openapi_components, router as v2
 
-    for router in (v1, v2, metrics_router, demo_router):
+    for router in (models_router, v1, v2, metrics_router, demo_router):
         app.include_router(router)
     install_error_handlers(app, on_error=state.metrics.reject)
     app.openapi = lambda: _openapi(app, state, openapi_components)
-    # The request path, outermost first: metrics (sees every status, 413s included), the body
+    # The request path, outermost first: metrics (sees every status, 413s included), the model paths
+    # (/v1/models/{model}/… to the /v1 route, serving/http/models.py), the body
     # limit, the fast routes (serving/http/fast_routes.py), then FastAPI's own stack (its error,
     # telemetry and body-size layers, the router) for everything else. The three are wrapped
     # around FastAPI's stack rather than added as middleware, which FastAPI would put inside its
@@ -74,7 +76,7 @@ def _include_routes(app: FastAPI, state) -> None:
         inner = FastRoutes(fastapi_stack(), routers=[v1, v2])
         inner = BodyLimitMiddleware(inner, max_bytes=settings.max_body_bytes, on_reject=state.metrics.reject,
                                     timeout_s=settings.body_timeout_s)
-        return MetricsMiddleware(inner, metrics=state.metrics)
+        return MetricsMiddleware(ModelPaths(inner), metrics=state.metrics, models=state.models)
 
     app.build_middleware_stack = build_middleware_stack
 

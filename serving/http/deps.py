@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from serving.http.fast_routes import app_state
 from serving.http.schemas import ErrorEnvelope
 
 
@@ -23,9 +24,10 @@ def error_responses(*codes: int) -> dict:
 
 # Dependencies are `async def`: a sync one runs in the AnyIO thread pool on every request.
 async def server_state(request: Request):
-    return request.app.state.slc
+    """The server's state, or under /v1/models/{model}/ that model's view of it (fast_routes.app_state)."""
+    return app_state(request.scope)
 
 
 async def ready_engine(request: Request):
     """The engine, or 503 while loading / after a failed load."""
-    return request.app.state.slc.ready_engine()
+    return app_state(request.scope).ready_engine()

@@ -92,8 +92,11 @@ def path_is_utf8(scope) -> bool:
 
 
 def app_state(scope):
-    """The server's state object (serving/http/app.py) from an ASGI scope."""
-    return scope["app"].state.slc
+    """The server's state object (serving/http/app.py) from an ASGI scope; for a path under
+    /v1/models/{model}/ (serving/http/models.py), that model's view of it (404 for a model not served)."""
+    state = scope["app"].state.slc
+    model = scope.get("slc.model")
+    return state if model is None else state.view(model)
 
 
 class FastRoutes:

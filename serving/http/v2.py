@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from serving.codecs import v2_tensors as v2
 from serving.core.v2 import SERVER_VERSION, VERSION, check_version, model_kind, model_metadata_of, run_model
 from serving.errors import NotReady
-from serving.http.deps import error_responses, ready_engine, server_state
+from serving.http.deps import error_responses, server_state
 from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route
 
@@ -95,7 +95,8 @@ def _check_version(request: Request) -> None:
 
 @router.get("", response_model=ServerMetadata)
 async def server_metadata(request: Request):
-    return {"name": "slc", "version": SERVER_VERSION, "extensions": ["binary_tensor_data", "classification"]}
+    return {"name": "slc", "version": SERVER_VERSION, "extensions": ["binary_tensor_data", "classification",
+                                                                    "model_repository"]}
 
 
 @router.get("/health/live", response_model=Liveness)
@@ -112,17 +113,18 @@ async def v2_ready(state=Depends(server_state)):
 @router.get("/models/{model}", response_model=ModelMetadata, responses=error_responses(404, 503))
 @router.get("/models/{model}/versions/{version}", response_model=ModelMetadata, responses=error_responses(404, 503),
             include_in_schema=False)
-async def model_metadata(model: str, request: Request, engine=Depends(ready_engine)):
+async def model_metadata(model: str, request: Request, state=Depends(server_state)):
     _check_version(request)
+    engine = state.engine_for(model)
     return OrjsonResponse(model_metadata_of(engine, model_kind(engine, model)))
 
 
 @router.get("/models/{model}/ready", response_model=Readiness, responses=error_responses(404, 503))
 @router.get("/models/{model}/versions/{version}/ready", response_model=Readiness, responses=error_responses(404, 503),
             include_in_schema=False)
-async def model_ready(model: str, request: Request, engine=Depends(ready_engine), state=Depends(server_state)):
+async def model_ready(model: str, request: Request, state=Depends(server_state)):
     _check_version(request)
-    model_kind(engine, model)
+    model_kind(state.engine_for(model), model)
     if not state.is_ready:
         raise NotReady(state.not_ready_reason())
     return {"ready": True}
@@ -146,8 +148,8 @@ async def infer(scope, body: bytes):
     """The infer route straight on ASGI, as /v1 detect: no FastAPI dependency solving and no pydantic on
     the body, so that a v2 request costs the event loop about what a detect does; the checks below give
     the same answers the models gave."""
-    engine = app_state(scope).ready_engine()
     params = scope["path_params"]
+    engine = app_state(scope).engine_for(params["model"])
     check_version(params.get("version"))
     kind = model_kind(engine, params["model"])
     body, binary = v2.split_binary(_header(scope, b"inference-header-content-length"), body)

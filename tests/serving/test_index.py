@@ -221,11 +221,11 @@ def test_engine_searches_the_index_once_per_batch(tmp_path):
         def reduce(found):
             logits, ids = found
             return logits[:, :k], ids[:, :k]
-        reduce.k = k
         return reduce
 
-    jobs = [Job(x=hs[0], kind="index", reduce=topk_reduce(5)), Job(x=hs[1], kind="embed"),
-            Job(x=hs[2], kind="index", reduce=topk_reduce(12))]
+    # a job carries its parameters (its k), not its reduce function
+    jobs = [Job(x=hs[0], kind="index", reduce=topk_reduce(5), k=5), Job(x=hs[1], kind="embed"),
+            Job(x=hs[2], kind="index", reduce=topk_reduce(12), k=12)]
     results = engine._compute(jobs)
     assert calls == [(7, 12)]
     for h, k, (logits, ids) in ((hs[0], 5, results[0]), (hs[2], 12, results[2])):

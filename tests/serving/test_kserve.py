@@ -101,7 +101,7 @@ def test_plain_json_nested_data_and_errors(server, bundle, offline, inputs):
     r = httpx.post(url, content=nan.encode(), headers={"content-type": "application/json"})  # NaN literals
     assert_envelope(r, 422, "non_finite_value")
     assert_envelope(httpx.post(f"{server}/v2/models/nope/infer", json=body), 404, "unknown_model")
-    assert httpx.get(f"{server}/v2").json()["extensions"] == ["binary_tensor_data", "classification"]
+    assert httpx.get(f"{server}/v2").json()["extensions"] == ["binary_tensor_data", "classification", "model_repository"]
 
 
 def _infer(server, model, inputs, version=None):

@@ -8,6 +8,7 @@ unless a job answers with one. Runs in the batcher's worker thread, one pass at 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -53,13 +54,13 @@ class HeadPass:
                              f"(add one with: slc bundle quantize {bundle.path} --precision {self.precision})")
         # a quantized pass keeps a few more top-k candidates, re-scored exactly (TopK.rescore)
         self.topk_extra = quantized_head.TOPK_EXTRA if self.precision != "float32" else 0
-        self.ort_gemm = head_scan.OrtGemm(self.embed_dim, threads=runtime.threads)
-        self.logsumexp = head_scan.OrtLogSumExp()  # the softmax statistics of a chunk (MLAS)
+        self.ort_gemm = shared_gemm(self.embed_dim, runtime.threads)
+        self.logsumexp = shared_logsumexp()  # the softmax statistics of a chunk (MLAS)
         # a second thread for the pass's per-request statistics (the GEMM already uses intra_op_threads)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="slc-scan") if runtime.threads > 1 else None
         # the pair strategies: two one-thread GEMMs (this thread and the pool's) taking class chunks in turn
-        self.ort_pair = (tuple(head_scan.over_rows(head_scan.OrtGemm(self.embed_dim, threads=1),
-                                                   bundle.weight, bundle.bias) for _ in range(2))
+        self.ort_pair = (tuple(head_scan.over_rows(shared_gemm(self.embed_dim, 1, half), bundle.weight, bundle.bias)
+                               for half in range(2))
                          if self.pool is not None else None)
         if self.name in ("ort_pair", "packed_pair") and self.ort_pair is None:
             raise ValueError(f"softmax_impl={self.name} needs two or more intra-op threads (SLC_INTRA_OP_THREADS)")
@@ -215,6 +216,19 @@ class HeadPass:
                 impl.release()
         self._impls = {chosen.name: chosen}
         chosen.chosen()
+
+
+@functools.lru_cache(maxsize=None)
+def shared_gemm(embed_dim: int, threads: int, half: int = 0) -> head_scan.OrtGemm:
+    """The GEMM session of a width and thread count (`half`: the pair's two), one per process: the head
+    rows are its input, so every model's pass shares it (each session held about 0.1 MiB per model)."""
+    return head_scan.OrtGemm(embed_dim, threads=threads)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_logsumexp() -> head_scan.OrtLogSumExp:
+    """The softmax statistics' session, one per process (it serves several threads at once)."""
+    return head_scan.OrtLogSumExp()
 
 
 def pick_strategy(times: dict[str, dict[int, float]]) -> str:

@@ -498,3 +498,27 @@ def enroll(classes: int, enroll: int, examples: int, negatives: int, duration: f
     click.echo(enroll_markdown(res, command))
     click.echo(f"{enroll:,} enrollments in {res['enroll_s']:.0f} s ({res['elapsed_s']:.0f} s in all) -> "
                f"{out / 'enroll-scale.md'}")
+
+
+@click.command()
+@click.option("--models", type=click.IntRange(min=1), default=20, show_default=True, help="class-sets on one backbone")
+@click.option("--classes", type=click.IntRange(min=2), default=1000, show_default=True, help="classes of each")
+@click.option("--requests", type=click.IntRange(min=10), default=1000, show_default=True, help="detect requests per round")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--rate", type=POSITIVE, default=200.0, show_default=True, help="req/s to the served models during the churn")
+@click.option("--cycles", type=click.IntRange(min=1), default=3, show_default=True, help="load/unload cycles")
+@click.option("--out", default="docs/results", show_default=True, help="where many-models.{json,md} go", **OUT)
+@guarded("report folder")
+def many_models(models: int, classes: int, requests: int, rounds: int, rate: float, cycles: int, out: Path) -> None:
+    """Many class-sets on one server sharing a backbone against one bundle: RSS, detect p50, load/unload under load."""
+    from tools.bench.many_models import markdown, measure
+
+    with tempfile.TemporaryDirectory(prefix="slc-many-models-") as tmp:
+        r = measure(Path(tmp), models, classes, requests, rounds, rate, cycles)
+    command = (f"slc bench many-models --models {models} --classes {classes} --requests {requests} "
+               f"--rounds {rounds} --rate {rate:g} --cycles {cycles}")
+    r["command"] = command
+    write_result(out, "many-models", lambda: markdown(r, command), r)
+    click.echo(markdown(r, command))
+    click.echo(f"{models} models: RSS {r['rss_ratio']:.3f}x of one bundle plus the heads, detect p50 "
+               f"{r['detect_p50_ratio']:.3f}x -> {out / 'many-models.md'}")

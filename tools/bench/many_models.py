@@ -4,7 +4,7 @@ resident memory (against one bundle plus the N heads), detect p50 (the same requ
 servers taken in turn, 50 requests each), and loads / unloads of one more bundle while an open-loop client sends R req/s
 to the served models (every answer counted; any non-200 or transport error is a failed request).
 
-    python -m tools.bench.many_models --models 20 --classes 1000 --rate 200 --out docs/results
+    slc bench many-models --models 20 --classes 1000 --rate 200
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-import click
 import httpx
 import numpy as np
 
@@ -255,25 +254,3 @@ def markdown(r: dict, command: str) -> str:
         "", f"RSS after the cycles: {mb(r['rss']['many_after_churn'])}.", "",
     ]
     return "\n".join(lines)
-
-
-@click.command()
-@click.option("--models", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--classes", type=click.IntRange(min=2), default=1000, show_default=True)
-@click.option("--requests", type=click.IntRange(min=10), default=1000, show_default=True, help="detect requests per round")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--rate", type=float, default=200.0, show_default=True, help="req/s to the served models during the churn")
-@click.option("--cycles", type=click.IntRange(min=1), default=3, show_default=True, help="load/unload cycles")
-@click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/slc-many-models"), show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("docs/results"), show_default=True)
-def main(models: int, classes: int, requests: int, rounds: int, rate: float, cycles: int, work: Path, out: Path) -> None:
-    r = measure(work, models, classes, requests, rounds, rate, cycles)
-    command = (f"python -m tools.bench.many_models --models {models} --classes {classes} --requests {requests} "
-               f"--rounds {rounds} --rate {rate:g} --cycles {cycles}")
-    r["command"] = command
-    write_result(out, "many-models", lambda: markdown(r, command), r)
-    click.echo(markdown(r, command))
-
-
-if __name__ == "__main__":
-    main()

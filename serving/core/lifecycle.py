@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Optional, Protocol
 import numpy as np
 
 from serving.core.metrics import Metrics
+from serving.core.models import Readiness
 from serving.errors import NotReady, SlcError
 from serving.settings import Settings
 
@@ -31,7 +32,7 @@ class Front(Protocol):
     async def stop(self, grace_s: float) -> None: ...
 
 
-class ServerState:
+class ServerState(Readiness):
     """What the fronts see: settings, metrics, the served models (serving/core/models.py) and, once
     loaded, the default model's bundle and engine (today's routes serve it)."""
 
@@ -85,21 +86,6 @@ class ServerState:
         if self.load_error:
             return f"the model could not be loaded: {self.load_error}"
         return "the model is still loading"
-
-    async def device_ready(self) -> bool:
-        """False while the device has failed a pass over the head and a probe input still fails (a probe
-        is run here, off the event loop, only after a failure): readiness then answers 503."""
-        engine = self.engine
-        if engine is None or engine.head_pass.device_healthy:
-            return True
-        return await asyncio.to_thread(engine.head_pass.probe)
-
-    async def check_ready(self) -> None:
-        """NotReady (503) unless the server is ready and its device healthy."""
-        if not self.is_ready:
-            raise NotReady(self.not_ready_reason())
-        if not await self.device_ready():
-            raise NotReady("the device failed a pass over the head and still fails a probe", code="device_error")
 
     def check_loaded(self) -> None:
         """NotReady (503) while the models load at start, or once the server is shutting down."""

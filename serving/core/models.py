@@ -69,7 +69,27 @@ class Model:
         return out
 
 
-class ModelView:
+class Readiness:
+    """Readiness over `engine`, `is_ready` and `not_ready_reason()`: the server's (its default model)
+    and each model's view alike."""
+
+    async def device_ready(self) -> bool:
+        """False while the device has failed a pass over the head and a probe input still fails (a probe
+        is run here, off the event loop, only after a failure): readiness then answers 503."""
+        engine = self.engine
+        if engine is None or engine.head_pass.device_healthy:
+            return True
+        return await asyncio.to_thread(engine.head_pass.probe)
+
+    async def check_ready(self) -> None:
+        """NotReady (503) unless ready and the device healthy."""
+        if not self.is_ready:
+            raise NotReady(self.not_ready_reason())
+        if not await self.device_ready():
+            raise NotReady("the device failed a pass over the head and still fails a probe", code="device_error")
+
+
+class ModelView(Readiness):
     """What the routes of one model see (ServerState's interface, for that model)."""
 
     def __init__(self, state, model: Model):
@@ -89,18 +109,6 @@ class ModelView:
         if not self.server.is_ready:
             return self.server.not_ready_reason()
         return f"the model {self.model.name!r} is {self.model.state.lower()}"
-
-    async def device_ready(self) -> bool:
-        engine = self.model.engine
-        if engine is None or engine.head_pass.device_healthy:
-            return True
-        return await asyncio.to_thread(engine.head_pass.probe)
-
-    async def check_ready(self) -> None:
-        if not self.is_ready:
-            raise NotReady(self.not_ready_reason())
-        if not await self.device_ready():
-            raise NotReady("the device failed a pass over the head and still fails a probe", code="device_error")
 
     def ready_engine(self):
         if not self.server.ready or not self.model.ready:

@@ -35,17 +35,7 @@ def median_ms(fn: Callable[[], object], runs: int = RUNS) -> float:
 
 def _bound_run(sess, head, h: np.ndarray, extra: dict, where: str) -> None:
     """One run with every output left on `where` (no copy back), synchronised."""
-    from serving.core.device import head as device_head
-
-    io = sess.io_binding()
-    for name, value in device_head.input_rows(h, head.precision).items():
-        io.bind_cpu_input(name, value)
-    for name, value in head.values.items():
-        io.bind_ortvalue_input(name, value)
-    for name, value in extra.items():
-        io.bind_cpu_input(name, value)
-    for out in sess.get_outputs():
-        io.bind_output(out.name, where)
+    io = head.bind(sess, h, extra, where)
     sess.run_with_iobinding(io)
     io.synchronize_outputs()
 

@@ -272,9 +272,9 @@ class DeviceHead:
     def resident_bytes(self) -> int:
         return resident_bytes(self.num_classes, self.embed_dim, self.precision)
 
-    def _run(self, kind: str, h: np.ndarray, extra: dict) -> list[np.ndarray]:
-        """One graph over h [M, d] (and its extra inputs), outputs back on the host."""
-        sess = self.sessions[kind]
+    def bind(self, sess, h: np.ndarray, extra: dict, where: str = "cpu"):
+        """The IO binding of one graph over h [M, d], the head on the device and the extra inputs, every
+        output left on `where`."""
         io = sess.io_binding()
         for name, array in input_rows(h, self.precision).items():
             io.bind_cpu_input(name, array)
@@ -283,7 +283,13 @@ class DeviceHead:
         for name, array in extra.items():
             io.bind_cpu_input(name, array)
         for out in sess.get_outputs():
-            io.bind_output(out.name, "cpu")
+            io.bind_output(out.name, where)
+        return io
+
+    def _run(self, kind: str, h: np.ndarray, extra: dict) -> list[np.ndarray]:
+        """One graph over h [M, d] (and its extra inputs), outputs back on the host."""
+        sess = self.sessions[kind]
+        io = self.bind(sess, h, extra)
         sess.run_with_iobinding(io)
         return io.copy_outputs_to_cpu()
 

@@ -1,5 +1,5 @@
 """The thresholds the engine decides with, as ONE immutable object swapped whole (docs/api.md,
-`POST /v1/admin/reload-calibration`): a query reads `engine.calibration` once, so it decides with
+`POST /v1/admin/reload-calibration`): a query reads `engine.classes.calibration` once, so it decides with
 all old or all new thresholds, Platt parameters and global fallback, never a mix. Protocol-free."""
 from __future__ import annotations
 

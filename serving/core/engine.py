@@ -16,23 +16,18 @@ Inputs arrive decoded (serving/codecs/); errors are serving/errors.py's, protoco
 """
 from __future__ import annotations
 
-import asyncio
-import difflib
 import logging
-import re
-import threading
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import orjson
 
 from serving.core import head_scan, open_set
 from serving.core.batcher import Batcher, Job, JobFailed
-from serving.core.calibration import Thresholds, reload as reload_thresholds
+from serving.core.classes import ClassRef, ClassRegistry
 from serving.core.compute import HeadPass
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
-from serving.bundle.names import IdNames, refused_character, shown
+from serving.bundle.names import refused_character, shown
 from serving.core.enrollment import check_name
 from serving.errors import (Conflict, GalleryDown, InsufficientStorage, InvalidInput, NotFound, NotReady, SlcError,
                             StoreDown)
@@ -45,27 +40,6 @@ log = logging.getLogger(__name__)
 # measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
 SCAN_PATIENCE_SHARE = 0.05
 
-
-SUGGEST_MAX = 5_000  # names an unknown one is compared with (difflib, on the event loop: bounded)
-
-
-def unknown_class(ref: str, trained: Sequence, enrolled: list[str], num_classes: int) -> str:
-    """The 404's one line: the names nearest to `ref` (difflib) or a few of them, and a case hint
-    when a name differs from it in case only. Names "0".."D-1" (IdNames) are not listed: the id range says it."""
-    names = list(enrolled) if isinstance(trained, IdNames) or len(trained) > SUGGEST_MAX else [*trained, *enrolled]
-    folded = ref.casefold()
-    same = [n for n in names if n.casefold() == folded]
-    close = [n for n in difflib.get_close_matches(ref, names, n=4, cutoff=0.5) if n not in same]
-    if same:
-        hint = f"did you mean {' or '.join(map(repr, same[:3]))}? class names are case-sensitive"
-    elif close:
-        hint = f"nearest names: {', '.join(map(repr, close[:3]))}"
-    elif names:
-        hint = f"the names are {', '.join(map(repr, names[:5]))}{', …' if len(names) > 5 else ''}"
-    else:
-        hint = "the classes are named by their ids"
-    return (f"unknown class {ref!r}: {hint} (a class name, an id 0..{num_classes - 1}, or an enrolled class's "
-            "name or id)")
 
 
 def sigmoid(t: np.ndarray) -> np.ndarray:
@@ -87,18 +61,6 @@ def require_finite(finite: np.ndarray) -> None:
                            code="non_finite_output")
 
 
-_DECIMAL_ID = re.compile(r"-?[0-9]{1,18}")  # a class path that reads as an id (serving/bundle/loader.py's rule)
-
-
-@dataclass
-class ClassRef:
-    """A resolved class: trained (pos None) or enrolled (its position in `enrolled`, the snapshot it was found in)."""
-
-    id: int
-    name: str
-    enrolled: Optional[Enrolled] = None
-    pos: Optional[int] = None
-
 
 class Engine:
     def __init__(self, bundle, runtime, settings, index, gallery, metrics=None,
@@ -111,7 +73,7 @@ class Engine:
         self.active = 0  # calls of this engine on their way through the batcher or the gallery (unload drains them)
         self.closed = False
         self.enrolled = enrolled
-        self._no_enrolled = empty_snapshot(int(bundle.num_classes), int(bundle.embed_dim))
+        self.classes = ClassRegistry(bundle, enrolled, settings)  # trained and enrolled: named, rows, thresholds
         self.runtime = runtime
         self.settings = settings
         self.index = index
@@ -119,14 +81,6 @@ class Engine:
         self.input_shape = tuple(int(s) for s in bundle.input_shape)
         self.input_size = int(np.prod(self.input_shape))
         self.num_classes = int(bundle.num_classes)
-        # the per-class arrays as plain ndarray views (the head stays mapped): indexing a np.memmap
-        # runs Python code per access, and detect reads five of them per request
-        self._weight = np.asarray(bundle.weight)
-        self._bias = np.asarray(bundle.bias)
-        # thresholds, Platt parameters, global fallback: one object, swapped whole (reload_calibration);
-        # each query reads it once, so it decides with all old or all new values
-        self.calibration = Thresholds.of_bundle(bundle)
-        self._reload_lock = threading.Lock()
         self.head_pass = HeadPass(bundle, runtime, settings)  # the passes over all D classes
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
@@ -276,90 +230,12 @@ class Engine:
         return found
 
     # ------------------------------------------------------------------ inputs and classes
-    def snapshot(self) -> Enrolled:
-        """The enrolled classes a request answers with (read once per request)."""
-        return self.enrolled.snapshot if self.enrolled is not None else self._no_enrolled
-
-    def resolve_class(self, ref: str, snap: Optional[Enrolled] = None) -> ClassRef:
-        """A class name from the manifest, else an integer id (Bundle.class_id's rule), else an enrolled
-        class's name or id (D + slot); NotFound otherwise. `snap`: the request's enrolled snapshot."""
-        snap = snap if snap is not None else self.snapshot()
-        try:
-            j = self.bundle.class_id(ref)
-            return ClassRef(j, str(self.bundle.classes[j]))
-        except KeyError:
-            pass
-        pos = snap.find(ref) if snap.n else None
-        if pos is None and snap.n and _DECIMAL_ID.fullmatch(ref):
-            pos = snap.position_of_id(int(ref))
-        if pos is None and (bad := refused_character(ref)):  # no class can have it: the name is wrong, not unknown
-            raise InvalidInput(f"the class name {shown(ref)} holds {bad}, which no class name holds",
-                               code="invalid_class_name")
-        if pos is None:
-            enrolled = [snap.name(i) for i in range(min(snap.n, SUGGEST_MAX))]
-            raise NotFound(unknown_class(ref, self.bundle.classes, enrolled, self.num_classes), code="unknown_class")
-        return ClassRef(int(snap.ids_of_positions(pos)), snap.name(pos), snap, pos)
-
-    def resolve_id(self, class_id: int, snap: Enrolled) -> ClassRef:
-        """A class named by its integer id (a JSON number: never read as a name): trained 0..D-1, or an
-        enrolled class's D + slot; NotFound otherwise."""
-        if 0 <= class_id < self.num_classes:
-            return ClassRef(class_id, str(self.bundle.classes[class_id]))
-        pos = snap.position_of_id(class_id) if snap.n and class_id >= self.num_classes else None
-        if pos is None:
-            raise NotFound(f"unknown class id {class_id} (ids are 0..{self.num_classes - 1}, and D + slot of the "
-                           f"{snap.n} enrolled classes)", code="unknown_class")
-        return ClassRef(class_id, snap.name(pos), snap, pos)
-
-    def resolve_classes(self, refs: list) -> tuple[list[ClassRef], Enrolled]:
-        """Classes named by a request (strings as in a path, integers as ids), all from ONE snapshot."""
-        snap = self.snapshot()
-        return [self.resolve_id(r, snap) if type(r) is int else self.resolve_class(r, snap) for r in refs], snap
-
-    def threshold_of(self, j: int) -> float:
-        return self.calibration.of_class(j)
-
-    async def reload_calibration(self, expect_sha256: Optional[str] = None) -> dict:
-        """The calibration now in the served bundle's folder, checked against its manifest and the
-        loaded model, swapped in whole (serving/core/calibration.py); what changed."""
-        def work() -> dict:
-            with self._reload_lock:  # two reloads at once: one after the other
-                new, manifest, answer = reload_thresholds(self.bundle, self.calibration, expect_sha256)
-                if answer["reloaded"]:
-                    self.calibration = new  # the one step every later query sees
-                    self._record(new, manifest)
-                return answer
-
-        return await asyncio.to_thread(work)
-
-    def _record(self, new: Thresholds, manifest: dict) -> None:
-        """The bundle's own fields follow the swap (GET /v1/model; the gallery and the class index keep
-        the digest they were opened with: the backbone and head are unchanged)."""
-        b = self.bundle
-        b.manifest = {**manifest, "classes": b.classes}
-        b.calibration, b.thresholds, b.platt_a, b.platt_b = new.calibration, new.threshold, new.platt_a, new.platt_b
-        b.global_threshold, b.digest = new.global_threshold, new.digest
-
-    def row_of(self, cls: ClassRef) -> tuple[np.ndarray, float, float, float, float]:
-        """(row [d] float64, bias, threshold, platt a, platt b) of a trained or enrolled class."""
-        if cls.enrolled is not None:
-            w, b, thr, pa, pb, _ = cls.enrolled.row(cls.pos)
-            return np.array(w, dtype=np.float64), b, thr, pa, pb
-        j, cal = cls.id, self.calibration  # one calibration for the whole request
-        # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
-        return (np.array(self._weight[j], dtype=np.float64), float(self._bias[j]), cal.of_class(j),
-                float(cal.platt_a[j]), float(cal.platt_b[j]))
-
-    def _column(self, cls: ClassRef) -> int:
-        """The class's column in a pass: its id when trained, D + its position among the enrolled ones."""
-        return cls.id if cls.enrolled is None else self.num_classes + cls.pos
-
     def _timeout(self) -> float:
         return self.settings.request_timeout_s
 
     # ------------------------------------------------------------------ queries
     async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
-        w, b, thr, pa, pb = self.row_of(cls)
+        w, b, thr, pa, pb = self.classes.row_of(cls)
         thr = thr if threshold is None else float(threshold)
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
@@ -380,7 +256,7 @@ class Engine:
                 column[r.id] = len(distinct)
                 distinct.append(r)
             inverse.append(column[r.id])
-        rows, b, thr, pa, pb = self._gather(distinct, snap)
+        rows, b, thr, pa, pb = self.classes.gather(distinct, snap)
         thr = thr if threshold is None else np.full(len(distinct), float(threshold))
         spread = (lambda a: a[..., inverse]) if len(distinct) < len(refs) else (lambda a: a)
 
@@ -394,28 +270,8 @@ class Engine:
         classes = [{"class_id": r.id, "class_name": r.name, "threshold": t} for r, t in zip(refs, spread(thr).tolist())]
         return {"classes": classes, "results": results}
 
-    def _gather(self, refs: list[ClassRef], snap: Enrolled) -> tuple[np.ndarray, ...]:
-        """(rows [C, d], bias, threshold, platt a, platt b [C]) float64 of C classes: trained rows from the
-        mapped head (C of them read, never D), enrolled ones from `snap`; the values detect reads."""
-        cal = self.calibration
-        trained = [i for i, r in enumerate(refs) if r.enrolled is None]
-        if len(trained) == len(refs):  # the usual request: one fancy index per array
-            j = np.array([r.id for r in refs], dtype=np.int64)
-            return (self._weight[j].astype(np.float64), self._bias[j].astype(np.float64), cal.of_classes(j),
-                    cal.platt_a[j].astype(np.float64), cal.platt_b[j].astype(np.float64))
-        n = len(refs)
-        rows, b, thr, pa, pb = np.empty((n, self.bundle.embed_dim)), np.empty(n), np.empty(n), np.empty(n), np.empty(n)
-        t, j = np.array(trained, dtype=np.int64), np.array([refs[i].id for i in trained], dtype=np.int64)
-        rows[t], b[t], thr[t], pa[t], pb[t] = (self._weight[j], self._bias[j], cal.of_classes(j), cal.platt_a[j],
-                                               cal.platt_b[j])
-        e = np.array([i for i, r in enumerate(refs) if r.enrolled is not None], dtype=np.int64)
-        q = np.array([refs[i].pos for i in e], dtype=np.int64)
-        rows[e], b[e] = snap.weight[q], snap.bias[q]
-        thr[e], pa[e], pb[e] = snap.values(1)[q], snap.values(2)[q], snap.values(3)[q]
-        return rows, b, thr, pa, pb
-
     async def softmax(self, cls: ClassRef, x: np.ndarray) -> dict:
-        col, snap = self._column(cls), cls.enrolled or self.snapshot()
+        col, snap = self.classes.column(cls), cls.enrolled or self.classes.snapshot()
 
         def reduce(acc: head_scan.SoftmaxStats) -> list[dict]:  # streamed over all D + n_e logits
             require_finite(acc.finite)
@@ -432,7 +288,7 @@ class Engine:
                    matches_only: bool = False) -> dict:
         """The k best classes per input, each entry judged against its class's threshold (or `threshold`)
         as detect judges it: open-set recognition in one call (issue 51)."""
-        snap, cal = self.snapshot(), self.calibration  # one snapshot, one calibration for the whole request
+        snap, cal = self.classes.snapshot(), self.classes.calibration  # one snapshot, one calibration for the whole request
         total = self.num_classes + snap.n
         k = min(k, total)
         exact = mode == "exact" or self.index is None or self.index.kind in ("exact", "flat")
@@ -479,10 +335,6 @@ class Engine:
             result = await self._submit(x, "index", reduce, snapshot=snap, k=k)
         return result
 
-    def class_exists(self, class_id: int, snap: Enrolled) -> bool:
-        """Whether `class_id` names a trained class or an enrolled one of `snap`."""
-        return 0 <= class_id < self.num_classes or (class_id >= self.num_classes and snap.position_of_id(class_id) is not None)
-
     async def single_logits(self, x: np.ndarray, ids: np.ndarray, snap: Optional[Enrolled] = None,
                             threshold: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool).
@@ -490,11 +342,11 @@ class Engine:
         the request's, for every class (as detect's)."""
         trained = ids < self.num_classes
         if trained.all():
-            rows = self._weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
-            b = self._bias[ids].astype(np.float64)
-            thr = self.calibration.of_classes(ids)  # [N] threshold_of's rule
+            rows = self.classes.weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
+            b = self.classes.bias[ids].astype(np.float64)
+            thr = self.classes.calibration.of_classes(ids)  # [N] threshold_of's rule
         else:
-            rows, b, thr = self._mixed_rows(ids, trained, snap if snap is not None else self.snapshot())
+            rows, b, thr = self.classes.mixed_rows(ids, trained, snap if snap is not None else self.classes.snapshot())
         thr = thr if threshold is None else float(threshold)
 
         def reduce(h: np.ndarray):  # h [N, d]
@@ -503,21 +355,10 @@ class Engine:
 
         return await self._submit(x, "embed", reduce)
 
-    def _mixed_rows(self, ids: np.ndarray, trained: np.ndarray, snap: Enrolled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows [N, d], bias [N], threshold [N]) float64 for ids of trained and enrolled classes."""
-        rows = np.empty((len(ids), self.bundle.embed_dim))
-        b, thr = np.empty(len(ids)), np.empty(len(ids))
-        t = np.flatnonzero(trained)
-        rows[t], b[t], thr[t] = self._weight[ids[t]], self._bias[ids[t]], self.calibration.of_classes(ids[t])
-        e = np.flatnonzero(~trained)
-        pos = np.array([snap.position_of_id(int(c)) for c in ids[e]], dtype=np.int64)
-        rows[e], b[e], thr[e] = snap.weight[pos], snap.bias[pos], snap.values(1)[pos]
-        return rows, b, thr
-
     async def all_logits(self, x: np.ndarray, snap: Optional[Enrolled] = None) -> np.ndarray:
         """KServe `<name>-full`: logits [N, D + n_e] float32 (the enrolled classes' columns after the D
         trained ones, in id order), written chunk by chunk into the answer. `snap`: the request's."""
-        snap = snap if snap is not None else self.snapshot()
+        snap = snap if snap is not None else self.classes.snapshot()
 
         def reduce(acc: head_scan.AllLogits) -> np.ndarray:
             require_finite(acc.finite)
@@ -571,23 +412,10 @@ class Engine:
 
     async def enrolled_classes(self) -> dict:
         """GET /v1/classes: the served ones, and what the store holds that is not served, and why."""
-        snap = self.snapshot()
+        snap = self.classes.snapshot()
         return {"count": snap.n, "limit": self.settings.max_enrolled_classes,
                 "classes": [snap.describe(i) for i in range(snap.n)],
                 "not_served": self.enrolled.not_served() if self.enrolled is not None else []}
-
-    def _enroll_rule(self) -> str:
-        try:
-            return self.enrolled.rule() if self.enrolled is not None else "imprint"
-        except SlcError as exc:
-            return f"unavailable: {exc.message}"
-
-    def enrolled_info(self) -> dict:
-        """GET /v1/model's `classes`: trained and enrolled counts, and how enrollment works here."""
-        snap = self.snapshot()
-        return {"trained": self.num_classes, "enrolled": snap.n, "total": self.num_classes + snap.n,
-                "enrolled_limit": self.settings.max_enrolled_classes, "enroll_rule": self._enroll_rule(),
-                "enroll_threshold": self.settings.enroll_threshold, "sync_s": self.settings.enrolled_sync_s}
 
     # ------------------------------------------------------------------ gallery
     async def off_loop(self, fn, *args):
@@ -636,7 +464,7 @@ class Engine:
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> bytes:
         """The search's JSON answer, built off the loop from the items' stored metadata texts."""
         j = cls.id
-        w64, b, thr, _, _ = self.row_of(cls)
+        w64, b, thr, _, _ = self.classes.row_of(cls)
         thr = thr if threshold is None else float(threshold)
         w = w64.astype(np.float32)  # [d]
         gallery = self.gallery

@@ -112,7 +112,7 @@ class ServerState(Readiness):
         """GET /v1/model (the default model's) and /v1/models/{model}/model."""
         model = model or self.models.default
         b, engine = model.bundle, model.engine
-        m, served = b.manifest, engine.calibration  # the calibration in use (swapped whole by a reload)
+        m, served = b.manifest, engine.classes.calibration  # the calibration in use (swapped whole by a reload)
         summary = {k: m[k] for k in ("format", "format_version", "name", "version", "created", "input", "embed_dim",
                                      "num_classes", "loss", "backbone", "test_metrics", "calibration_metrics", "dataset",
                                      "content_sha256", "recalibration") if k in m}
@@ -146,7 +146,7 @@ class ServerState(Readiness):
                                            for n, t in engine.head_pass.timing_by_batch.items()},
             "index": model.index.info(),
             "gallery": {"index_kind": model.gallery.index_kind},
-            "classes": engine.enrolled_info(),
+            "classes": engine.classes.enrolled_info(),
             "batching": {"max_batch": s.max_batch, "max_delay_ms": s.max_delay_ms, "queue_size_inputs": s.queue_size,
                          "request_timeout_s": s.request_timeout_s, "max_inputs": s.max_inputs,
                          "intra_op_threads": s.intra_op_threads, "inline_max_ms": s.inline_max_ms,

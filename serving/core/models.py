@@ -54,12 +54,12 @@ class Model:
                "bundle": str(self.path) if self.path is not None else "(default model)"}
         if b is None or engine is None:
             return out
-        snap = engine.snapshot()
+        snap = engine.classes.snapshot()
         out.update(
             version=b.manifest.get("version"), input=list(b.input_shape), embed_dim=int(b.embed_dim),
             classes={"trained": int(b.num_classes), "enrolled": snap.n, "total": int(b.num_classes) + snap.n,
                      "preview": [str(c) for c in b.classes[:10]]},
-            thresholds_sha256=engine.calibration.sha256,
+            thresholds_sha256=engine.classes.calibration.sha256,
             memory={"head_bytes": self.head_bytes(), "head": engine.head_pass.device_info(),
                     "index": self.index.kind if self.index is not None else None,
                     "enrolled_bytes": int(snap.weight.nbytes + snap.bias.nbytes)},

@@ -67,7 +67,7 @@ def model_metadata_of(engine, kind: str) -> dict:
                 "inputs": [x, {"name": "class_id", "datatype": "INT64", "shape": [-1]}],
                 "outputs": [{"name": "logit", "datatype": "FP32", "shape": [-1]},
                             {"name": "match", "datatype": "BOOL", "shape": [-1]}]}
-    shape = [-1, engine.num_classes + engine.snapshot().n]
+    shape = [-1, engine.num_classes + engine.classes.snapshot().n]
     return {"name": f"{name}-full", "versions": [VERSION], "platform": "onnxruntime_onnx", "inputs": [x],
             "outputs": [{"name": "logits", "datatype": "FP32", "shape": shape},
                         {"name": "match", "datatype": "BOOL", "shape": shape},
@@ -136,8 +136,8 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
         raise InvalidInput(f"'class_id' must be an integer tensor [N] with N = {x.shape[0]}", code="shape_mismatch")
     flat = cid_arr.reshape(-1)
     ids = flat.tolist()  # Python ints (N <= max_inputs): no wrap-around of the tensor's own dtype
-    snap = engine.snapshot()  # the enrolled classes this request answers with
-    bad = [i for i in ids if not engine.class_exists(i, snap)]
+    snap = engine.classes.snapshot()  # the enrolled classes this request answers with
+    bad = [i for i in ids if not engine.classes.class_exists(i, snap)]
     if bad:
         raise NotFound(f"unknown class id {bad[0]} (ids are 0..{engine.num_classes - 1}, and D + slot of the "
                        f"{snap.n} enrolled classes)", code="unknown_class")
@@ -147,7 +147,7 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
 
 async def _full(engine, x: np.ndarray, threshold: Optional[float], names: list[str]) -> dict:
     """All D + n_e logits, and each against its class's threshold when `match` / `threshold` are asked."""
-    snap, cal = engine.snapshot(), engine.calibration
+    snap, cal = engine.classes.snapshot(), engine.classes.calibration
     z = await engine.all_logits(x, snap)
     if names == ["logits"]:
         return {"logits": ("FP32", z)}
@@ -162,7 +162,7 @@ async def _classified(engine, x: np.ndarray, k: int, threshold: Optional[float],
     if k > engine.settings.max_topk:
         raise InvalidInput(f"classification={k} is over the server's limit of {engine.settings.max_topk} "
                            "(SLC_MAX_TOPK)", code="k_too_large")
-    snap, cal = engine.snapshot(), engine.calibration
+    snap, cal = engine.classes.snapshot(), engine.classes.calibration
     k = min(k, engine.num_classes + snap.n)
     names_of = engine.bundle.classes
 

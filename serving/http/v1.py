@@ -177,7 +177,7 @@ def _query_string(scope) -> dict:
 async def detect(scope, body: bytes):
     """One logit per input: W[class]·h(x) + b[class] against the class's threshold."""
     engine, p, x = await _query(scope, body, ("inputs", "threshold"), lambda o: {"threshold": read.number(o, "threshold")})
-    cls = engine.resolve_class(_class_ref(scope))
+    cls = engine.classes.resolve_class(_class_ref(scope))
     return 200, await engine.detect(cls, x, p["threshold"])
 
 
@@ -190,7 +190,7 @@ async def detect_set(scope, body: bytes):
     engine, p, x = await _query(scope, body, ("inputs", "classes", "threshold"), lambda o: {
         "classes": _class_list(o, limit), "threshold": read.number(o, "threshold")}, extra_values=4 * limit,
         lists=("classes",))
-    refs, snap = engine.resolve_classes(p["classes"])
+    refs, snap = engine.classes.resolve_classes(p["classes"])
     return 200, await engine.detect_set(refs, snap, x, p["threshold"])
 
 
@@ -226,7 +226,7 @@ def _flag(obj: dict, key: str) -> bool:
 async def softmax(scope, body: bytes):
     """The full-softmax baseline: all D logits per input, the class's softmax entry."""
     engine, _, x = await _query(scope, body, ("inputs",), lambda o: {})
-    cls = engine.resolve_class(_class_ref(scope))
+    cls = engine.classes.resolve_class(_class_ref(scope))
     return 200, await engine.softmax(cls, x)
 
 
@@ -317,7 +317,7 @@ async def class_search(scope, body: bytes):
     read.check_keys(obj, ("limit", "threshold"))
     limit = read.integer(obj, "limit", 100, 1, 100_000)
     threshold = read.number(obj, "threshold")
-    cls = engine.resolve_class(_class_ref(scope))
+    cls = engine.classes.resolve_class(_class_ref(scope))
     return 200, RawAnswer(await engine.gallery_search(cls, threshold, limit), b"application/json")
 
 
@@ -339,7 +339,7 @@ async def reload_calibration(scope, body: bytes):
     expect = obj.get("expect_sha256")
     if expect is not None and not (type(expect) is str and _SHA256.fullmatch(expect)):
         raise InvalidInput("expect_sha256 must be a sha256 as 64 lowercase hex digits", code="validation_error")
-    return 200, await engine.reload_calibration(expect)
+    return 200, await engine.classes.reload_calibration(expect)
 
 
 # ----------------------------------------------------------------------------- enrolled classes (issue 38)

@@ -123,7 +123,7 @@ def test_an_unknown_class_lists_the_nearest_names_and_a_case_hint(tmp_path):
 
 
 def test_unknown_class_names_from_the_bundle():
-    from serving.core.engine import unknown_class
+    from serving.core.classes import unknown_class
 
     letters = [chr(c) for c in range(ord("A"), ord("Z"))]  # A..Y
     assert unknown_class("Z", letters, [], 25).startswith("unknown class 'Z': the names are 'A', 'B', 'C', 'D', 'E', …")

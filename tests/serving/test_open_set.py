@@ -160,7 +160,7 @@ def test_set_detect_reads_the_set_rows_and_never_the_head(client, inputs, monkey
             seen.append(np.asarray(key).copy())
             return self.a[key]
 
-    monkeypatch.setattr(engine, "_weight", Rows(engine._weight))
+    monkeypatch.setattr(engine.classes, "weight", Rows(engine.classes.weight))
     monkeypatch.setattr(engine.head_pass, "run", lambda *a, **k: pytest.fail("the pass over the head ran"))
     got = client.post("/v1/detect", json={"inputs": inputs.tolist(), "classes": [40, 2, 40, 9]})
     assert got.status_code == 200, got.text

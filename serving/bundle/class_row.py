@@ -7,9 +7,11 @@ write's sequence number and time; a deletion is a record with no row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
+
+from serving.bundle.names import enrolled_class_problem
 
 
 @dataclass
@@ -27,6 +29,18 @@ class ClassRow:
     seq: int = 0  # the store's write sequence number
     deleted: bool = False
     problem: Optional[str] = None  # why the stored values cannot be served (the reader skips the record)
+
+    def unservable(self, d: int, trained: Callable[[str], bool]) -> Optional[str]:
+        """Why this live stored class cannot be served (None: it can): a value the store could not give, a
+        row not of d finite values, a non-finite bias, threshold or Platt value, a name no route can
+        address, or one that `trained(name)` says a trained class has. The server and fold alike."""
+        if self.problem:
+            return self.problem
+        if self.row is None:
+            return f"its row has 0 values, not {d}"
+        if problem := enrolled_class_problem(self, d):
+            return problem
+        return "its name is a trained class's" if trained(self.name) else None
 
     @property
     def norm(self) -> float:

@@ -133,10 +133,8 @@ def fold(bundle_dir: Path, source: str, out: Path, overwrite: bool) -> None:
 
 
 def _servable(records: list, bundle) -> list:
-    """The records, when a server would serve every one (serving/core/enrolled.py unservable); else one
-    line naming the first it would not, and nothing is folded (a fold must not drop a class quietly)."""
-    from serving.core.enrolled import unservable
-
+    """The records, when a server would serve every one (ClassRow.unservable); else one line naming
+    the first it would not, and nothing is folded (a fold must not drop a class quietly)."""
     def trained(name: str) -> bool:
         try:
             bundle.class_id(name)
@@ -146,7 +144,7 @@ def _servable(records: list, bundle) -> list:
 
     kept = []
     for r in records:
-        why = unservable(r, bundle.embed_dim, trained)
+        why = r.unservable(bundle.embed_dim, trained)
         if why is not None:
             raise click.ClickException(f"enrolled class {r.name!r} (slot {r.slot}): {why}; nothing was folded "
                                        "(PUT it again with good examples, or DELETE it, then fold)")

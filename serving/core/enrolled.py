@@ -31,7 +31,6 @@ from typing import Optional
 
 import numpy as np
 
-from serving.bundle.names import enrolled_class_problem
 from serving.bundle.negatives import read_negatives
 from serving.core import enrollment, enrolled_report
 from serving.errors import Conflict, InvalidInput, NotFound
@@ -151,19 +150,6 @@ def describe_record(num_trained: int, r: ClassRow) -> dict:
                         r.rule, r.created)
 
 
-def unservable(r: ClassRow, d: int, trained) -> Optional[str]:
-    """Why a live stored row cannot be served (None: it can): a value the store could not give, a row
-    not of d finite values, a non-finite bias, threshold or Platt value, a name no route can address
-    or that `trained(name)` says a trained class has."""
-    if r.problem:
-        return r.problem
-    if r.row is None:
-        return f"its row has 0 values, not {d}"
-    if problem := enrolled_class_problem(r, d):  # the rule fold shares (serving/bundle/names.py)
-        return problem
-    return "its name is a trained class's" if trained(r.name) else None
-
-
 def empty_snapshot(num_trained: int, d: int) -> Enrolled:
     return Enrolled(num_trained, 0, 0, _Buffers(d))
 
@@ -235,7 +221,7 @@ class EnrolledClasses:
             self.snapshot = _snapshot(self.num_trained, self.embed_dim, self._live, seq)
 
     def _unservable(self, r: ClassRow) -> Optional[str]:
-        return unservable(r, self.embed_dim, self._is_trained)
+        return r.unservable(self.embed_dim, self._is_trained)
 
     def _is_trained(self, name: str) -> bool:
         try:

@@ -17,6 +17,7 @@ import click
 
 from models import check_backbone_name, list_backbones
 from serving.bundle.cliopts import OUT, POSITIVE, guarded, key_values, slc_command
+from serving.calibration.defaults import NORM_MIN_NEGATIVES
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
 from trainer.augment import AUGMENTS
@@ -333,10 +334,13 @@ def _head_precisions(ctx: click.Context, param: click.Parameter, value: str) -> 
               default="auto", show_default=True, help="per-class thresholds pulled toward the global one (shrink), "
               "alone, one for all, read off each class's negatives (tail), or one on logits standardised by each "
               "class's highest negatives (norm); auto: norm for a PoLS loss calibrated with the style shift, global "
-              "for one without, shrink otherwise (docs/calibration.md)")
+              "for one without, shrink otherwise (and for a calibration split too small for norm's tail) "
+              "(docs/calibration.md)")
 @click.option("--calibration-shift", type=click.Choice(["auto", "style", "none"]), default="auto", show_default=True,
               help="also calibrate on each calibration image with a seeded stroke weight, blur and contrast (style), "
-              "so that thresholds hold on images unlike the calibration faces; auto: style for a PoLS loss on images")
+              "so that thresholds hold on images unlike the calibration faces; auto: style for a PoLS loss on images, "
+              f"unless the rule is chosen by export too and a class's column would hold under {NORM_MIN_NEGATIVES} negatives "
+              "(the norm rule's tail: docs/calibration.md)")
 @click.option("--kappa", type=POSITIVE, default=4.0, show_default=True,
               help="shrink: pseudo-count of the global threshold against a class's calibration positives")
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
@@ -369,9 +373,16 @@ def export(run: Path, out: Path, overwrite: bool, target_precision: Optional[flo
              f"{test['per_class_mean_recall']:.3f}") if test else ""
     click.echo(f"bundle {out}: {b.num_classes} classes, d={b.embed_dim}, verified, target {b.calibration['target']}, thresholds {b.calibration.get('method', {}).get('name', '?')}"
                f"{' on calibration + style-shifted copies' if b.calibration.get('shift') else ''}"
+               f"{_small_split_note(b.calibration)}"
                f"{extra} ({time.perf_counter() - t0:.0f} s)  -> next: {slc_command()} serve {out}")
     if line := _support_line(b.calibration, run, out):
         click.echo(line)
+
+
+def _small_split_note(calibration: dict) -> str:
+    """Why export's automatic rule is the clean split's global threshold, when the split is too small for norm."""
+    note = calibration.get("default_rule")
+    return f" on the calibration split alone ({note['why'].split(':')[0]})" if note else ""
 
 
 def _support_line(calibration: dict, run: Path, out: Path) -> str | None:

@@ -40,7 +40,7 @@ from serving.bundle.synthetic import MAX_SAMPLE_COLUMNS
 from serving.bundle.quantize import write_heads
 from trainer import calibration_shift
 from serving.calibration.estimator import calibrate_chunks
-from serving.calibration.defaults import default_rule
+from serving.calibration.defaults import NORM_MIN_NEGATIVES, RULE_DEFAULTS, default_rule, norm_has_tail
 from serving.calibration.chunks import chunk_classes
 from serving.calibration.support import support
 
@@ -237,7 +237,7 @@ def _write_head(stage: Path, weight: np.ndarray, bias: np.ndarray) -> None:
 
 
 def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None = None,
-                       shift: str = "none") -> tuple[dict, dict]:
+                       shift: str = "none", note: dict | None = None) -> tuple[dict, dict]:
     """Thresholds chosen on the calibration split's logits as the server's detect computes them
     (backbone.onnx embeddings, float64 head rows), class chunk by class chunk: never [N, D]; with
     shift "style", on the split and its style-shifted copy (trainer/calibration_shift.py). Also a
@@ -269,6 +269,8 @@ def _write_calibration(r: _Run, stage: Path, target: dict, method: dict | None =
         cal = calibration_shift.with_clean_global(cal, clean, entry)
     # what the clean calibration images can show (shifted copies are no new evidence): reported, never used
     cal["support"] = support(head_chunks(h_cal, weight, bias, chunk), r.y_cal, len(weight), target)
+    if note is not None:
+        cal["default_rule"] = note
     (stage / "calibration.json").write_text(json.dumps(cal, indent=1, allow_nan=False) + "\n")
     return cal, write_negatives(stage, h_cal, r.y_cal)
 
@@ -316,6 +318,14 @@ def _manifest(r: _Run, stage: Path, classes: list[str], embed_dim: int, cal: dic
         **({"image": spec} if (spec := r.data_info.get("image", r.image)) else {}))
 
 
+def _small_split(r: _Run, D: int) -> dict:
+    """calibration.json `default_rule` when the split is too small for the norm rule: what was chosen, and why."""
+    fewest = 2 * (len(r.y_cal) - int(np.bincount(r.y_cal, minlength=D).max()))
+    return {"rule": dict(RULE_DEFAULTS["export small split"]), "shift": "none",
+            "why": f"{fewest} negatives in a class's column with the style-shifted copies, under the "
+                   f"{NORM_MIN_NEGATIVES} the norm rule's tail needs: shrink on the clean split"}
+
+
 def export_bundle(run: Path, out: Path, target_precision: float | None = None, target_recall: float | None = None,
                   method: dict | None = None, data: str | None = None, head_precisions: tuple[str, ...] = (),
                   shift: str = "auto", overwrite: bool = False) -> Path:
@@ -329,7 +339,11 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     target = _target(target_precision, target_recall)
     r = _open_run(run, data)
     pols = bool(r.config.get("loss_pols", False))
+    auto = (method is None or method.get("name") == "auto") and shift == "auto"
     shift = calibration_shift.resolve(shift, pols, tuple(r.data_info["input_shape"]), r.image)
+    small = auto and shift == "style" and not norm_has_tail(r.y_cal, len(r.data_info["classes"]), copies=2)
+    if small:  # too few negatives per class for the norm rule's tail: the clean split, shrink
+        shift, method = "none", dict(RULE_DEFAULTS["export small split"])
     if method is None or method.get("name") == "auto":
         method = default_rule(pols, shift)
     weight, bias = r.head  # [D, d], [D]
@@ -340,7 +354,7 @@ def export_bundle(run: Path, out: Path, target_precision: float | None = None, t
     with output.staged(out, "bundle", overwrite=overwrite, inputs=[run], verify=_verified) as stage:
         parity_report = _export_graphs(r, stage, D, external=weight.nbytes > EXTERNAL_DATA_BYTES)
         _write_head(stage, weight, bias)
-        cal, negatives = _write_calibration(r, stage, target, method, shift)
+        cal, negatives = _write_calibration(r, stage, target, method, shift, _small_split(r, D) if small else None)
         _write_samples(r, stage, D)
         manifest = _manifest(r, stage, classes, d, cal, parity_report)
         manifest["negatives"] = negatives

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from serving.calibration.defaults import default_rule
+from serving.calibration.defaults import NORM_MIN_NEGATIVES, default_rule, norm_has_tail
 import torch
 
 from trainer import calibration_shift as shift
@@ -33,6 +33,21 @@ def test_default_method_follows_the_shift():
     assert default_rule(True, "style") == {"name": "norm"}
     assert default_rule(True, "none") == {"name": "global"}
     assert default_rule(False, "style") == {"name": "shrink", "kappa": 4.0}
+
+
+def test_norm_needs_a_tail_in_every_column():
+    """A column's negatives are the other classes' examples (each shifted copy counted): counted by hand."""
+    assert NORM_MIN_NEGATIVES == 400
+    y = np.repeat(np.arange(10), 6)  # issue 50's calibration split: 60 images, 54 negatives a column
+    assert not norm_has_tail(y, 10, copies=2)  # 108
+    assert norm_has_tail(np.repeat(np.arange(10), 23), 10, copies=2)  # 2 x (230 - 23) = 414
+    assert not norm_has_tail(np.repeat(np.arange(10), 22), 10, copies=2)  # 2 x 198 = 396
+    assert norm_has_tail(np.repeat(np.arange(10), 45), 10)  # 450 - 45 = 405, no copies
+    lopsided = np.concatenate([np.zeros(300, dtype=int), np.repeat(np.arange(1, 10), 20)])  # 480 images
+    assert not norm_has_tail(lopsided, 10)  # class 0's column: 180 negatives
+    assert norm_has_tail(lopsided, 10, copies=3)  # 540
+    assert norm_has_tail(np.repeat(np.arange(3), 1000), 4000)  # columns of 2000, of 3000 for classes without examples
+    assert not norm_has_tail(np.repeat(np.arange(2), [3000, 300]), 2)  # class 0's column: 300
 
 
 def _glyph_like(n: int = 12, seed: int = 0) -> np.ndarray:
@@ -74,9 +89,10 @@ def test_shifted_copies_keep_each_image_mass_where_the_strokes_are():
 
 @pytest.mark.integration
 def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path, monkeypatch, capsys):
-    """Default export of a PoLS run on images: norm thresholds equal to the dense estimator on the
-    torch model's logits of the calibration split and its shifted copy pooled; `none` gives the
-    clean split's global threshold; style on examples that are not images is one line."""
+    """Export of a PoLS run on images with the style shift: norm thresholds equal to the dense estimator
+    on the torch model's logits of the calibration split and its shifted copy pooled; `none` gives the
+    clean split's global threshold, and so does the default on a split too small for the norm rule
+    (this one: 16 images); style on examples that are not images is one line."""
     from slc.cli import main
     from tests.trainer.test_imagefolder import render_folder
     from serving.calibration.estimator import calibrate
@@ -94,9 +110,9 @@ def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path
     both = np.concatenate([run_logits(net, x), run_logits(net, shift.style_shifted(x, splits.image))]).astype(np.float64)
     yy = np.concatenate([y, y])
 
-    bundle = export_mod.export_bundle(run, tmp_path / "b", target_precision=0.9)
+    bundle = export_mod.export_bundle(run, tmp_path / "b", target_precision=0.9, shift="style")
     cal = json.loads((bundle / "calibration.json").read_text())
-    assert cal["method"]["name"] == "norm" and cal["examples"] == 2 * len(y)
+    assert cal["method"]["name"] == "norm" and cal["examples"] == 2 * len(y) and "default_rule" not in cal
     assert cal["shift"] == {"name": "style", "seed": shift.SHIFT_SEED, "images": len(y), "what": cal["shift"]["what"]}
     want = calibrate(both, yy, {"precision": 0.9}, method=cal["method"])
     np.testing.assert_allclose([e["threshold"] for e in cal["per_class"]],
@@ -119,6 +135,17 @@ def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path
     assert cal["method"] == {"name": "global"} and "shift" not in cal and cal["examples"] == len(y)
     want = calibrate(run_logits(net, x).astype(np.float64), y, {"precision": 0.9}, method={"name": "global"})
     assert cal["global"]["threshold"] == pytest.approx(want["global"]["threshold"], rel=1e-4, abs=1e-4)
+
+    small = export_mod.export_bundle(run, tmp_path / "a", target_precision=0.9)  # rule and shift chosen by export
+    auto = json.loads((small / "calibration.json").read_text())
+    fewest = 2 * (len(y) - np.bincount(y).max())  # the largest class's column, shifted copies counted
+    assert fewest < NORM_MIN_NEGATIVES
+    assert auto["method"] == {"name": "shrink", "kappa": 4.0} and "shift" not in auto and auto["examples"] == len(y)
+    assert auto["default_rule"]["rule"] == auto["method"] and auto["default_rule"]["why"].startswith(f"{fewest} negatives")
+    want = calibrate(run_logits(net, x).astype(np.float64), y, {"precision": 0.9}, method=auto["method"])
+    np.testing.assert_allclose([e["threshold"] for e in auto["per_class"]],
+                               [e["threshold"] for e in want["per_class"]], rtol=1e-4, atol=1e-4)
+    assert auto["global"]["threshold"] == pytest.approx(cal["global"]["threshold"], rel=1e-6)  # enrolled classes'
 
     digits = train(TrainConfig(dataset="digits", backbone="linear", loss="batch_ce", epochs=1, lr=0.01),
                    tmp_path / "digits", progress=False)

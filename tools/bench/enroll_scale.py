@@ -63,6 +63,15 @@ class Probe:
                     if r.status_code != 200:
                         self.errors[phase] = self.errors.get(phase, 0) + 1
 
+    def hold(self, phase: str, seconds: float, at_least: int = 1, limit_s: float = 60.0) -> None:
+        """Stay in `phase` for `seconds` and until `at_least` probes answered in it (a loaded machine's
+        first probe can take longer than the phase), at most `limit_s`."""
+        self.phase = phase
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        while len(self.latencies.get(phase, ())) < at_least and time.perf_counter() - t0 < limit_s:
+            time.sleep(0.01)
+
     def __enter__(self) -> "Probe":
         self.thread.start()
         return self
@@ -126,8 +135,7 @@ def run_enroll_bench(classes: int, enroll: int, examples: int, duration: float, 
         statuses: dict = {}
         paced = min(PACED, enroll // 2)
         with Probe(srv.url, rng) as probe:
-            probe.phase = "alone"
-            time.sleep(duration)
+            probe.hold("alone", duration)
             probe.phase = "enrolling back to back"
             t0 = time.perf_counter()
             enroll_all(srv.url, range(enroll - paced), examples, rng, times, statuses)

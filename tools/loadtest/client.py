@@ -216,8 +216,9 @@ def _raw_request(method: str, path: str, host: str, port: int, body: Optional[by
 
 def model_input_info(model: dict) -> tuple[list[int], Optional[str]]:
     """Input shape (without batch) and a default class from GET /v1/model, tolerant of nesting."""
+    holders = [h for h in (model, model.get("manifest"), model.get("model")) if isinstance(h, dict)]
     shape = None
-    for holder in (model, model.get("manifest") or {}, model.get("model") or {}):
+    for holder in holders:
         spec = holder.get("input")
         if isinstance(spec, dict) and isinstance(spec.get("shape"), list):
             shape = spec["shape"]
@@ -229,7 +230,7 @@ def model_input_info(model: dict) -> tuple[list[int], Optional[str]]:
         raise ValueError(f"GET /v1/model has no input shape: keys {sorted(model)}")
     shape = [int(s) for s in shape if s not in (None, -1, "N", "batch")]
     default_class = None
-    for holder in (model, model.get("manifest") or {}, model.get("model") or {}):
+    for holder in holders:
         classes = holder.get("classes")
         if isinstance(classes, list) and classes:
             default_class = str(classes[0]) if not isinstance(classes[0], dict) else str(

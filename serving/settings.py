@@ -111,7 +111,8 @@ class Settings(BaseSettings):
         "the threshold of an enrolled class: global = the bundle's global calibrated threshold (calibration.json "
         "`global`; PoLS logits are comparable across classes); negatives = the lowest logit at which the class "
         "reaches the bundle's target precision against its calibration negatives (calibration_embeddings.npy), "
-        "the examples standing in for the positives; bundles without negatives keep the global threshold"))
+        "the examples standing in for the positives; bundles without negatives keep the global threshold. Under "
+        "global, a class whose global threshold rejects every one of its own examples gets the negatives rule"))
     max_metadata_bytes: int = Field(1024 * 1024, ge=2, description=(
         "an item's metadata as compact JSON (as the server stores and answers it) at most this long; 422 beyond"))
     max_metadata_values: int = Field(131072, ge=1, description=(

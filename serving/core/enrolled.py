@@ -291,7 +291,8 @@ class EnrolledClasses:
             row = enrollment.standardised(h, stats, self.negative_stats(), np.asarray(self.negatives()))
         else:
             row = enrollment.imprint(h, stats)
-        if self.settings.enroll_threshold == "negatives" and (neg := self.negatives()) is not None:
+        wanted = self.settings.enroll_threshold == "negatives" or enrollment.rejects_all(row, h)
+        if wanted and (neg := self.negatives()) is not None:
             t = enrollment.negatives_threshold(row, h, np.asarray(neg, dtype=np.float32), self.num_trained,
                                                stats.target_precision)
             if t is not None:

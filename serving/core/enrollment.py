@@ -93,6 +93,14 @@ def imprint(h: np.ndarray, stats: HeadStats) -> ClassRow:
                     platt_b=stats.platt_b, examples=int(h.shape[0]), rule="global")
 
 
+def rejects_all(row: ClassRow, h: np.ndarray) -> bool:
+    """Whether the row's threshold says no to every example h [n, d] the row was made from: then it is no
+    threshold for this class (a small model's global threshold can sit above a new class's logits), and
+    the negatives rule takes over where the bundle carries negatives."""
+    z = np.asarray(h, dtype=np.float64) @ np.asarray(row.row, dtype=np.float64) + float(row.bias)  # [n]
+    return bool(len(z)) and bool((z < row.threshold).all())
+
+
 def negatives_threshold(row: ClassRow, h_pos: np.ndarray, h_neg: np.ndarray, num_trained: int,
                         target_precision: float) -> Optional[float]:
     """A per-class threshold from the bundle's calibration negatives h_neg [N, d] (embeddings of the

@@ -256,6 +256,47 @@ def test_per_class_threshold_from_the_bundle_negatives(tmp_path, app_factory):
     assert rules == ["imprint+negatives", "imprint+global"]
 
 
+def test_a_global_threshold_that_rejects_every_example_gives_way_to_the_negatives(tmp_path):
+    """Under SLC_ENROLL_THRESHOLD=global (the default), a class whose global threshold says no to every
+    one of its own examples (here the bundle's global raised above every logit, as a small model's can
+    sit) gets the negatives rule, checked by brute force; one that reaches no target keeps the global."""
+    from fastapi.testclient import TestClient
+
+    from serving.bundle import load_bundle
+    from serving.bundle.synthetic import build_synthetic_bundle
+    from serving.main import build
+    from tests.serving.helpers import Offline, make_settings, wait_ready
+
+    path = build_synthetic_bundle(classes=D, dim=16, input_dim=INPUT_DIM, seed=0, out=tmp_path / "neg", negatives=400)
+    offline = Offline(load_bundle(path))
+    near = examples(11, n=1) + 0.01 * examples(12, n=4)
+    spread = examples(13, n=4)
+    with TestClient(build(make_settings(path, tmp_path, enroll_rule="imprint"))[0]) as client:
+        wait_ready(client.get)
+        client.app.state.slc.bundle.global_threshold = 50.0  # read by the rule at the first enrollment
+        answers = [enroll(client, name, x).json() for name, x in (("near", near), ("spread", spread))]
+    for got, x in zip(answers, (near, spread)):
+        row, b = imprint(offline, x)
+        z_pos = offline.embed(x).astype(np.float64) @ row + b
+        assert (z_pos < 50.0).all()
+        z_neg = np.load(path / "calibration_embeddings.npy").astype(np.float64) @ row + b
+        _check_negatives_threshold(got, z_pos, z_neg, weight=(len(z_neg) / D) / len(z_pos))
+    assert [a["rule"] for a in answers] == ["imprint+negatives", "imprint+global"]
+    assert answers[1]["threshold"] == 50.0
+
+
+def test_rejects_all_against_each_logit():
+    from serving.bundle.class_row import ClassRow
+    from serving.core.enrollment import rejects_all
+
+    rng = np.random.default_rng(0)
+    h, w = rng.standard_normal((5, 4)), rng.standard_normal(4)
+    z = h @ w + 0.25
+    for t in (z.min() - 1, z.min(), np.median(z), z.max(), z.max() + 1e-9):
+        row = ClassRow(row=w, bias=0.25, threshold=float(t), platt_a=1.0, platt_b=0.0, examples=5, rule="x")
+        assert rejects_all(row, h) == all(zi < t for zi in z.tolist())
+
+
 def _check_negatives_threshold(got: dict, z_pos, z_neg, weight) -> None:
     """The answered threshold is the lowest candidate reaching the target precision (0.99: the
     synthetic calibration names a quantile, not a precision)."""

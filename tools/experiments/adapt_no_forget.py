@@ -63,7 +63,23 @@ def render_face(face, chars: str, per: int, seed: int) -> tuple[np.ndarray, np.n
     return x, np.repeat(np.arange(len(chars)), per)
 
 
-def faces(bundle: Path, dataset: str = "glyphs3755") -> dict:
+def held_out_arrays(chars: str, cache: Path | None = None) -> dict:
+    """{face name: (x, y)} of the held-out faces, rendered once into `cache` (npz) when given."""
+    out = {}
+    for k, (name, face) in enumerate(held_out_faces().items()):
+        path = None if cache is None else Path(cache) / f"held-out-{k}-{HELD_OUT_RENDERINGS}.npz"
+        if path is not None and path.is_file():
+            with np.load(path) as f:
+                out[name] = (f["x"], f["y"])
+            continue
+        out[name] = render_face(face, chars, HELD_OUT_RENDERINGS, 1000 + k)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, x=out[name][0], y=out[name][1])
+    return out
+
+
+def faces(bundle: Path, dataset: str = "glyphs3755", cache: Path | None = None) -> dict:
     """{face name: (embeddings, labels)}: the test face (all 8 renderings), each calibration face, each held-out face."""
     from trainer.data import glyphs
 
@@ -79,8 +95,7 @@ def faces(bundle: Path, dataset: str = "glyphs3755") -> dict:
             rows = np.flatnonzero(face == i)
             out[f"{info['family']} ({split})"] = (embed(bundle, x[rows], scale), np.asarray(y)[rows])
     chars = "".join(manifest["classes"])
-    for k, (name, face) in enumerate(held_out_faces().items()):
-        x, y = render_face(face, chars, HELD_OUT_RENDERINGS, 1000 + k)
+    for name, (x, y) in held_out_arrays(chars, cache).items():
         out[f"{name} (held out)"] = (embed(bundle, x, scale), y)
     return out
 
@@ -135,11 +150,13 @@ def recalibrations(bundle: Path, h: np.ndarray, y: np.ndarray) -> dict:
     return out
 
 
-def study(bundle: Path, seeds: tuple[int, ...] = (0, 1, 2), dataset: str = "glyphs3755") -> dict:
+def study(bundle: Path, seeds: tuple[int, ...] = (0, 1, 2), dataset: str = "glyphs3755",
+          cache: Path | None = None, partial: Path | None = None) -> dict:
+    """The figures of the module docstring; with `partial`, written there (JSON) after each seed too."""
     from serving.calibration.recalibrate import head_rows
 
     t0 = time.perf_counter()
-    by_face = faces(bundle, dataset)
+    by_face = faces(bundle, dataset, cache)
     embed_s = time.perf_counter() - t0
     test = next(k for k in by_face if k.endswith("(test)"))
     W, b = head_rows(bundle)
@@ -157,6 +174,8 @@ def study(bundle: Path, seeds: tuple[int, ...] = (0, 1, 2), dataset: str = "glyp
             states[state] = {face: judge(hh, yy, rows, b, t) for face, (hh, yy) in measured.items()}
             notes[state] = {**note, "seconds": round(secs, 1)}
         runs.append({"seed": seed, "user_images": int(len(user)), "states": states, "notes": notes})
+        if partial is not None:
+            Path(partial).write_text(json.dumps({"exported": exported, "seeds": runs}, indent=1) + "\n")
     return {"bundle": str(bundle), "target": TARGET, "test_face": test, "exported": exported, "seeds": runs,
             "embed_seconds": round(embed_s, 1), "seconds": round(time.perf_counter() - t0, 1)}
 

@@ -166,6 +166,25 @@ def user_calibration_experiment(run: Path, work: Optional[Path], name: str, out:
                f"{r['before']['precision']:.3f} -> {r['after']['precision']:.3f} -> {path}")
 
 
+@experiment.command("adapt-no-forget")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--seeds", default="0,1,2", show_default=True, help="which 2 images per class of the test face are the user's")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), help="keep the held-out faces' renderings here")
+@click.option("--name", default="adapt-no-forget", show_default=True, help="OUT/NAME.{json,md}")
+@click.option("--out", default="docs/results", show_default=True, **OUT)
+@guarded("report folder", inputs=('bundle',))
+def adapt_no_forget_experiment(bundle: Path, seeds: str, cache: Optional[Path], name: str, out: Path) -> None:
+    """Per face of glyphs3755: detect as exported, and after recalibrating on 2 images per class of the test face."""
+    from tools.experiments.adapt_no_forget import markdown, study
+    from tools.report import write_result
+
+    chosen = tuple(int(s) for s in seeds.split(","))
+    r = study(bundle, chosen, cache=cache, partial=None if cache is None else cache / f"{name}.partial.json")
+    command = f"slc experiment adapt-no-forget {bundle}" + (f" --seeds {seeds}" if seeds != "0,1,2" else "") + (
+        f" --name {name}" if name != "adapt-no-forget" else "")
+    click.echo(f"-> {write_result(out, name, lambda: markdown(r, command), r)[0]}")
+
+
 @experiment.command("enroll")
 @click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), required=True, help="where the bundle goes")

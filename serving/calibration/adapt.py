@@ -28,12 +28,14 @@ from serving.calibration.norm import cross_choices, halves, norm_thresholds
 
 class AdaptedRows:
     """The head W [D, d] with the rows of `ids` moved by beta · |w_j| · dirs: read by slices as a
-    numpy array would be (float32), never materialised whole."""
+    numpy array would be (float32), never materialised whole. `steps` [n], when given, is each
+    row's own step instead of beta (keep.py bounds them)."""
 
-    def __init__(self, weight, ids: np.ndarray, dirs: np.ndarray, beta: float):
+    def __init__(self, weight, ids: np.ndarray, dirs: np.ndarray, beta: float, steps: np.ndarray | None = None):
         self.weight, self.beta = weight, float(beta)
         self.ids = np.asarray(ids, dtype=np.int64)  # [n] ascending
         self.dirs = np.asarray(dirs, dtype=np.float32)  # [n, d] unit vectors
+        self.steps = None if steps is None else np.asarray(steps, dtype=np.float64).reshape(-1, 1)  # [n, 1]
         self.shape = tuple(weight.shape)
         self.dtype = np.dtype(np.float32)
 
@@ -48,7 +50,8 @@ class AdaptedRows:
         lo, hi = np.searchsorted(self.ids, [start, stop])
         local = self.ids[lo:hi] - start
         norms = np.linalg.norm(w[local].astype(np.float64), axis=1, keepdims=True)  # [n_c, 1]
-        w[local] = (w[local] + self.beta * norms * self.dirs[lo:hi]).astype(np.float32)
+        step = self.beta if self.steps is None else self.steps[lo:hi]
+        w[local] = (w[local] + step * norms * self.dirs[lo:hi]).astype(np.float32)
         return w
 
 

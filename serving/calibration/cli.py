@@ -12,6 +12,7 @@ from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir, slc_c
 from serving.calibration.recalibrate import (CV, DEFAULT_RULE, KEPT_RULE, Images, Options, adapt_rows, embed_files,
                                               fit, head_rows, list_images, open_source, per_image_counts, pooled,
                                               resolve_options)
+from serving.calibration.keep import union
 from serving.calibration.rules import METHODS
 
 
@@ -128,11 +129,15 @@ def _line(what: str, r: dict, before: dict | None = None) -> str:
               "(docs/calibration.md, \"Adapting the rows\")")
 @click.option("--adapt-step", type=POSITIVE, help="the step, in units of each row's length "
               "[default: chosen among 0.25, 0.5, 1 by cross-fitting on the images]")
+@click.option("--adapt-keep/--no-adapt-keep", default=True, show_default=True,
+              help="with --adapt-rows: fit against the bundle's own calibration examples too (calibration_embeddings"
+              ".npy, when it has them): each row's step bounded by what it costs them, the thresholds holding on "
+              "them (docs/calibration.md, \"Adapting without forgetting\")")
 @guarded("bundle", inputs=("bundle",), in_place="in_place", target=_claimed)
 def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_place: bool,
               target_precision: float | None,
               target_recall: float | None, threshold_method: str | None, kappa: float | None,
-              skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None) -> None:
+              skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None, adapt_keep: bool) -> None:
     """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
     from serving.bundle.recalibration import PREVIOUS, RecalibrationError, write_recalibrated
     from serving.bundle.imagefolder import absolute_name
@@ -141,15 +146,17 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
     target = _output(bundle, out, in_place, overwrite)
     manifest, old = open_source(bundle)
     opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images,
-                           adapt_rows, adapt_step)
+                           adapt_rows, adapt_step, adapt_keep)
     images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
     if opts.method["name"] == "norm" and len(y_fit) < 2:
         raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
                                "--threshold-method (global, shrink, per_class)")
     h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
-    rows, cross, adaptation = adapt_rows_of(bundle, h, y, opts)
+    rows, cross, adaptation, kept = adapt_rows_of(bundle, h, y, opts)
+    h_fit, y_fit = (h, y) if kept is None else union(h, y, kept)  # the thresholds hold on the kept examples too
     try:
-        cal, threshold = fit(bundle, old, h, y, h_test, y_test, opts, rows, cross)
+        cal, threshold = fit(bundle, old, h_fit, y_fit, h_test, y_test, opts, rows, cross,
+                             present=np.bincount(y, minlength=int(manifest["num_classes"])) > 0)
     except ValueError as exc:  # the estimator refusing these data (say, non-finite logits): one line
         raise click.ClickException(f"{bundle}: {exc}") from None
     report = _report(bundle, h, y, h_test, y_test, threshold, rows)
@@ -192,11 +199,14 @@ def _support_echo(sup: dict, bundle: Path, data: str, out: Path | None, in_place
 
 
 def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):
-    """(rows, cross-fitted logits, note) with --adapt-rows; (None, None, None) without."""
+    """(rows, cross-fitted logits, note, kept examples) with --adapt-rows; (None, None, None, None) without.
+    The bundle's calibration embeddings are kept when it has them, unless --no-adapt-keep."""
+    from serving.bundle.negatives import read_negatives
+
     if opts.adapt is None:
-        return None, None, None
+        return None, None, None, None
     weight, bias = head_rows(bundle)
-    return adapt_rows(weight, bias, h, y, opts)
+    return adapt_rows(weight, bias, h, y, opts, read_negatives(bundle) if opts.keep else None)
 
 
 def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
@@ -224,7 +234,10 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
         a = note["adapted_rows"]
         click.echo(f"rows of {a['classes']:,} classes moved toward their images, step {a['step']:g}"
                    + ("" if isinstance(a["step_choice"], str) else " (chosen: " + "; ".join(
-                       f"{c['beta']:g} recalls {c['recall']:.3f}" for c in a["step_choice"]) + ", cross-fitted)"))
+                       f"{c['beta']:g} recalls {c['recall']:.3f}" for c in a["step_choice"]) + ", cross-fitted)")
+                   + ("" if "kept" not in a else f"; {a['kept']['examples']:,} of the bundle's calibration examples "
+                      f"kept: {a['kept']['rows_full_step']:,} rows took the full step, {a['kept']['rows_held']:,} "
+                      "were held back entirely"))
     restart = ("POST /v1/admin/reload-calibration (or restart) to a server on it" if target.resolve() == bundle.resolve()
                else f"{slc_command()} serve {target}")
     if "adapted_rows" in note and target.resolve() == bundle.resolve():

@@ -39,6 +39,10 @@ ENROLL_RULE = "auto"  # SLC_ENROLL_RULE: imprint or standardised, chosen by the 
 ENROLL_THRESHOLD = "global"  # SLC_ENROLL_THRESHOLD: the bundle's global threshold for an enrolled class
 
 BETAS = (0.25, 0.5, 1.0)  # --adapt-rows: the steps, in units of each row's length, the halves choose among
+# --adapt-rows with the bundle's calibration examples kept (keep.py): at most this many of them (a seeded
+# sample), and the fractions of the step a row may take, the largest that loses none of its kept positives
+KEEP_EXAMPLES = 10_000
+KEEP_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 
 # the rules the cross-validated choice (`--threshold-method cv`) weighs, in its order
 CV_CANDIDATES = ({"name": "global"}, {"name": "tail"}, {"name": "norm"}, {"name": "shrink", "kappa": KAPPA},

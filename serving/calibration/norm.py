@@ -72,9 +72,12 @@ def _stats_pass(chunks: Chunks, y: np.ndarray, num_classes: int, row_sets: list[
 
 
 def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row_sets: list[np.ndarray],
-          other: list[tuple], target: dict, bar=None) -> list[dict]:
+          other: list[tuple], target: dict, bar=None, groups: np.ndarray | None = None) -> list[dict]:
     """Per half, the pooled choice (threshold, precision, recall) on its standardised scores, with
-    (mu, sd) [D] of the other half: one pass."""
+    (mu, sd) [D] of the other half: one pass. With `groups` [N], tau is chosen per group of each
+    half and the half takes the highest (the target holds on every group, not only pooled)."""
+    if groups is not None:
+        return _group_taus(chunks, y, num_classes, true, row_sets, other, target, bar, groups)
     pooled = []
     for rows, (mu, sd) in zip(row_sets, other):
         yr = y[rows]
@@ -87,16 +90,48 @@ def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row
             for p in pooled]
 
 
+def _group_taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row_sets: list[np.ndarray],
+                other: list[tuple], target: dict, bar, groups: np.ndarray) -> list[dict]:
+    """_taus per (half, group), one pass; each half's threshold the highest of its groups', its recall
+    that of group 0 (the user's images) there, its precision the lowest of its groups' own."""
+    subsets, stats, owner = [], [], []
+    for h, (rows, st) in enumerate(zip(row_sets, other)):
+        for g in np.unique(groups[rows]):
+            subsets.append(rows[groups[rows] == g])
+            stats.append(st)
+            owner.append(h)
+    choices = _taus(chunks, y, num_classes, true, subsets, stats, target, bar)
+    out = []
+    for h, (rows, (mu, sd)) in enumerate(zip(row_sets, other)):
+        mine = [c for c, o in zip(choices, owner) if o == h]
+        tau = max(c["threshold"] for c in mine)
+        first = rows[groups[rows] == groups[rows].min()]
+        own = (true[first] - mu[y[first]]) / sd[y[first]]  # [n_g] standardised
+        out.append({"threshold": tau, "precision": min(c["precision"] for c in mine),
+                    "recall": float(np.mean(own >= tau)) if len(own) else 0.0, "groups": mine})
+    return out
+
+
 def cross_choices(cross: list[Chunks], y: np.ndarray, num_classes: int, parts: list[np.ndarray], k: int,
-                target: dict, bar=None) -> list[dict]:
+                  target: dict, bar=None, groups: np.ndarray | None = None) -> list[dict]:
     """Half h's choice on the logits cross[h] gives (say, a head adapted on the other half's images):
     (mu, sd) from the other half's rows there, h's rows scored there. Three passes per half."""
     out = []
     for h, chunks in enumerate(cross):
         _, (other,), _, _ = _stats_pass(chunks, y, num_classes, [parts[1 - h]], k, bar)
         true = true_logits(chunks, y, num_classes, bar)
-        out += _taus(chunks, y, num_classes, true, [parts[h]], [other], target, bar)
+        out += _taus(chunks, y, num_classes, true, [parts[h]], [other], target, bar, groups)
     return out
+
+
+class CrossFit(list):
+    """A `cross` argument (per half, the Chunks its tau is chosen on) that also names the halves
+    (`parts`, default halves(y)) and, optionally, `groups` [N] of the examples, tau chosen per group
+    and the highest taken (keep.py: the user's images and the bundle's own)."""
+
+    def __init__(self, chunks: list, parts: list[np.ndarray] | None = None, groups: np.ndarray | None = None):
+        super().__init__(chunks)
+        self.parts, self.groups = parts, groups
 
 
 def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, bar=None,
@@ -105,11 +140,12 @@ def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dic
     logits, the column statistics, the cross-fitted tau). A class with no positive never matches (as
     everywhere); one with under 2 negatives matches above its highest negative, or from its lowest
     positive if it has none. `cross`: per half, the logits its tau is chosen on, where they are not
-    `chunks` (adapt.py: each half judged by a head the other half adapted); `record`, if
-    given, receives each half's choice."""
+    `chunks` (adapt.py: each half judged by a head the other half adapted; a CrossFit also names the
+    halves and groups); `record`, if given, receives each half's choice."""
     check_target(target)
     y = np.asarray(y, dtype=np.int64)
-    parts = halves(y)
+    parts = getattr(cross, "parts", None) or halves(y)
+    groups = getattr(cross, "groups", None)
     if min(len(rows) for rows in parts) == 0:
         raise ValueError("the norm rule needs at least 2 images")
     true = true_logits(chunks, y, num_classes, bar)
@@ -117,7 +153,7 @@ def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dic
     if cross is None:
         choices = _taus(chunks, y, num_classes, true, parts, half_stats[::-1], target, bar)
     else:
-        choices = cross_choices(cross, y, num_classes, parts, k, target, bar)
+        choices = cross_choices(cross, y, num_classes, parts, k, target, bar, groups)
     if record is not None:
         record["halves"] = choices
     tau = float(np.mean([c["threshold"] for c in choices]))

@@ -56,6 +56,7 @@ class Options:
     method: dict
     skip_bad: bool
     adapt: float | str | None = None  # --adapt-rows: None (off), "auto" (step chosen) or the step
+    keep: bool = True  # --adapt-rows: fitted against the bundle's calibration examples too, when it has them (keep.py)
 
 
 # ------------------------------------------------------------------------------ before any decoding
@@ -76,10 +77,11 @@ def open_source(bundle: Path) -> tuple[dict, dict]:
 
 def resolve_options(calibration: dict, target_precision: float | None, target_recall: float | None,
                     method_name: str | None, kappa: float | None, skip_bad: bool,
-                    adapt: bool = False, step: float | None = None) -> Options:
+                    adapt: bool = False, step: float | None = None, keep: bool = True) -> Options:
     """The bundle's target unless given; the method given (its kappa the bundle's, for shrink), else the
     norm rule (norm.py); cv: chosen by cross-validation on the images (choose.py).
-    adapt: the rows moved toward the images too (adapt.py), by `step` or a chosen one."""
+    adapt: the rows moved toward the images too (adapt.py), by `step` or a chosen one; `keep`: against
+    the bundle's own calibration examples too (keep.py)."""
     if target_precision is not None and target_recall is not None:
         raise click.UsageError("give --target-precision or --target-recall, not both")
     if step is not None and not adapt:
@@ -105,7 +107,7 @@ def resolve_options(calibration: dict, target_precision: float | None, target_re
         method = check_method({"name": name, "kappa": kappa})
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    return Options(target, method, skip_bad, (step if step is not None else "auto") if adapt else None)
+    return Options(target, method, skip_bad, (step if step is not None else "auto") if adapt else None, keep)
 
 
 def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, np.ndarray, np.ndarray]:
@@ -201,29 +203,46 @@ def head_rows(bundle: Path) -> tuple[np.ndarray, np.ndarray]:
             np.load(bundle / "head_bias.npy", allow_pickle=False))
 
 
-def adapt_rows(weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, opts: Options):
+def adapt_rows(weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, opts: Options, kept_source=None):
     """(the rows moved toward the images, the logits each half's tau is chosen on, the manifest's and
-    calibration's `adaptation` note): adapt.py, the step chosen unless given."""
+    calibration's `adaptation` note, the kept examples or None): adapt.py, the step chosen unless given;
+    with `kept_source` (the bundle's calibration embeddings and labels) and opts.keep, keep.py."""
     from serving.calibration import adapt as row_adapt
+    from serving.calibration import keep
 
     if len(y) < 2:
         raise click.UsageError("--adapt-rows needs at least 2 images")
+    kept = None
+    if opts.keep and kept_source is not None and len(kept_source[1]) >= 2:
+        kept = keep.kept_examples(*kept_source, weight, bias, opts.target)
     candidates = []
     step = opts.adapt
     if step == "auto":
-        step, candidates = row_adapt.choose_beta(h, y, weight, bias, opts.target)
-    rows = row_adapt.adapt(weight, h, y, float(step))
-    note = {"step": float(step), "classes": int(len(rows.ids)), "images": int(len(y)),
+        step, candidates = (row_adapt.choose_beta(h, y, weight, bias, opts.target) if kept is None
+                            else keep.choose_beta(h, y, weight, bias, opts.target, kept))
+    note = {"step": float(step), "images": int(len(y)),
             "rule": "w_j + step * |w_j| * unit(mean of class j's images - mean of all images)",
             "step_choice": candidates or "given (--adapt-step)"}
-    return rows, row_adapt.cross_chunks(h, y, weight, bias, float(step)), note
+    if kept is None:
+        rows = row_adapt.adapt(weight, h, y, float(step))
+        return rows, row_adapt.cross_chunks(h, y, weight, bias, float(step)), {**note, "classes": int(len(rows.ids))}, None
+    rows = keep.adapt(weight, bias, h, y, float(step), kept.h, kept.y, kept.tau)
+    moved = rows.steps.ravel() / max(float(step), 1e-300)
+    note.update(classes=int(len(rows.ids)), kept={
+        "examples": int(len(kept.y)), "tau": kept.tau,
+        "rule": "each row's step the largest of step * (0, 1/4, 1/2, 1) losing none of its class's kept positives "
+                "at the kept examples' norm threshold; thresholds on the union, tau the higher of the two sets'",
+        "rows_full_step": int(np.sum(moved >= 1 - 1e-9)), "rows_held": int(np.sum(moved < 1e-9))})
+    return rows, keep.cross_chunks(h, y, weight, bias, float(step), kept), note, kept
 
 
 def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarray | None,
-        y_test: np.ndarray | None, opts: Options, weight=None, cross=None) -> tuple[dict, np.ndarray]:
+        y_test: np.ndarray | None, opts: Options, weight=None, cross=None,
+        present: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
     """calibration.json content from the estimator, kept entries restored for classes without an
     image; and the thresholds [D] the server will compare with (float32, as it stores them).
-    `weight`: the rows to calibrate (default the bundle's); `cross`: calibrate_chunks' cross-fitted logits."""
+    `weight`: the rows to calibrate (default the bundle's); `cross`: calibrate_chunks' cross-fitted logits;
+    `present` [D]: the classes recalibrated (default: those with an image in y)."""
     bundle_weight, bias = head_rows(bundle)
     weight = bundle_weight if weight is None else weight  # [D, d]
     D = len(weight)
@@ -244,7 +263,7 @@ def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarra
     cal = calibrate_chunks(head_chunks(h, weight, bias, chunk), y, D, opts.target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            y_test if has_test else None, method=opts.method, progress=True, cross=cross)
-    present = np.bincount(y, minlength=D) > 0  # [D]
+    present = np.bincount(y, minlength=D) > 0 if present is None else present  # [D]
     for j in np.flatnonzero(~present):
         cal["per_class"][j] = {**old["per_class"][j], "kept": True}
     cal["split"] = "recalibration"

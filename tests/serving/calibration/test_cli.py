@@ -328,7 +328,7 @@ def test_adapted_rows_are_written_with_the_graphs_that_read_them_and_served(trai
 
     source, out = trained[1], tmp_path / "adapted"
     main(["calibrate", str(source), "--data", f"imagefolder:{images}", "--out", str(out), "--adapt-rows",
-          "--adapt-step", "0.5"])
+          "--adapt-step", "0.5", "--no-adapt-keep"])
     assert f"rows of {len(SEEN)} classes moved toward their images, step 0.5" in capsys.readouterr().out
     assert verify_bundle(out) == []
     b0, b1 = load_bundle(source), load_bundle(out)
@@ -359,6 +359,34 @@ def test_adapted_rows_are_written_with_the_graphs_that_read_them_and_served(trai
                             headers={"content-type": "image/png"})
             assert r.status_code == 200, r.text
             assert r.json()["results"][0]["logit"] == pytest.approx(logits[i, y[i]], rel=1e-4, abs=1e-4)
+
+
+def test_adapted_rows_keep_the_bundles_calibration_examples_by_default(trained, images, tmp_path, capsys):
+    """--adapt-rows on a bundle with calibration embeddings: the rows and thresholds are keep.py's on
+    onnxruntime embeddings of the files and the bundle's own examples; classes without an image keep theirs."""
+    from serving.bundle import load_bundle, ort_session
+    from serving.bundle.negatives import read_negatives
+    from serving.calibration import keep
+
+    source, out = trained[1], tmp_path / "kept"
+    assert read_negatives(source) is not None
+    main(["calibrate", str(source), "--data", f"imagefolder:{images}", "--out", str(out), "--adapt-rows",
+          "--adapt-step", "0.5"])
+    assert "of the bundle's calibration examples kept" in capsys.readouterr().out
+    b0, b1 = load_bundle(source), load_bundle(out)
+    paths, y = files_and_labels(images, list(b0.classes))
+    x = np.stack([load_image_file(p, b0.image) for p in paths])
+    h = ort_session(source / "backbone.onnx").run(None, {"input": x})[0]
+    old, new = cal_of(source), cal_of(out)
+    kept = keep.kept_examples(*read_negatives(source), b0.weight, b0.bias, old["target"])
+    rows, want = keep.thresholds(h, y, b0.weight, b0.bias, 0.5, old["target"], kept)
+    np.testing.assert_allclose(np.asarray(b1.weight), rows[0:len(b0.classes)], rtol=1e-6, atol=1e-6)
+    seen = np.array([c in SEEN for c in b0.classes])
+    got = np.array([e["threshold"] for e in new["per_class"]])
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5)
+    assert all(new["per_class"][j] == {**old["per_class"][j], "kept": True} for j in np.flatnonzero(~seen))
+    note = json.loads((out / "manifest.json").read_text())["recalibration"]["adapted_rows"]
+    assert note["kept"]["examples"] == len(kept.y) and note["kept"]["tau"] == pytest.approx(kept.tau)
 
 
 @pytest.mark.parametrize("args, message", [

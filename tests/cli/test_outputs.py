@@ -27,6 +27,7 @@ COMMANDS = {
     "bundle synthetic": ["--classes", "4", "--dim", "8"],
     "bundle triton": ["{bundle}"],
     "bundle fold": ["{bundle}", "--from", "{store}"],
+    "experiment adapt-no-forget": ["{bundle}"],
     "experiment calibration": ["{run}"],
     "experiment detect-table": ["{study}"],
     "experiment enroll": ["{run}", "--work", "{work}"],

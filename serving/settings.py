@@ -202,6 +202,16 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _one_model_per_gallery_url(self) -> "Settings":
+        """A PostgreSQL gallery holds one model's items: a second model would take them for items stored
+        under an old bundle and re-embed them as its own (a lost write)."""
+        if self.gallery_url and (self.bundles or self.model_repository is not None):
+            raise ValueError("SLC_GALLERY_URL (--gallery-url) keeps the gallery of one model: serve one bundle with it, "
+                             "or several without it (each model keeps its gallery and enrolled classes under "
+                             "DATA_DIR/models/NAME)")
+        return self
+
+    @model_validator(mode="after")
     def _resolve_paths(self) -> "Settings":
         self.home = Path(self.home).expanduser()
         if self.data_dir is None:

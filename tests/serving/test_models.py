@@ -281,3 +281,23 @@ def test_each_model_over_grpc(bundles, offline, tmp_path):
             client.close()
         metrics = httpx.get(f"{url}/metrics").text
         assert 'slc_model_requests_total{endpoint="grpc:ModelInfer",model="beta",status="OK"} 2.0' in metrics
+
+
+def test_a_postgres_gallery_with_several_models_is_refused_in_one_line(bundles, tmp_path, monkeypatch):
+    """SLC_GALLERY_URL keeps one model's gallery: with a second bundle or a repository, `slc serve` says so
+    in one line (exit 2) before anything loads; one bundle with it is accepted."""
+    from click.testing import CliRunner
+
+    from serving.cli import serve
+    from serving.settings import Settings
+
+    import serving.main
+
+    monkeypatch.setenv("SLC_GALLERY_URL", "postgresql://nobody@127.0.0.1:1/none")
+    monkeypatch.setattr(serving.main, "run_server", lambda overrides: pytest.fail("the server was started"))
+    for args in ([str(bundles["alpha"]), str(bundles["beta"])], ["--model-repository", str(tmp_path)]):
+        result = CliRunner().invoke(serve, [*args, "--port", "0"])
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert "SLC_GALLERY_URL" in lines[-1] and "Traceback" not in result.output
+    assert Settings(bundle=bundles["alpha"]).gallery_url  # one bundle: accepted

@@ -218,7 +218,10 @@ class ModelRepository:
 
     def data_dir_of(self, name: str) -> Path:
         """A model's data folder (gallery, enrolled store, index cache): the default model keeps the
-        server's; every other one has a folder of its own in it, by name."""
+        server's; every other one has a folder of its own in it, by name (one path segment, never the
+        server's own folder or another's)."""
+        if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise ValueError(f"the model name {name!r} cannot name a folder of its own (give it another: NAME=PATH)")
         return self.settings.data_dir / "models" / name
 
     async def load(self, name: str) -> Model:

@@ -301,3 +301,16 @@ def test_a_postgres_gallery_with_several_models_is_refused_in_one_line(bundles, 
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert "SLC_GALLERY_URL" in lines[-1] and "Traceback" not in result.output
     assert Settings(bundle=bundles["alpha"]).gallery_url  # one bundle: accepted
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\\b", "a\0b"])
+def test_a_model_name_that_is_not_one_folder_is_refused(name, tmp_path):
+    """A model's data folder is DATA_DIR/models/NAME: a name that would reach the server's own folder
+    (`..`) or another's is refused, a plain one is that folder."""
+    from serving.core.models import ModelRepository
+    from serving.settings import Settings
+
+    repo = ModelRepository(Settings(data_dir=tmp_path), None, None, None)
+    with pytest.raises(ValueError, match="cannot name a folder"):
+        repo.data_dir_of(name)
+    assert repo.data_dir_of("set-1.v2") == tmp_path / "models" / "set-1.v2"

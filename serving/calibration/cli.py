@@ -9,8 +9,8 @@ import click
 import numpy as np
 
 from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir, slc_command
-from serving.calibration.recalibrate import (CV, DEFAULT_RULE, KEPT_RULE, Images, Options, adapt_rows, embed_files,
-                                              fit, head_rows, list_images, open_source, per_image_counts, pooled,
+from serving.calibration.recalibrate import (CV, DEFAULT_RULE, KEPT_RULE, Images, Options, adapt_rows, fit,
+                                              head_rows, open_source, per_image_counts, pooled, read_images,
                                               resolve_options)
 from serving.calibration.keep import union
 from serving.calibration.rules import METHODS
@@ -51,19 +51,6 @@ def _claimed(params: dict) -> Path | None:
     if params.get("in_place") or out is None or Path(out).resolve() == Path(bundle).resolve():
         return None  # _output's line says what to do
     return out
-
-
-def _embed_all(bundle: Path, spec: dict, images: Images, y_fit: np.ndarray, y_test: np.ndarray,
-               skip_bad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Embeddings and labels of the decodable fit and test files."""
-    h, kept = embed_files(bundle, spec, images.root, images.fit, skip_bad, f"embedding {len(images.fit):,} images")
-    if len(kept) == 0:
-        raise click.ClickException("no image decodes: nothing to fit thresholds on")
-    if not images.test:
-        return h, y_fit[kept], None, None
-    h_test, kept_test = embed_files(bundle, spec, images.root, images.test, skip_bad,
-                                    f"embedding {len(images.test):,} test images")
-    return h, y_fit[kept], h_test, y_test[kept_test]
 
 
 def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshold: np.ndarray, weight=None) -> dict:
@@ -140,18 +127,13 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
               skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None, adapt_keep: bool) -> None:
     """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
     from serving.bundle.recalibration import PREVIOUS, RecalibrationError, write_recalibrated
-    from serving.bundle.imagefolder import absolute_name
-
     t0 = time.perf_counter()
     target = _output(bundle, out, in_place, overwrite)
     manifest, old = open_source(bundle)
     opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images,
                            adapt_rows, adapt_step, adapt_keep)
-    images, y_fit, y_test = list_images(data, manifest["classes"], skip_bad_images)
-    if opts.method["name"] == "norm" and len(y_fit) < 2:
-        raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
-                               "--threshold-method (global, shrink, per_class)")
-    h, y, h_test, y_test = _embed_all(bundle, manifest["image"], images, y_fit, y_test, skip_bad_images)
+    images, h, y, h_test, y_test = read_images(bundle, manifest["image"], data, manifest["classes"], skip_bad_images,
+                                               opts.method["name"])
     rows, cross, adaptation, kept = adapt_rows_of(bundle, h, y, opts)
     h_fit, y_fit = (h, y) if kept is None else union(h, y, kept)  # the thresholds hold on the kept examples too
     try:
@@ -162,7 +144,7 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
     report = _report(bundle, h, y, h_test, y_test, threshold, rows)
     before = _before(bundle, old, h, y, h_test, y_test)
     D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
-    note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": absolute_name(data),
+    note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": images.name,
             "images": len(y), "test_images": 0 if y_test is None else len(y_test),
             "classes_recalibrated": fitted, "classes_kept": D - fitted}
     if adaptation is not None:

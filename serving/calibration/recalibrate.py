@@ -48,6 +48,7 @@ class Images:
     fit: list  # of imagefiles.Entry
     test: list
     left_out: int  # train-split files, not used
+    name: str = ""  # the --data folder or file as calibration.json records it (absolute)
 
 
 @dataclass
@@ -118,6 +119,7 @@ def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, 
     try:
         root, entries = imagefiles.list_entries(data)
         entries, bad = imagefiles.check_files(data, root, entries)
+        name = imagefiles.absolute_name(data)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if bad:
@@ -135,7 +137,25 @@ def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, 
         raise click.UsageError(f"{data}: no image to fit thresholds on"
                                + (" (the val/calibration split is empty)" if split else ""))
     fit_ids, test_ids = (np.array([index[e.label] for e in es], dtype=np.int64) for es in (fit, test))
-    return Images(root, fit, test, len(entries) - len(fit) - len(test)), fit_ids, test_ids
+    return Images(root, fit, test, len(entries) - len(fit) - len(test), name), fit_ids, test_ids
+
+
+def read_images(bundle: Path, spec: dict, data: str, classes: list[str], skip_bad: bool,
+                rule: str) -> tuple[Images, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The user's images listed and checked (UsageError before any decode, also when `rule` cannot fit
+    on so few), then embedded: (images, h [n, d], y [n], h_test, y_test) of the decodable files."""
+    images, y_fit, y_test = list_images(data, classes, skip_bad)
+    if rule == "norm" and len(y_fit) < 2:
+        raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
+                               "--threshold-method (global, shrink, per_class)")
+    h, kept = embed_files(bundle, spec, images.root, images.fit, skip_bad, f"embedding {len(images.fit):,} images")
+    if len(kept) == 0:
+        raise click.ClickException("no image decodes: nothing to fit thresholds on")
+    if not images.test:
+        return images, h, y_fit[kept], None, None
+    h_test, kept_test = embed_files(bundle, spec, images.root, images.test, skip_bad,
+                                    f"embedding {len(images.test):,} test images")
+    return images, h, y_fit[kept], h_test, y_test[kept_test]
 
 
 def _refuse_unknown(data: str, unknown: set[str], classes: list[str]) -> None:

@@ -288,15 +288,15 @@ def test_a_postgres_gallery_with_several_models_is_refused_in_one_line(bundles, 
     in one line (exit 2) before anything loads; one bundle with it is accepted."""
     from click.testing import CliRunner
 
-    from serving.cli import serve
     from serving.settings import Settings
+    from slc.cli import root
 
     import serving.main
 
     monkeypatch.setenv("SLC_GALLERY_URL", "postgresql://nobody@127.0.0.1:1/none")
     monkeypatch.setattr(serving.main, "run_server", lambda overrides: pytest.fail("the server was started"))
     for args in ([str(bundles["alpha"]), str(bundles["beta"])], ["--model-repository", str(tmp_path)]):
-        result = CliRunner().invoke(serve, [*args, "--port", "0"])
+        result = CliRunner().invoke(root, ["serve", *args, "--port", "0"])  # through the root, as `slc serve`
         assert result.exit_code == 2, result.output
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert "SLC_GALLERY_URL" in lines[-1] and "Traceback" not in result.output

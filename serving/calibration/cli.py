@@ -1,18 +1,13 @@
 """`slc calibrate`: the command (what it does: recalibrate.py). numpy, onnxruntime and Pillow only."""
 from __future__ import annotations
 
-import datetime as _dt
 import time
 from pathlib import Path
 
 import click
-import numpy as np
 
 from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir, slc_command
-from serving.calibration.recalibrate import (CV, DEFAULT_RULE, KEPT_RULE, Images, Options, adapt_rows, fit,
-                                              head_rows, open_source, per_image_counts, pooled, read_images,
-                                              resolve_options)
-from serving.calibration.keep import union
+from serving.calibration.recalibrate import CV, DEFAULT_RULE, Outcome, run
 from serving.calibration.rules import METHODS
 
 
@@ -29,20 +24,6 @@ def _data(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-def _output(bundle: Path, out: Path | None, in_place: bool, overwrite: bool) -> Path:
-    """Where to write: --out, or BUNDLE itself (its symlinks followed) with --in-place; one line for anything else."""
-    from serving.bundle.recalibration import RecalibrationError, check_out
-
-    if out is None and not in_place:
-        raise click.UsageError("give --out NEW_BUNDLE, or --in-place to replace BUNDLE")
-    if out is not None and in_place:
-        raise click.UsageError("give --out or --in-place, not both")
-    try:
-        return check_out(bundle, bundle if in_place else out, in_place, overwrite)
-    except RecalibrationError as exc:
-        raise click.UsageError(str(exc)) from None
-
-
 def _claimed(params: dict) -> Path | None:
     """The folder `slc calibrate` writes, for its guard (the usage lines come first, from _output)."""
     out, bundle = params.get("out"), params.get("bundle")
@@ -51,35 +32,6 @@ def _claimed(params: dict) -> Path | None:
     if params.get("in_place") or out is None or Path(out).resolve() == Path(bundle).resolve():
         return None  # _output's line says what to do
     return out
-
-
-def _report(bundle: Path, h: np.ndarray, y: np.ndarray, h_test, y_test, threshold: np.ndarray, weight=None) -> dict:
-    """Pooled precision and recall with intervals at the new thresholds (and rows, when adapted): on
-    the fit images, and on the test images when there are some."""
-    bundle_weight, bias = head_rows(bundle)
-    weight = bundle_weight if weight is None else weight
-    report = {"fit": pooled(*per_image_counts(h, y, weight, bias, threshold))}
-    if y_test is not None and len(y_test):
-        report["test"] = pooled(*per_image_counts(h_test, y_test, weight, bias, threshold))
-    return report
-
-
-def _before(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test, y_test) -> dict:
-    """Pooled precision and recall of the bundle's previous thresholds and rows on the same images:
-    the "before" of each summary line (a recall that fell reads as a regression without the precision
-    it bought)."""
-    weight, bias = head_rows(bundle)
-    threshold = np.array([np.nan if e.get("threshold") is None else e["threshold"] for e in old["per_class"]],
-                         dtype=np.float32)
-    out = {"fit": _rates(*per_image_counts(h, y, weight, bias, threshold))}
-    if y_test is not None and len(y_test):
-        out["test"] = _rates(*per_image_counts(h_test, y_test, weight, bias, threshold))
-    return out
-
-
-def _rates(tp: np.ndarray, fp: np.ndarray) -> dict:
-    t, f = int(tp.sum()), int(fp.sum())
-    return {"precision": t / (t + f) if t + f else 1.0, "recall": t / max(len(tp), 1)}
 
 
 def _line(what: str, r: dict, before: dict | None = None) -> str:
@@ -126,49 +78,12 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
               target_recall: float | None, threshold_method: str | None, kappa: float | None,
               skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None, adapt_keep: bool) -> None:
     """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
-    from serving.bundle.recalibration import PREVIOUS, RecalibrationError, write_recalibrated
     t0 = time.perf_counter()
-    target = _output(bundle, out, in_place, overwrite)
-    manifest, old = open_source(bundle)
-    opts = resolve_options(old, target_precision, target_recall, threshold_method, kappa, skip_bad_images,
-                           adapt_rows, adapt_step, adapt_keep)
-    images, h, y, h_test, y_test = read_images(bundle, manifest["image"], data, manifest["classes"], skip_bad_images,
-                                               opts.method["name"])
-    rows, cross, adaptation, kept = adapt_rows_of(bundle, h, y, opts)
-    h_fit, y_fit = (h, y) if kept is None else union(h, y, kept)  # the thresholds hold on the kept examples too
-    try:
-        cal, threshold = fit(bundle, old, h_fit, y_fit, h_test, y_test, opts, rows, cross,
-                             present=np.bincount(y, minlength=int(manifest["num_classes"])) > 0)
-    except ValueError as exc:  # the estimator refusing these data (say, non-finite logits): one line
-        raise click.ClickException(f"{bundle}: {exc}") from None
-    report = _report(bundle, h, y, h_test, y_test, threshold, rows)
-    before = _before(bundle, old, h, y, h_test, y_test)
-    D, fitted = len(threshold), int(np.count_nonzero(np.bincount(y, minlength=len(threshold))))
-    note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": images.name,
-            "images": len(y), "test_images": 0 if y_test is None else len(y_test),
-            "classes_recalibrated": fitted, "classes_kept": D - fitted}
-    if adaptation is not None:
-        note["adapted_rows"] = adaptation
-    cal["recalibration"] = {**note, "kept_rule": KEPT_RULE, "pooled": report, "previous_calibration": PREVIOUS}
-    cal["support"] = _support(bundle, h, y, rows, opts)
-    try:
-        write_recalibrated(bundle, cal, target, note, head=rows, in_place=in_place, overwrite=overwrite)
-    except RecalibrationError as exc:
-        raise click.ClickException(str(exc)) from None
-    _summary(bundle, target, data, images, note, opts, report, time.perf_counter() - t0, cal.get("method_choice"),
-             before)
-    _support_echo(cal["support"], bundle, data, out, in_place)
-
-
-def _support(bundle: Path, h: np.ndarray, y: np.ndarray, rows, opts: Options) -> dict:
-    """What the fit images can show at the rows the thresholds are for (serving/calibration/support.py)."""
-    from serving.calibration.chunks import chunk_classes
-    from serving.calibration.recalibrate import head_chunks
-    from serving.calibration.support import support
-
-    weight, bias = head_rows(bundle)
-    weight = weight if rows is None else rows
-    return support(head_chunks(h, weight, bias, chunk_classes(len(y), len(weight))), y, len(weight), opts.target)
+    outcome = run(bundle, data, out, in_place, overwrite, target_precision=target_precision,
+                  target_recall=target_recall, method_name=threshold_method, kappa=kappa, skip_bad=skip_bad_images,
+                  adapt=adapt_rows, step=adapt_step, keep=adapt_keep)
+    _summary(outcome, data, time.perf_counter() - t0)
+    _support_echo(outcome.cal["support"], bundle, data, out, in_place)
 
 
 def _support_echo(sup: dict, bundle: Path, data: str, out: Path | None, in_place: bool) -> None:
@@ -180,20 +95,12 @@ def _support_echo(sup: dict, bundle: Path, data: str, out: Path | None, in_place
         click.echo(line)
 
 
-def adapt_rows_of(bundle: Path, h: np.ndarray, y: np.ndarray, opts: Options):
-    """(rows, cross-fitted logits, note, kept examples) with --adapt-rows; (None, None, None, None) without.
-    The bundle's calibration embeddings are kept when it has them, unless --no-adapt-keep."""
-    from serving.bundle.negatives import read_negatives
-
-    if opts.adapt is None:
-        return None, None, None, None
-    weight, bias = head_rows(bundle)
-    return adapt_rows(weight, bias, h, y, opts, read_negatives(bundle) if opts.keep else None)
-
-
-def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, opts: Options, report: dict,
-             seconds: float, choice: dict | None = None, before: dict | None = None) -> None:
+def _summary(outcome: Outcome, data: str, seconds: float) -> None:
+    """The command's closing lines: what was left out and kept, the rule, before -> after, what to run next."""
     import hashlib
+
+    bundle, target, images, opts, note = outcome.source.path, outcome.target, outcome.images, outcome.opts, outcome.note
+    report, choice, before = outcome.cal["recalibration"]["pooled"], outcome.cal.get("method_choice"), outcome.before
 
     sha = hashlib.sha256((target / "calibration.json").read_bytes()).hexdigest()
     method = opts.method["name"] + (f" (kappa {opts.method['kappa']:g})" if "kappa" in opts.method else "")
@@ -208,7 +115,6 @@ def _summary(bundle: Path, target: Path, data: str, images: Images, note: dict, 
         click.echo(f"method chosen by {choice['by']}" + (": " if choice["candidates"] else "") + "; ".join(
             f"{r['method']} recall {r['mean_recall']:.3f} at precision {r['pooled_precision']:.3f}"
             + ("" if r["acceptable"] else " (short of the target)") for r in choice["candidates"]))
-    before = before or {}
     click.echo(_line("on the images the thresholds were chosen on (optimistic)", report["fit"], before.get("fit")))
     if "test" in report:
         click.echo(_line("on the test images (unseen by the choice)", report["test"], before.get("test")))

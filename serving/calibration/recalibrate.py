@@ -60,9 +60,97 @@ class Options:
     keep: bool = True  # --adapt-rows: fitted against the bundle's calibration examples too, when it has them (keep.py)
 
 
+@dataclass
+class Source:
+    """The bundle being recalibrated, read once: every step below takes its rows from here."""
+
+    path: Path
+    manifest: dict
+    calibration: dict  # as written: the previous thresholds, method and target
+    weight: np.ndarray  # [D, d] memory-mapped
+    bias: np.ndarray  # [D]
+
+
+@dataclass
+class Outcome:
+    """What one `slc calibrate` did, for its summary lines (cli.py)."""
+
+    source: Source
+    target: Path
+    images: Images
+    opts: Options
+    cal: dict  # the calibration.json written
+    note: dict
+    before: dict  # pooled rates of the previous thresholds on the same images
+
+
+# ------------------------------------------------------------------------------ the recipe
+def run(bundle: Path, data: str, out: Path | None, in_place: bool, overwrite: bool, **given) -> Outcome:
+    """`slc calibrate`, in order: the output checked, the bundle read, the options resolved (`given`:
+    resolve_options' flags), the images listed and embedded, the rows adapted (--adapt-rows), the
+    thresholds fitted, their rates measured, the bundle written and verified."""
+    from serving.bundle.recalibration import PREVIOUS
+
+    target = output_of(bundle, out, in_place, overwrite)
+    source = open_source(bundle)
+    opts = resolve_options(source.calibration, **given)
+    images, h, y, h_test, y_test = read_images(source, data, opts)
+    rows, cross, adaptation, kept = adapt_of(source, h, y, opts)
+    h_fit, y_fit = (h, y) if kept is None else keep_union(h, y, kept)  # thresholds hold on the kept examples too
+    cal, threshold = fit(source, h_fit, y_fit, h_test, y_test, opts, rows, cross,
+                         present=np.bincount(y, minlength=len(source.weight)) > 0)
+    weight = source.weight if rows is None else rows
+    note = recalibration_note(images, y, y_test, len(threshold), adaptation)
+    cal["recalibration"] = {**note, "kept_rule": KEPT_RULE,
+                            "pooled": measure(h, y, h_test, y_test, weight, source.bias, threshold),
+                            "previous_calibration": PREVIOUS}
+    cal["support"] = support_of(h, y, weight, source.bias, opts)
+    before = measure(h, y, h_test, y_test, source.weight, source.bias, previous_thresholds(source), rates_only=True)
+    write(source, cal, target, note, rows, in_place, overwrite)
+    return Outcome(source, target, images, opts, cal, note, before)
+
+
+def output_of(bundle: Path, out: Path | None, in_place: bool, overwrite: bool) -> Path:
+    """Where to write: --out, or BUNDLE itself (its symlinks followed) with --in-place; one line for anything else."""
+    from serving.bundle.recalibration import RecalibrationError, check_out
+
+    if out is None and not in_place:
+        raise click.UsageError("give --out NEW_BUNDLE, or --in-place to replace BUNDLE")
+    if out is not None and in_place:
+        raise click.UsageError("give --out or --in-place, not both")
+    try:
+        return check_out(bundle, bundle if in_place else out, in_place, overwrite)
+    except RecalibrationError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def write(source: Source, cal: dict, target: Path, note: dict, rows, in_place: bool, overwrite: bool) -> None:
+    """The recalibrated bundle staged, verified and swapped in (serving/bundle/recalibration.py); one line if not."""
+    from serving.bundle.recalibration import RecalibrationError, write_recalibrated
+
+    try:
+        write_recalibrated(source.path, cal, target, note, head=rows, in_place=in_place, overwrite=overwrite)
+    except RecalibrationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def recalibration_note(images: Images, y: np.ndarray, y_test, num_classes: int, adaptation: dict | None) -> dict:
+    """calibration.json's and the manifest's `recalibration` note: when, on what, which classes."""
+    import datetime as _dt
+
+    fitted = int(np.count_nonzero(np.bincount(y, minlength=num_classes)))
+    note = {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": images.name,
+            "images": len(y), "test_images": 0 if y_test is None else len(y_test),
+            "classes_recalibrated": fitted, "classes_kept": num_classes - fitted}
+    if adaptation is not None:
+        note["adapted_rows"] = adaptation
+    return note
+
+
 # ------------------------------------------------------------------------------ before any decoding
-def open_source(bundle: Path) -> tuple[dict, dict]:
-    """(manifest, calibration as written) of a bundle that loads; UsageError (one line) otherwise."""
+def open_source(bundle: Path) -> Source:
+    """The bundle's manifest, calibration as written and head rows, of a bundle that loads; UsageError
+    (one line) otherwise."""
     from serving.bundle.format import MANIFEST, json_load
     from serving.bundle.verify import inspect_bundle
 
@@ -73,11 +161,12 @@ def open_source(bundle: Path) -> tuple[dict, dict]:
     if not isinstance(manifest.get("image"), dict):
         raise click.UsageError(f"{bundle} takes no images (its manifest has no image spec): recalibrate it "
                                "with slc export on its run instead")
-    return manifest, json_load((bundle / "calibration.json").read_bytes())
+    weight, bias = head_rows(bundle)
+    return Source(bundle, manifest, json_load((bundle / "calibration.json").read_bytes()), weight, bias)
 
 
-def resolve_options(calibration: dict, target_precision: float | None, target_recall: float | None,
-                    method_name: str | None, kappa: float | None, skip_bad: bool,
+def resolve_options(calibration: dict, target_precision: float | None = None, target_recall: float | None = None,
+                    method_name: str | None = None, kappa: float | None = None, skip_bad: bool = False,
                     adapt: bool = False, step: float | None = None, keep: bool = True) -> Options:
     """The bundle's target unless given; the method given (its kappa the bundle's, for shrink), else the
     norm rule (norm.py); cv: chosen by cross-validation on the images (choose.py).
@@ -140,12 +229,13 @@ def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, 
     return Images(root, fit, test, len(entries) - len(fit) - len(test), name), fit_ids, test_ids
 
 
-def read_images(bundle: Path, spec: dict, data: str, classes: list[str], skip_bad: bool,
-                rule: str) -> tuple[Images, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """The user's images listed and checked (UsageError before any decode, also when `rule` cannot fit
+def read_images(source: Source, data: str,
+                opts: Options) -> tuple[Images, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The user's images listed and checked (UsageError before any decode, also when the rule cannot fit
     on so few), then embedded: (images, h [n, d], y [n], h_test, y_test) of the decodable files."""
-    images, y_fit, y_test = list_images(data, classes, skip_bad)
-    if rule == "norm" and len(y_fit) < 2:
+    bundle, spec, skip_bad = source.path, source.manifest["image"], opts.skip_bad
+    images, y_fit, y_test = list_images(data, source.manifest["classes"], skip_bad)
+    if opts.method["name"] == "norm" and len(y_fit) < 2:
         raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
                                "--threshold-method (global, shrink, per_class)")
     h, kept = embed_files(bundle, spec, images.root, images.fit, skip_bad, f"embedding {len(images.fit):,} images")
@@ -256,15 +346,32 @@ def adapt_rows(weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, opts: Opt
     return rows, keep.cross_chunks(h, y, weight, bias, float(step), kept), note, kept
 
 
-def fit(bundle: Path, old: dict, h: np.ndarray, y: np.ndarray, h_test: np.ndarray | None,
+def adapt_of(source: Source, h: np.ndarray, y: np.ndarray, opts: Options):
+    """(rows, cross-fitted logits, note, kept examples) with --adapt-rows; (None, None, None, None) without.
+    The bundle's calibration embeddings are kept when it has them, unless --no-adapt-keep."""
+    from serving.bundle.negatives import read_negatives
+
+    if opts.adapt is None:
+        return None, None, None, None
+    return adapt_rows(source.weight, source.bias, h, y, opts, read_negatives(source.path) if opts.keep else None)
+
+
+def keep_union(h: np.ndarray, y: np.ndarray, kept) -> tuple[np.ndarray, np.ndarray]:
+    """The user's images and the kept calibration examples as one fit set (keep.py)."""
+    from serving.calibration.keep import union
+
+    return union(h, y, kept)
+
+
+def fit(source: Source, h: np.ndarray, y: np.ndarray, h_test: np.ndarray | None,
         y_test: np.ndarray | None, opts: Options, weight=None, cross=None,
         present: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
     """calibration.json content from the estimator, kept entries restored for classes without an
     image; and the thresholds [D] the server will compare with (float32, as it stores them).
     `weight`: the rows to calibrate (default the bundle's); `cross`: calibrate_chunks' cross-fitted logits;
     `present` [D]: the classes recalibrated (default: those with an image in y)."""
-    bundle_weight, bias = head_rows(bundle)
-    weight = bundle_weight if weight is None else weight  # [D, d]
+    old, bias = source.calibration, source.bias
+    weight = source.weight if weight is None else weight  # [D, d]
     D = len(weight)
     chunk = chunk_classes(max(len(y), 0 if y_test is None else len(y_test)), D)
     has_test = y_test is not None and len(y_test) > 0
@@ -328,3 +435,35 @@ def pooled(tp: np.ndarray, fp: np.ndarray, seed: int = 0) -> dict:
             "precision": t / (t + f) if t + f else 1.0, "precision_interval": np.quantile(np.concatenate(prec), q).tolist(),
             "recall": t / n, "recall_interval": np.quantile(np.concatenate(rec), q).tolist(),
             "interval": f"{LEVEL:.0%} bootstrap over images ({DRAWS} draws, seed {seed})"}
+
+
+# ------------------------------------------------------------------------------ what the thresholds give
+def previous_thresholds(source: Source) -> np.ndarray:
+    """[D] float32 the bundle's thresholds before this recalibration (NaN where an entry had none)."""
+    return np.array([np.nan if e.get("threshold") is None else e["threshold"]
+                     for e in source.calibration["per_class"]], dtype=np.float32)
+
+
+def measure(h: np.ndarray, y: np.ndarray, h_test, y_test, weight, bias: np.ndarray, threshold: np.ndarray,
+            rates_only: bool = False) -> dict:
+    """Pooled precision and recall at `threshold` [D] of rows `weight` [D, d], on the fit images and on the
+    test images when there are some: with bootstrap intervals, or (rates_only) the two rates alone, the
+    "before" of each summary line (a recall that fell reads as a regression without the precision it bought)."""
+    def one(hh, yy) -> dict:
+        tp, fp = per_image_counts(hh, yy, weight, bias, threshold)
+        if not rates_only:
+            return pooled(tp, fp)
+        t, f = int(tp.sum()), int(fp.sum())
+        return {"precision": t / (t + f) if t + f else 1.0, "recall": t / max(len(tp), 1)}
+
+    report = {"fit": one(h, y)}
+    if y_test is not None and len(y_test):
+        report["test"] = one(h_test, y_test)
+    return report
+
+
+def support_of(h: np.ndarray, y: np.ndarray, weight, bias: np.ndarray, opts: Options) -> dict:
+    """What the fit images can show at the rows the thresholds are for (support.py)."""
+    from serving.calibration.support import support
+
+    return support(head_chunks(h, weight, bias, chunk_classes(len(y), len(weight))), y, len(weight), opts.target)

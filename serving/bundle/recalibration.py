@@ -22,8 +22,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from serving.bundle.calibration import calibration_limit, parse_calibration
-from serving.bundle.format import MANIFEST, SELF_HASH_KEY, canonical_manifest_hash, write_manifest
+from serving.bundle.format import MANIFEST, SELF_HASH_KEY, canonical_manifest_hash, json_load, write_manifest
 from serving.bundle.output import OutputRefused, check, real_target, staged
 from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
 
@@ -36,6 +38,30 @@ REWRITTEN = ("files", SELF_HASH_KEY, "calibration_target", "recalibration")
 
 class RecalibrationError(ValueError):
     """The recalibrated bundle cannot be written; one line."""
+
+
+@dataclass
+class Source:
+    """A bundle about to be recalibrated, read once (`read_source`): everything `slc calibrate` takes from it."""
+
+    path: Path
+    manifest: dict
+    calibration: dict  # as written: the previous thresholds, method and target
+    weight: np.ndarray  # [D, d] memory-mapped
+    bias: np.ndarray  # [D]
+    negatives: tuple | None  # (embeddings [n, d], labels [n]) memory-mapped, when the bundle carries them
+
+
+def read_source(bundle: Path) -> Source:
+    """The manifest, calibration, head rows and calibration embeddings of a bundle that `inspect_bundle`
+    accepted (the caller checks first): the one place that knows their file names."""
+    from serving.bundle.negatives import read_negatives
+    from serving.bundle.npy import open_head
+
+    manifest = json_load((bundle / MANIFEST).read_bytes())
+    weight, bias, _ = open_head(bundle, manifest)
+    return Source(bundle, manifest, json_load((bundle / CALIBRATION).read_bytes()), weight, bias,
+                  read_negatives(bundle))
 
 
 class BundleChanged(ValueError):
@@ -100,7 +126,6 @@ def _head_files(source: Path, manifest: dict) -> set[str]:
 def _write_new_head(source: Path, stage: Path, manifest: dict, head) -> dict:
     """The rows, the graphs over them, the samples and the quantized heads in `stage`; the manifest
     pointing at them."""
-    import numpy as np
 
     from serving.bundle.fold import row_blocks, write_graphs, write_head, write_samples
 

@@ -28,6 +28,7 @@ import numpy as np
 from serving.calibration.estimator import calibrate_chunks
 from serving.calibration.chunks import chunk_classes
 from serving.calibration.defaults import RULE_DEFAULTS
+from serving.bundle.recalibration import Source
 from serving.calibration.rules import check_method
 
 SHOW_UNKNOWN = 5  # unknown class names given in the one line
@@ -58,17 +59,6 @@ class Options:
     skip_bad: bool
     adapt: float | str | None = None  # --adapt-rows: None (off), "auto" (step chosen) or the step
     keep: bool = True  # --adapt-rows: fitted against the bundle's calibration examples too, when it has them (keep.py)
-
-
-@dataclass
-class Source:
-    """The bundle being recalibrated, read once: every step below takes its rows from here."""
-
-    path: Path
-    manifest: dict
-    calibration: dict  # as written: the previous thresholds, method and target
-    weight: np.ndarray  # [D, d] memory-mapped
-    bias: np.ndarray  # [D]
 
 
 @dataclass
@@ -149,20 +139,19 @@ def recalibration_note(images: Images, y: np.ndarray, y_test, num_classes: int, 
 
 # ------------------------------------------------------------------------------ before any decoding
 def open_source(bundle: Path) -> Source:
-    """The bundle's manifest, calibration as written and head rows, of a bundle that loads; UsageError
+    """The bundle read once (serving/bundle/recalibration.py), if it loads and takes images; UsageError
     (one line) otherwise."""
-    from serving.bundle.format import MANIFEST, json_load
+    from serving.bundle.recalibration import read_source
     from serving.bundle.verify import inspect_bundle
 
     problems, _ = inspect_bundle(bundle, deep=False)
     if problems:
         raise click.UsageError(f"{bundle} does not load, so it is not recalibrated: {problems[0]}")
-    manifest = json_load((bundle / MANIFEST).read_bytes())
-    if not isinstance(manifest.get("image"), dict):
+    source = read_source(bundle)
+    if not isinstance(source.manifest.get("image"), dict):
         raise click.UsageError(f"{bundle} takes no images (its manifest has no image spec): recalibrate it "
                                "with slc export on its run instead")
-    weight, bias = head_rows(bundle)
-    return Source(bundle, manifest, json_load((bundle / "calibration.json").read_bytes()), weight, bias)
+    return source
 
 
 def resolve_options(calibration: dict, target_precision: float | None = None, target_recall: float | None = None,
@@ -349,11 +338,9 @@ def adapt_rows(weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, opts: Opt
 def adapt_of(source: Source, h: np.ndarray, y: np.ndarray, opts: Options):
     """(rows, cross-fitted logits, note, kept examples) with --adapt-rows; (None, None, None, None) without.
     The bundle's calibration embeddings are kept when it has them, unless --no-adapt-keep."""
-    from serving.bundle.negatives import read_negatives
-
     if opts.adapt is None:
         return None, None, None, None
-    return adapt_rows(source.weight, source.bias, h, y, opts, read_negatives(source.path) if opts.keep else None)
+    return adapt_rows(source.weight, source.bias, h, y, opts, source.negatives if opts.keep else None)
 
 
 def keep_union(h: np.ndarray, y: np.ndarray, kept) -> tuple[np.ndarray, np.ndarray]:

@@ -93,6 +93,16 @@ class BackboneGroup:
             self.stopped = True
             await self.batcher.stop()
 
+    def join(self, engine) -> None:
+        """A model's engine starts using the lane; every model of the group keeps a reserve of its queue
+        (Batcher.reserve), so one flooding model cannot turn the others' requests into 429s."""
+        self.engines.add(engine)
+        self.batcher.sharers = len(self.engines)
+
+    def leave(self, engine) -> None:
+        self.engines.discard(engine)
+        self.batcher.sharers = max(1, len(self.engines))
+
     def view(self, bundle) -> ModelRuntime:
         self.views += 1
         return ModelRuntime(self, bundle, first=self.views == 1)

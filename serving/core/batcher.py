@@ -5,7 +5,8 @@ inputs are waiting or the oldest has waited `max_delay_ms`; then the batch runs 
 thread, so the event loop never blocks on onnxruntime or BLAS (except for a batch that only
 needs the backbone and whose measured cost is under `inline_max_s`: it runs on the loop, as the
 hop to the thread and back costs the loop more than such a batch). A full queue refuses at once
-(Overloaded -> 429 + Retry-After); a request whose deadline passes while it waits is answered
+(Overloaded -> 429 + Retry-After; models sharing the queue each keep a reserve of it: `_room`);
+a request whose deadline passes while it waits is answered
 504 and never computed, and one that gives up leaves the queue at once. A batch is handed to its
 worker thread as soon as it is taken, before the loop answers the batch that just finished; and
 while a pass computes, a full batch of passes waiting behind it is handed to the same worker at
@@ -139,6 +140,10 @@ class Batcher:
         self.metrics = metrics
         self._jobs: deque[Job] = deque()
         self._pending_inputs = 0
+        # models whose jobs share this queue (BackboneGroup sets it): above 1, each keeps a reserve of the
+        # queue that the others cannot take (_room)
+        self.sharers = 1
+        self._owned: dict[int, int] = {}  # id(job.owner) -> its inputs in the queue
         self._queued = {True: 0, False: 0}  # backbone-only or not -> inputs in the queue (for Retry-After)
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
@@ -193,9 +198,9 @@ class Batcher:
 
             raise NotReady("the server is shutting down")
         n = int(x.shape[0])
-        if self._pending_inputs > 0 and self._pending_inputs + n > self.queue_size:
-            raise Overloaded(f"queue full ({self._pending_inputs} inputs waiting, limit {self.queue_size}); retry later",
-                             retry_after=self._retry_after())
+        if self._pending_inputs > 0 and self._pending_inputs + n > self._room(owner):
+            raise Overloaded(f"queue full ({self._pending_inputs} inputs waiting, limit {self._room(owner)} "
+                             f"for this model of {self.queue_size}); retry later", retry_after=self._retry_after())
         loop = asyncio.get_running_loop()
         now = loop.time()
         job = Job(x=x, kind=kind, reduce=reduce, accumulator=accumulator, patience=patience, enqueued=now,
@@ -222,6 +227,27 @@ class Batcher:
     def _count(self, job: Job, sign: int) -> None:
         self._pending_inputs += sign * job.n
         self._queued[job.embed] += sign * job.n
+        key = id(job.owner)
+        left = self._owned.get(key, 0) + sign * job.n
+        if left:
+            self._owned[key] = left
+        else:
+            self._owned.pop(key, None)
+
+    def reserve(self) -> int:
+        """Inputs of the queue each model sharing it keeps for itself: none for one model; with several, so
+        many that one model flooding the lane leaves every other one room (queue_size / (2 * sharers))."""
+        return self.queue_size // (2 * self.sharers) if self.sharers > 1 else 0
+
+    def _room(self, owner: Any) -> int:
+        """How full the queue may be after `owner`'s job joins it: the queue less the part of the other
+        models' reserves that they do not use now (one model: the whole queue)."""
+        reserve = self.reserve()
+        if not reserve:
+            return self.queue_size
+        mine = id(owner)
+        used = sum(min(reserve, q) for key, q in self._owned.items() if key != mine)  # the others' reserves in use
+        return self.queue_size - max(0, reserve * (self.sharers - 1) - used)
 
     def _left_queue(self, job: Job) -> None:
         job.taken = True

@@ -259,7 +259,7 @@ async def open_model(state: ServerState, model) -> None:
         await _open_stores(state, model)
         engine = Engine(bundle, model.runtime, s, index=model.index, gallery=model.gallery, metrics=state.metrics,
                         enrolled=model.enrolled, batcher=model.group.batcher, name=model.name)
-        model.group.engines.add(engine)
+        model.group.join(engine)
         model.engine = engine
         await asyncio.to_thread(_reembed_gallery, model.gallery, engine)
         if s.warmup:
@@ -283,7 +283,7 @@ async def close_model(state: ServerState, model) -> None:
     if engine is not None:
         engine.closed = True
     if group is not None:
-        group.engines.discard(engine)
+        group.leave(engine)
         if not group.engines:  # its batch lane drained and stopped, its session dropped
             await group.stop()
             if state.models.groups.get(group.key) is group:

@@ -690,3 +690,80 @@ def test_a_size_far_above_the_bound_is_never_probed_on_the_loop():
 
     _one_at_a_time(Batcher(rec, max_delay_ms=0, inline_max_s=0.001), "embed", batcher_mod.INLINE_PROBE_EVERY + 3)
     assert set(rec.threads) == {"slc-batch"}
+
+
+def _admitted(queue_size: int, sharers: int, floods: list[tuple[int, int]]) -> list[list[bool]]:
+    """Brute force of the rule the lane keeps for several models: each of `sharers` models keeps
+    queue_size // (2 * sharers) inputs of the queue for itself; a job joins when the queue holds, after
+    it, at most the queue less the other models' unused reserves. floods: (owner, jobs of one input)."""
+    reserve = queue_size // (2 * sharers) if sharers > 1 else 0
+    queued = [0] * sharers
+    out = []
+    for owner, count in floods:
+        row = []
+        for _ in range(count):
+            unused = sum(max(0, reserve - q) for o, q in enumerate(queued) if o != owner)
+            total = sum(queued)
+            ok = total == 0 or total + 1 <= queue_size - unused
+            queued[owner] += ok
+            row.append(ok)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("sharers,floods", [
+    (1, [(0, 40)]),
+    (2, [(0, 40), (1, 40)]),
+    (3, [(0, 40), (1, 3), (2, 40), (0, 5)]),
+    (4, [(2, 40), (0, 2), (1, 40), (3, 40)]),
+])
+def test_a_model_flooding_a_shared_lane_leaves_the_others_their_reserve(sharers, floods):
+    """Models sharing one backbone lane: while a computing batch holds the lane, each model floods it in
+    turn; which jobs are admitted and which get 429 is what the brute-force rule says, every model
+    gets its reserve whatever the ones before it did, and every admitted job is answered."""
+    import threading
+
+    hold, started = threading.Event(), threading.Event()
+
+    def compute(jobs, shared=False):
+        started.set()
+        assert hold.wait(10)
+        return [j.x * 2 for j in jobs]
+
+    owners = [object() for _ in range(sharers)]
+
+    async def main():
+        b = Batcher(compute, max_batch=64, max_delay_ms=0, queue_size=24, lanes=1)
+        b.sharers = sharers
+        b.start()
+        blocker = asyncio.ensure_future(b.submit(np.zeros((1, 1)), owner=owners[0]))
+        while not started.is_set():  # the blocker left the queue for the worker, which waits on `hold`
+            await asyncio.sleep(0.01)
+        seen, futures = [], []
+        for owner, count in floods:
+            row = []
+            for i in range(count):
+                try:
+                    fut = asyncio.ensure_future(b.submit(np.full((1, 1), float(i)), owner=owners[owner]))
+                    await asyncio.sleep(0)  # queued (or refused) before the next one is asked
+                    if fut.done() and isinstance(fut.exception(), Overloaded):
+                        row.append(False)
+                        continue
+                    futures.append((fut, float(i)))
+                    row.append(True)
+                except Overloaded:
+                    row.append(False)
+            seen.append(row)
+        hold.set()
+        answers = await asyncio.gather(blocker, *(f for f, _ in futures))
+        await b.stop()
+        return seen, answers[1:], [v for _, v in futures]
+
+    seen, answers, values = run(main())
+    assert seen == _admitted(24, sharers, floods)
+    assert [float(a[0, 0]) for a in answers] == [2 * v for v in values]
+    if sharers > 1:  # every model's first flood gets at least its reserve, after whatever the others did
+        firsts = {}
+        for (owner, count), row in zip(floods, seen):
+            firsts.setdefault(owner, (count, row))
+        assert all(sum(row) >= min(count, 24 // (2 * sharers)) for count, row in firsts.values())

@@ -314,3 +314,56 @@ def test_a_model_name_that_is_not_one_folder_is_refused(name, tmp_path):
     with pytest.raises(ValueError, match="cannot name a folder"):
         repo.data_dir_of(name)
     assert repo.data_dir_of("set-1.v2") == tmp_path / "models" / "set-1.v2"
+
+
+def test_a_model_flooding_the_shared_lane_leaves_the_other_one_its_reserve(bundles, offline, tmp_path):
+    """alpha floods the backbone lane it shares with beta while a batch holds the lane: alpha's overflow
+    gets 429 envelopes, beta's requests are still queued (its reserve of the queue) and answered with
+    beta's own offline logits."""
+    from serving.main import build
+
+    settings = make_settings(bundles["alpha"], tmp_path, bundles=[f"beta={bundles['beta']}"], queue_size=8,
+                             max_delay_ms=0, adaptive_delay=False, request_timeout_s=60)
+    app = build(settings)[0]
+    with uvicorn_in_thread(app) as url:
+        (group,) = app.state.slc.models.groups.values()
+        batcher, compute = group.batcher, group.batcher.compute
+        assert batcher.sharers == 2 and batcher.reserve() == 2
+        hold, started = threading.Event(), threading.Event()
+
+        def held(jobs, shared=False):
+            started.set()
+            assert hold.wait(60)
+            return compute(jobs, shared)
+
+        batcher.compute = held
+
+        def ask(model: str, i: int):
+            x = _x(1, seed=100 + i)
+            prefix = "/v1" if model == "alpha" else f"/v1/models/{model}"
+            r = httpx.post(f"{url}{prefix}/classes/{i % 20}/detect", json={"inputs": x.tolist()}, timeout=60)
+            return model, i, x, r
+
+        def wait_for(check):
+            end = time.monotonic() + 30
+            while not check():
+                assert time.monotonic() < end, "the server did not get there"
+                time.sleep(0.01)
+
+        with ThreadPoolExecutor(16) as pool:
+            first = pool.submit(ask, "alpha", 0)
+            wait_for(started.is_set)
+            flood = [pool.submit(ask, "alpha", i) for i in range(1, 11)]
+            wait_for(lambda: batcher.pending_inputs == 6 and sum(f.done() for f in flood) == 4)
+            betas = [pool.submit(ask, "beta", i) for i in range(2)]
+            wait_for(lambda: batcher.pending_inputs == 8)
+            hold.set()
+            answers = [f.result() for f in [first, *flood, *betas]]
+    refused = [r for model, _, _, r in answers if r.status_code == 429]
+    assert len(refused) == 4 and all(model == "alpha" for model, _, _, r in answers if r.status_code == 429)
+    for r in refused:
+        assert_envelope(r, 429)
+    for model, i, x, r in answers:
+        if r.status_code != 429:
+            assert r.status_code == 200, r.text
+            _check_detect(r.json(), offline[model], i % 20, x)

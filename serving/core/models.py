@@ -226,13 +226,17 @@ class ModelRepository:
 
     async def load(self, name: str) -> Model:
         """Repository extension `load`: the bundle known by `name` (a served bundle's folder, or a folder of
-        the model repository), verified, served beside the others. A failure is one line; nothing changes."""
+        the model repository), verified, served beside the others (or in place of the one of that name:
+        `reload`). A failure is one line; nothing changes."""
         path = self.sources.get(name) or self._in_repository(name)
         if path is None:
             known = ", ".join(repr(n) for n in sorted(self.sources)) or "none"
             raise NotFound(f"no bundle named {name!r} to load (known: {known}; a model repository folder "
                            "holds one bundle per sub-folder)", code="unknown_model")
+        served = self.models.get(name)
         try:
+            if served is not None and served.state == "READY":
+                return await self.reload(served, path)
             model = await self.add(path, name)
         except (Conflict, NotFound):
             raise
@@ -243,6 +247,33 @@ class ModelRepository:
             raise InvalidInput(f"the model {name!r} was not loaded: {reason}", code="invalid_bundle") from None
         self.sources.setdefault(name, path)
         return model
+
+    async def reload(self, old: Model, path: Path) -> Model:
+        """`load` of a model already served (as KServe v2 and Triton have it): its bundle opened again from
+        `path` beside the one serving, with the same data folder (enrolled classes, gallery: the stores
+        replicas share), then requests go to the new one and the old one drains and closes. No request
+        finds the name missing; a bundle that fails leaves the old one serving. Not the default model,
+        which today's routes hold: restart for a new bundle, reload-calibration for new thresholds."""
+        name = old.name
+        if old is self.default:
+            raise Conflict(f"the model {name!r} is the default one (today's routes serve it); restart the server "
+                           "to serve a new bundle under it (POST /v1/admin/reload-calibration takes new thresholds)",
+                           code="default_model")
+        self._claim_unload(name)
+        try:
+            new = Model(name, path, old.data_dir)
+            await self._open(new)
+            new.state = "READY"
+            self.models[name] = new  # from here every request is the new one's
+            old.state = "UNLOADING"
+            self.failed.pop(name, None)
+            await self._drain(old, self.settings.request_timeout_s)
+            await self._close(old)
+            self._gauges(new, loaded=True)
+            log.info("model %s: reloaded from %s", name, path)
+            return new
+        finally:
+            self._busy.discard(name)
 
     def _in_repository(self, name: str) -> Optional[Path]:
         root = self.settings.model_repository

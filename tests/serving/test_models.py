@@ -367,3 +367,71 @@ def test_a_model_flooding_the_shared_lane_leaves_the_other_one_its_reserve(bundl
         if r.status_code != 429:
             assert r.status_code == 200, r.text
             _check_detect(r.json(), offline[model], i % 20, x)
+
+
+def test_loading_a_served_model_again_reloads_it_with_no_failed_request(bundles, offline, tmp_path):
+    """POST …/models/beta/load while beta is served (as KServe v2 and Triton have it): the same bundle
+    again keeps its enrolled class; a new bundle under the name serves its own classes after the call;
+    requests running through both reloads are each answered by one version or the other, none fails;
+    the default model is refused in one line, and a bundle failing verification leaves the old one serving."""
+    from serving.main import build
+
+    repo = tmp_path / "repository"
+    repo.mkdir()
+    for name in ("alpha", "beta"):
+        shutil.copytree(bundles[name], repo / name)
+    app = build(make_settings(None, tmp_path, model_repository=repo, api_key="k" * 32))[0]
+    key = {"Authorization": "Bearer " + "k" * 32}
+    with uvicorn_in_thread(app) as url:
+        stop, failures, versions = threading.Event(), [], set()
+
+        def load_test(seed: int) -> None:
+            with httpx.Client(base_url=url, timeout=30) as c:
+                i = 0
+                while not stop.is_set():
+                    x = _x(1, seed=seed + i)
+                    r = c.post(f"/v1/models/beta/classes/{i % 20}/detect", json={"inputs": x.tolist()})
+                    if r.status_code != 200:
+                        failures.append((r.status_code, r.text))
+                    else:
+                        got = r.json()["results"][0]["logit"]
+                        which = [v for v in ("beta", "gamma") if abs(offline[v].logits(x)[0, i % 20] - got) < 1e-3]
+                        failures.extend([] if which else [("neither version's logit", got)])
+                        versions.update(which)
+                    i += 1
+
+        x5 = _x(5, seed=77)
+        r = httpx.put(f"{url}/v1/models/beta/classes/newcomer", json={"inputs": x5.tolist()}, headers=key, timeout=30)
+        assert r.status_code in (200, 201), r.text
+        before = httpx.post(f"{url}/v1/models/beta/classes/newcomer/detect", json={"inputs": x5.tolist()}).json()
+        workers = [threading.Thread(target=load_test, args=(s,), daemon=True) for s in (0, 50_000)]
+        for w in workers:
+            w.start()
+        try:
+            time.sleep(0.3)
+            again = httpx.post(f"{url}/v2/repository/models/beta/load", headers=key, timeout=60)
+            assert again.status_code == 200, again.text
+            after = httpx.post(f"{url}/v1/models/beta/classes/newcomer/detect", json={"inputs": x5.tolist()}).json()
+            assert [r["logit"] for r in after["results"]] == [r["logit"] for r in before["results"]]
+            shutil.copytree(bundles["beta"], tmp_path / "broken")
+            _corrupt(tmp_path / "broken")
+            (repo / "beta").rename(tmp_path / "beta-was")
+            (tmp_path / "broken").rename(repo / "beta")
+            assert_envelope(httpx.post(f"{url}/v2/repository/models/beta/load", headers=key, timeout=60), 422,
+                            "invalid_bundle")
+            shutil.rmtree(repo / "beta")
+            shutil.copytree(bundles["gamma"], repo / "beta")
+            swap = httpx.post(f"{url}/v2/repository/models/beta/load", headers=key, timeout=60)
+            assert swap.status_code == 200, swap.text
+            x = _x(3, seed=4)
+            r = httpx.post(f"{url}/v1/models/beta/classes/7/detect", json={"inputs": x.tolist()})
+            _check_detect(r.json(), offline["gamma"], 7, x)
+            time.sleep(0.3)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(timeout=30)
+        assert_envelope(httpx.post(f"{url}/v2/repository/models/alpha/load", headers=key), 409, "default_model")
+        listing = {m["name"]: m for m in httpx.get(f"{url}/v1/models").json()["models"]}
+        assert listing["beta"]["classes"]["trained"] == 20 and listing["beta"]["state"] == "ready"
+    assert failures == [] and versions == {"beta", "gamma"}

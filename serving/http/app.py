@@ -85,8 +85,11 @@ def _openapi(app: FastAPI, state, components: Callable[[], dict]) -> dict:
     """The schema, with the loaded model's input shape and the limits once the bundle is loaded."""
     if app.openapi_schema is not None:
         return app.openapi_schema
+    from serving.http.models import add_model_paths
+
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(components())
+    add_model_paths(schema)
     if state.bundle is None:
         return schema  # not cached: it is completed once the model is loaded
     s = state.settings

@@ -39,6 +39,32 @@ class ModelPaths:
         await self.app(scope, receive, send)
 
 
+def add_model_paths(schema: dict) -> dict:
+    """The OpenAPI schema with every /v1 route of a model under /v1/models/{model}/… too (what `ModelPaths`
+    serves): the same operations, a `model` path parameter, and 404 unknown_model for a model not served."""
+    import copy
+
+    paths = schema.setdefault("paths", {})
+    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+             "description": "a served model's name (GET /v1/models); the /v1 routes serve the default one"}
+    for path, item in list(paths.items()):
+        if not path.startswith("/v1/") or path.startswith(PREFIX) or path == "/v1/models":
+            continue
+        mine = PREFIX.rstrip("/") + "/{model}" + ("" if path == "/v1/model" else path[len("/v1"):])
+        copied = copy.deepcopy(item)
+        for op in copied.values():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue
+            op["parameters"] = [model] + [q for q in op.get("parameters", []) if q.get("name") != "model"]
+            if "operationId" in op:
+                op["operationId"] += "_of_model"
+            op["responses"].setdefault("404", {"description": "unknown model, class, item or route", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}})
+            op["tags"] = sorted(set(op.get("tags", [])) | {"several models"})
+        paths.setdefault(mine, copied)
+    return schema
+
+
 router = APIRouter()
 
 

@@ -108,7 +108,10 @@ router = APIRouter(prefix="/v1")
 
 
 @router.get("/health/live", response_model=Health, tags=["health"])
-async def live() -> dict:
+async def live(request: Request) -> dict:
+    """The process answers; under /v1/models/{model}/, only for a model it serves (404 unknown_model)."""
+    if request.scope.get("slc.model") is not None:
+        app_state(request.scope)
     return {"status": "live"}
 
 

@@ -435,3 +435,31 @@ def test_loading_a_served_model_again_reloads_it_with_no_failed_request(bundles,
         listing = {m["name"]: m for m in httpx.get(f"{url}/v1/models").json()["models"]}
         assert listing["beta"]["classes"]["trained"] == 20 and listing["beta"]["state"] == "ready"
     assert failures == [] and versions == {"beta", "gamma"}
+
+
+def test_the_openapi_schema_lists_every_route_of_a_model_and_each_answers(bundles, offline, tmp_path):
+    """Each /v1 route has its /v1/models/{model}/… twin in the schema; every GET twin without another
+    path parameter answers for beta as its /v1 route does for the default model, and a model not served
+    gets the 404 envelope the schema names."""
+    from fastapi.testclient import TestClient
+
+    from serving.main import build
+
+    app = build(make_settings(bundles["alpha"], tmp_path, bundles=[f"beta={bundles['beta']}"]))[0]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_ready(client.get)
+        paths = client.get("/openapi.json").json()["paths"]
+        plain = [p for p in paths if p.startswith("/v1/") and not p.startswith("/v1/models")]
+        assert plain and all(("/v1/models/{model}" + p[3:] if p != "/v1/model" else "/v1/models/{model}") in paths
+                             for p in plain)
+        gets = [p for p in paths if p.startswith("/v1/models/{model}") and "get" in paths[p] and p.count("{") == 1]
+        assert "/v1/models/{model}" in gets
+        for path in gets:
+            op = paths[path]["get"]
+            assert "404" in op["responses"] and op["parameters"][0]["name"] == "model"
+            default = path.replace("/models/{model}", "") or "/v1/model"
+            default = "/v1/model" if default == "/v1" else default
+            mine = client.get(path.replace("{model}", "beta"))
+            assert mine.status_code == client.get(default).status_code, path
+            assert_envelope(client.get(path.replace("{model}", "nosuch")), 404, "unknown_model")
+        assert client.get("/v1/models/beta").json()["num_classes"] == 30  # beta's own model info, not alpha's

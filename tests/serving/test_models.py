@@ -145,7 +145,8 @@ def _corrupt(folder: Path) -> None:
         f.write(b"\x00\x00\x80\x7f")
 
 
-def test_load_and_unload_under_a_running_load_test_with_no_failed_request(bundles, offline, tmp_path):
+def _repository_server(bundles: dict, tmp_path: Path):
+    """(a model repository holding alpha and beta, a server app over it with an API key, the key's header)."""
     from serving.main import build
 
     repo = tmp_path / "repository"
@@ -153,25 +154,23 @@ def test_load_and_unload_under_a_running_load_test_with_no_failed_request(bundle
     for name in ("alpha", "beta"):
         shutil.copytree(bundles[name], repo / name)
     app = build(make_settings(None, tmp_path, model_repository=repo, api_key="k" * 32))[0]
-    key = {"Authorization": "Bearer " + "k" * 32}
+    return repo, app, {"Authorization": "Bearer " + "k" * 32}
+
+
+def test_load_and_unload_under_a_running_load_test_with_no_failed_request(bundles, offline, tmp_path):
+    repo, app, key = _repository_server(bundles, tmp_path)
     with uvicorn_in_thread(app) as url:
         assert {m["name"] for m in httpx.get(f"{url}/v1/models").json()["models"]} == {"alpha", "beta"}
         stop, failures, answered = threading.Event(), [], [0]
 
-        def load_test(prefix: str, truth: Offline, seed: int) -> None:
-            with httpx.Client(base_url=url, timeout=30) as c:
-                i = 0
-                while not stop.is_set():
-                    x = _x(1, seed=seed + i)
-                    r = c.post(f"{prefix}/classes/{i % 20}/detect", json={"inputs": x.tolist()})
-                    if r.status_code != 200:
-                        failures.append((prefix, r.status_code, r.text))
-                    else:
-                        _check_detect(r.json(), truth, i % 20, x)
-                        answered[0] += 1
-                    i += 1
+        def judge(truth: Offline):
+            def check(x: np.ndarray, j: int, answer: dict) -> None:
+                _check_detect(answer, truth, j, x)
+                answered[0] += 1
+            return check
 
-        workers = [threading.Thread(target=load_test, args=args, daemon=True) for args in
+        workers = [threading.Thread(target=_load_test, args=(url, prefix, seed, stop, failures, judge(truth)),
+                                    daemon=True) for prefix, truth, seed in
                    (("/v1", offline["alpha"], 0), ("/v1/models/beta", offline["beta"], 10_000),
                     ("/v1/models/alpha", offline["alpha"], 20_000), ("/v1/models/beta", offline["beta"], 30_000))]
         for w in workers:
@@ -183,6 +182,21 @@ def test_load_and_unload_under_a_running_load_test_with_no_failed_request(bundle
             for w in workers:
                 w.join(timeout=30)
         assert failures == [] and answered[0] > 0
+
+
+def _load_test(url: str, prefix: str, seed: int, stop: threading.Event, failures: list, check) -> None:
+    """One client asking `prefix`'s detect of class i % 20 for a new input until `stop`: every answer
+    not 200 into `failures`, every 200 to check(x, class, answer)."""
+    with httpx.Client(base_url=url, timeout=30) as c:
+        i = 0
+        while not stop.is_set():
+            x = _x(1, seed=seed + i)
+            r = c.post(f"{prefix}/classes/{i % 20}/detect", json={"inputs": x.tolist()})
+            if r.status_code != 200:
+                failures.append((prefix, r.status_code, r.text))
+            else:
+                check(x, i % 20, r.json())
+            i += 1
 
 
 def _repository_calls(url: str, key: dict, repo: Path, bundles: dict, offline: dict) -> None:
@@ -374,37 +388,22 @@ def test_loading_a_served_model_again_reloads_it_with_no_failed_request(bundles,
     again keeps its enrolled class; a new bundle under the name serves its own classes after the call;
     requests running through both reloads are each answered by one version or the other, none fails;
     the default model is refused in one line, and a bundle failing verification leaves the old one serving."""
-    from serving.main import build
-
-    repo = tmp_path / "repository"
-    repo.mkdir()
-    for name in ("alpha", "beta"):
-        shutil.copytree(bundles[name], repo / name)
-    app = build(make_settings(None, tmp_path, model_repository=repo, api_key="k" * 32))[0]
-    key = {"Authorization": "Bearer " + "k" * 32}
+    repo, app, key = _repository_server(bundles, tmp_path)
     with uvicorn_in_thread(app) as url:
         stop, failures, versions = threading.Event(), [], set()
 
-        def load_test(seed: int) -> None:
-            with httpx.Client(base_url=url, timeout=30) as c:
-                i = 0
-                while not stop.is_set():
-                    x = _x(1, seed=seed + i)
-                    r = c.post(f"/v1/models/beta/classes/{i % 20}/detect", json={"inputs": x.tolist()})
-                    if r.status_code != 200:
-                        failures.append((r.status_code, r.text))
-                    else:
-                        got = r.json()["results"][0]["logit"]
-                        which = [v for v in ("beta", "gamma") if abs(offline[v].logits(x)[0, i % 20] - got) < 1e-3]
-                        failures.extend([] if which else [("neither version's logit", got)])
-                        versions.update(which)
-                    i += 1
+        def either(x: np.ndarray, j: int, answer: dict) -> None:  # beta's logit before the swap, gamma's after
+            got = answer["results"][0]["logit"]
+            which = [v for v in ("beta", "gamma") if abs(offline[v].logits(x)[0, j] - got) < 1e-3]
+            failures.extend([] if which else [("neither version's logit", got)])
+            versions.update(which)
 
         x5 = _x(5, seed=77)
         r = httpx.put(f"{url}/v1/models/beta/classes/newcomer", json={"inputs": x5.tolist()}, headers=key, timeout=30)
         assert r.status_code in (200, 201), r.text
         before = httpx.post(f"{url}/v1/models/beta/classes/newcomer/detect", json={"inputs": x5.tolist()}).json()
-        workers = [threading.Thread(target=load_test, args=(s,), daemon=True) for s in (0, 50_000)]
+        workers = [threading.Thread(target=_load_test, args=(url, "/v1/models/beta", seed, stop, failures, either),
+                                    daemon=True) for seed in (0, 50_000)]
         for w in workers:
             w.start()
         try:

@@ -5,7 +5,8 @@ inputs are waiting or the oldest has waited `max_delay_ms`; then the batch runs 
 thread, so the event loop never blocks on onnxruntime or BLAS (except for a batch that only
 needs the backbone and whose measured cost is under `inline_max_s`: it runs on the loop, as the
 hop to the thread and back costs the loop more than such a batch). A full queue refuses at once
-(Overloaded -> 429 + Retry-After; models sharing the queue each keep a reserve of it: `_room`);
+(Overloaded -> 429 + Retry-After; models sharing the queue each keep a reserve of it, `_room`, and
+batches take their jobs in turn, `_take_in_turn`);
 a request whose deadline passes while it waits is answered
 504 and never computed, and one that gives up leaves the queue at once. A batch is handed to its
 worker thread as soon as it is taken, before the loop answers the batch that just finished; and
@@ -484,6 +485,8 @@ class Batcher:
         first = first or self._first(shared)
         if first is None:
             return [], 0
+        if self.sharers > 1:
+            return self._take_in_turn(first, shared, now)
         batch: list[Job] = []
         size = 0
         passed: list[Job] = []  # jobs left for a later batch, in their order
@@ -495,16 +498,47 @@ class Batcher:
             if batch and size + job.n > self.max_batch:
                 self._jobs.appendleft(job)
                 break
-            self._left_queue(job)
-            if job.future.done():  # (a cancelled job left the queue when it was cancelled)
-                continue
-            if now >= job.deadline:
-                job.future.set_exception(DeadlineExceeded("request expired in the queue before it was computed"))
-                continue
-            if self.metrics is not None:
-                self.metrics.queue_wait.observe(now - job.enqueued)
-            batch.append(job)
-            size += job.n
+            if self._admit(job, now):
+                batch.append(job)
+                size += job.n
         self._jobs.extendleft(reversed(passed))
+        self._gauge()
+        return batch, size
+
+    def _admit(self, job: Job, now: float) -> bool:
+        """A job taken off the queue joins the batch unless it was cancelled or has expired (504)."""
+        self._left_queue(job)
+        if job.future.done():  # (a cancelled job left the queue when it was cancelled)
+            return False
+        if now >= job.deadline:
+            job.future.set_exception(DeadlineExceeded("request expired in the queue before it was computed"))
+            return False
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(now - job.enqueued)
+        return True
+
+    def _take_in_turn(self, first: Job, shared: bool, now: float) -> tuple[list[Job], int]:
+        """_take for a lane several models share: the batch takes one job of each model in turn (each
+        model's own in their order, `first`'s model first), so a model that queued a flood does not
+        hold the others' jobs back for as many batches as its flood fills."""
+        mine: dict[int, deque] = {}
+        for job in self._jobs:
+            mine.setdefault(id(job.owner), deque()).append(job)
+        turns = deque([mine.pop(id(first.owner))] + list(mine.values()))  # each model's jobs, oldest first
+        batch, size, gone = [], 0, set()
+        while turns:
+            queue_of = turns.popleft()
+            job = queue_of.popleft()
+            if queue_of:
+                turns.append(queue_of)
+            if not self._joins(first, job) or shared and not self._may_share(job):
+                continue
+            if batch and size + job.n > self.max_batch:
+                break
+            gone.add(id(job))
+            if self._admit(job, now):
+                batch.append(job)
+                size += job.n
+        self._jobs = deque(job for job in self._jobs if id(job) not in gone)
         self._gauge()
         return batch, size

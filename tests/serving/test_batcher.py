@@ -767,3 +767,56 @@ def test_a_model_flooding_a_shared_lane_leaves_the_others_their_reserve(sharers,
         for (owner, count), row in zip(floods, seen):
             firsts.setdefault(owner, (count, row))
         assert all(sum(row) >= min(count, 24 // (2 * sharers)) for count, row in firsts.values())
+
+
+@pytest.mark.parametrize("sharers", [1, 2])
+def test_a_shared_lane_takes_the_models_jobs_in_turn(sharers):
+    """A flood of model A queued before two jobs of model B, behind a batch holding the lane: with one
+    model the next batches are first come, first served; on a lane shared by two models each batch takes
+    one job of each model in turn, so B's jobs ride in the first batch after the one that held the lane.
+    Each job gets its own rows back."""
+    import threading
+
+    hold, started = threading.Event(), threading.Event()
+    batches = []
+
+    def compute(jobs, shared=False):
+        started.set()
+        assert hold.wait(10)
+        batches.append([(j.owner, float(j.x[0, 0])) for j in jobs])
+        return [j.x * 2 for j in jobs]
+
+    a, b = "A", "B"
+
+    async def main():
+        bt = Batcher(compute, max_batch=4, max_delay_ms=0, queue_size=64, lanes=1)
+        bt.sharers = sharers
+        bt.start()
+        blocker = asyncio.ensure_future(bt.submit(np.zeros((1, 1)), owner=a))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        jobs = [(a, float(i)) for i in range(1, 9)] + [(b, 100.0), (b, 101.0)]
+        futures = []
+        for owner, v in jobs:
+            futures.append(asyncio.ensure_future(bt.submit(np.full((1, 1), v), owner=owner)))
+            await asyncio.sleep(0)
+        hold.set()
+        answers = await asyncio.gather(blocker, *futures)
+        await bt.stop()
+        return jobs, answers[1:]
+
+    jobs, answers = run(main())
+    assert [float(r[0, 0]) for r in answers] == [2 * v for _, v in jobs]
+    # the brute-force order: first come first served, or one job of each model in turn (A's model first)
+    if sharers == 1:
+        expected = jobs
+    else:
+        queues = {o: [j for j in jobs if j[0] == o] for o in (a, b)}
+        expected = []
+        while any(queues.values()):
+            for o in (a, b):
+                if queues[o]:
+                    expected.append(queues[o].pop(0))
+    taken = [job for batch in batches[1:] for job in batch]
+    assert taken == expected and all(len(batch) <= 4 for batch in batches)
+    assert (b, 100.0) in batches[1] if sharers == 2 else (b, 100.0) not in batches[1]

@@ -43,6 +43,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "device": ("tools.bench.cli:device", "The server on a GPU against the device floor and the CPU server, as D grows."),
     "enroll": ("tools.bench.cli:enroll", "Classes enrolled into a large server: time each, detect under enrollment, memory, the limit."),
     "many-models": ("tools.bench.cli:many_models", "Many class-sets on one server sharing a backbone against one bundle: RSS, detect p50, load/unload."),
+    "neighbours": ("tools.bench.cli:neighbours", "One model flooded on a backbone it shares with another: the other's latency and failures."),
     "replica": ("tools.bench.cli:replica", "One replica of a very large head (10^7 classes, int8): ready time, memory, latency."),
     "precision": ("tools.bench.cli:precision", "int8 / bf16 heads against float64: logit error, p(j) error, top-k agreement."),
     "agreement": ("tools.bench.cli:agreement", "HTTP answers on a labelled split against the bundle's offline figures."),

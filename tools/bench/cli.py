@@ -522,3 +522,32 @@ def many_models(models: int, classes: int, requests: int, rounds: int, rate: flo
     click.echo(markdown(r, command))
     click.echo(f"{models} models: RSS {r['rss_ratio']:.3f}x of one bundle plus the heads, detect p50 "
                f"{r['detect_p50_ratio']:.3f}x -> {out / 'many-models.md'}")
+
+
+@click.command()
+@click.option("--classes", type=click.IntRange(min=100), default=1000, show_default=True, help="classes of each bundle")
+@click.option("--queue-size", type=click.IntRange(min=2), default=64, show_default=True, help="the server's SLC_QUEUE_SIZE")
+@click.option("--connections", type=click.IntRange(min=1), default=16, show_default=True,
+              help="the flood's connections (times --inputs: more than the queue holds)")
+@click.option("--inputs", type=click.IntRange(min=1), default=16, show_default=True, help="inputs of each flood request")
+@click.option("--rate", type=POSITIVE, default=2000.0, show_default=True, help="the flood's req/s asked")
+@click.option("--seconds", type=POSITIVE, default=8.0, show_default=True, help="each phase's length")
+@click.option("--base", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="another checkout whose server code is measured the same way in the same run (the before)")
+@click.option("--out", default="docs/results", show_default=True, help="where neighbours.{json,md} go", **OUT)
+@guarded("report folder")
+def neighbours(classes: int, queue_size: int, connections: int, inputs: int, rate: float, seconds: float,
+               base: Optional[Path], out: Path) -> None:
+    """One model flooded on a backbone lane it shares with another: the other's detect latency and failures."""
+    from tools.bench.neighbours import markdown, measure
+
+    with tempfile.TemporaryDirectory(prefix="slc-neighbours-") as tmp:
+        r = measure(Path(tmp), classes, queue_size, connections, seconds, rate, inputs, base)
+    command = (f"slc bench neighbours --classes {classes} --queue-size {queue_size} --connections {connections} "
+               f"--inputs {inputs} --rate {rate:g} --seconds {seconds:g}" + (" --base BASE" if base else ""))
+    r["command"] = command
+    write_result(out, "neighbours", lambda: markdown(r, command), r)
+    click.echo(markdown(r, command))
+    here = r["sides"]["this checkout"]["flooded"]
+    click.echo(f"the other model under the flood: {here['answered']:,} answered, {sum(here['failed'].values()):,} "
+               f"failed -> {out / 'neighbours.md'}")

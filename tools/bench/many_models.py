@@ -20,7 +20,6 @@ import httpx
 import numpy as np
 
 from tools.bench.server import process_tree_memory, slc_server
-from tools.report import write_result
 
 INPUT_DIM = 3072  # a 32×32×3 image, flat
 DIM = 256

@@ -521,7 +521,7 @@ class Batcher:
         """_take for a lane several models share: the batch takes one job of each model in turn (each
         model's own in their order, `first`'s model first), so a model that queued a flood does not
         hold the others' jobs back for as many batches as its flood fills. One walk over the queue per
-        batch (about 0.4-0.8 ms at 1,024 jobs on these cores), paid only while several models wait."""
+        batch, paid only while several models have jobs waiting."""
         mine: dict[int, deque] = {}
         for job in self._jobs:
             mine.setdefault(id(job.owner), deque()).append(job)

@@ -37,7 +37,7 @@ COMMANDS = {
     "experiment user-calibration": ["{run}"],
     "loadtest": ["--url", "http://127.0.0.1:9"],
     "bench scale": [], "bench index": [], "bench soak": [], "bench routes": [], "bench mixed": [],
-    "bench hostile": [], "bench fuzz": [], "bench device": [], "bench enroll": [], "bench many-models": [], "bench replica": [],
+    "bench hostile": [], "bench fuzz": [], "bench device": [], "bench gpu": [], "bench enroll": [], "bench many-models": [], "bench replica": [],
     "bench losses": [], "bench head": [],
     "bench ab": ["--base", "{work}"],
     "bench precision": ["--bundle", "{bundle}"],

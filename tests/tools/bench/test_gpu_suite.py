@@ -98,6 +98,8 @@ def test_a_budget_too_small_skips_every_measurement_and_says_which(tmp_path, mon
 def test_the_whole_check_runs_on_the_cpu_provider_at_a_tiny_d(tmp_path):
     """`slc bench gpu --device cpu`: slc in float32 and int8 and the peer, each measured; the breakdown;
     the report's sections. The correctness phase is tools/gpu_check.py's own (tests/tools/test_gpu_check.py)."""
+    from tools.bench import gpu_suite
+
     env = dict(os.environ, SLC_HOME=str(tmp_path / "home"))
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "slc", "bench", "gpu", "--device", "cpu", "--no-check",
@@ -116,7 +118,28 @@ def test_the_whole_check_runs_on_the_cpu_provider_at_a_tiny_d(tmp_path):
     b = res["breakdown"]
     assert b["classes"] == 2000 and b["device_pass_softmax_1_ms"] > 0 and "unlocated_ms" in b
     assert set(b["passes"]) == {"float32", "int8"}
+    assert gpu_suite.auto_choice(res, 2000) in ("float32", "int8")  # the int8 server timed float32 beside it
     md = (out / "gpu-bench.md").read_text()
     for section in ("## Side by side", "## slc by head precision", "taken apart", "## Issue 52's goals"):
         assert section in md
     assert res["skipped"] == []
+
+
+def _fake_row(D: int, precision: str, softmax_ms: float, cost_ms: dict | None = None) -> dict:
+    server = {"server": "slc", "p50_ms": {"detect": 0.5, "softmax": softmax_ms, "topk_exact": 1.0, "all_logits": 2.0},
+              "saturated_softmax_rps": 100.0, "chosen": {"providers": ["CUDAExecutionProvider"],
+                                                         "head_precision": {"cost_ms_per_input": cost_ms or {}}}}
+    return {"classes": D, "precision": precision, "servers": [server]}
+
+
+@pytest.mark.parametrize("int8_cost,verdict", [(0.05, "**no**"), (0.3, "not measured")])
+def test_the_int8_goal_reads_what_auto_would_serve_from_the_warm_up_costs(int8_cost, verdict):
+    """The int8 server's warm-up timed float32 beside it: where auto would pick int8 but its HTTP softmax is
+    slower than float32's, the goal is missed; where auto keeps float32, int8 is never chosen."""
+    from tools.bench import gpu_suite
+
+    res = {"rows": [_fake_row(10**6, "float32", 1.5),
+                    _fake_row(10**6, "int8", 2.0, {"float32": 0.1, "int8": int8_cost})]}
+    assert gpu_suite.auto_choice(res, 10**6) == ("int8" if int8_cost < 0.1 else "float32")
+    row = next(g for g in gpu_suite.goals(res) if g[0].startswith("int8 / bf16 never slower"))
+    assert row[2] == verdict

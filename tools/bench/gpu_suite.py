@@ -48,6 +48,21 @@ def reserve_s(classes: int, device: str) -> float:
     return (25.0 + 1.2e-5 * classes) if device == "cuda" else 12.0
 
 
+def build_s(classes: int, dim: int, precision: str) -> float:
+    """Seconds to build the synthetic bundle (and add a quantized head) where the cache lacks it: about
+    15 s per 10^6 rows of d = 256 (an estimate: writing the rows and hashing them), 0 when cached."""
+    import json as _json
+
+    from tools.bench.run import bundle_cache_path
+
+    path = bundle_cache_path(classes, dim)
+    per_row = 1.5e-5 * dim / 256
+    if not (path / "manifest.json").exists():
+        return per_row * classes * (2 if precision != "float32" else 1)
+    heads = _json.loads((path / "manifest.json").read_text()).get("heads") or {}
+    return 0.0 if precision == "float32" or precision in heads else per_row * classes
+
+
 def no_cuda_line() -> Optional[str]:
     """The one line printed where no onnxruntime CUDA session opens; None where one does."""
     import onnxruntime as ort
@@ -170,12 +185,14 @@ def run_suite(device: str, classes: Sequence[int], dim: int, precisions: Sequenc
     plan = [(D, "float32") for D in order] + [(D, p) for p in precisions if p != "float32" for D in order]
     for D, precision in plan:
         servers = 1 + (precision == "float32" and D <= peer_max_classes) + (D == mid and precision == "float32")
-        if not budget.allows(f"D={D:,} {precision}", servers * reserve_s(D, device)):
+        if not budget.allows(f"D={D:,} {precision}", build_s(D, dim, precision) + servers * reserve_s(D, device)):
             continue
+        t_build = time.monotonic()
         bundle = with_heads(cached_bundle(D, dim), [precision])
         head_bytes = resident_bytes(D, dim, precision)
         row = {"classes": D, "dim": dim, "precision": precision, "head_bytes": head_bytes,
-               "floor_ms": 1e3 * head_bytes / bandwidth if bandwidth else None, "servers": []}
+               "floor_ms": 1e3 * head_bytes / bandwidth if bandwidth else None, "servers": [],
+               "bundle_s": time.monotonic() - t_build}
         res["rows"].append(row)
         try:
             slc_row = measure(bundle, device, duration, log_dir, precision, env=env, saturate=saturate,

@@ -113,3 +113,24 @@ def test_float32_times_nothing_else(qbundle, tmp_path, monkeypatch):
         wait_ready(c.get)
         hp = c.get("/v1/model").json()["head_precision"]
     assert hp["served"] == "float32" and list(hp["cost_ms_per_input"]) == ["float32"]
+
+
+def test_auto_where_float32_does_not_fit_the_device_serves_the_fastest_head_that_does(qbundle, tmp_path, monkeypatch):
+    """The device admits only the quantized heads (a float32 head too large for it): auto opens on bf16,
+    float32 is listed as not timed with the device's one line, and the cheaper quantized head serves."""
+    from serving.core.device.head_pass import DevicePass
+    from serving.core.device.memory import DeviceMemoryError
+
+    def admit(cls, ctx):
+        if ctx.precision == "float32":
+            raise DeviceMemoryError("the float32 head needs 9.9 GB on cuda:0 and 1.0 GB is free")
+
+    monkeypatch.setattr(DevicePass, "admit", classmethod(admit))
+    forced = {"bf16": 2e-4, "int8": 1e-4}
+    with _serve(qbundle, tmp_path, monkeypatch, forced, head_precision="auto", softmax_impl="device") as c:
+        wait_ready(c.get)
+        info = c.get("/v1/model").json()
+    hp = info["head_precision"]
+    assert hp["served"] == "int8" and info["head_device"]["precision"] == "int8"
+    assert hp["not_timed"] == {"float32": "the float32 head needs 9.9 GB on cuda:0 and 1.0 GB is free"}
+    assert "float32 head does not fit" in hp["reason"]

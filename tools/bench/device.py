@@ -83,9 +83,9 @@ def measure(bundle: Path, device: str, duration: float, log_dir: Path, precision
         one = lt.run_loadtest(srv.url, SINGLE, concurrency=1, duration=duration * len(SINGLE), warmup=1.0,
                               interleave="request")
         full = full_logits_formats(srv.url, model["name"], rounds=7, formats=("binary",))  # JSON of 10^7: the client's
-        sat = lt.run_loadtest(srv.url, ["softmax"], concurrency=saturate, duration=duration, warmup=2.0)
-        sat_detect = (lt.run_loadtest(srv.url, ["detect"], concurrency=saturate, duration=duration, warmup=1.0)
-                      if saturated_detect else None)
+        sat, sat_cpu = saturated(srv, "softmax", saturate, duration, 2.0)
+        sat_detect, detect_cpu = (saturated(srv, "detect", saturate, duration, 1.0) if saturated_detect
+                                  else (None, None))
         rss = process_tree_memory(srv.proc.pid)["rss"]
     single = endpoint_summary(one.report)
     out = {"device": device, "precision": precision, "ready_s": ready_s, "rss": rss,
@@ -95,10 +95,23 @@ def measure(bundle: Path, device: str, duration: float, log_dir: Path, precision
                       "small_batch_max": model["batching"].get("one_thread_backbone_max_batch")},
            "p50_ms": {name: single[name]["p50_ms"] for name in SINGLE} | {"all_logits": full["binary"]["median_ms"]},
            "errors": sum(sum(s["errors"].values()) for s in single.values()),  # {status or transport: count}
-           "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"]}
+           "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"], "saturated_softmax_cpu": sat_cpu}
     if sat_detect is not None:
         out["saturated_detect_rps"] = endpoint_summary(sat_detect.report)["detect"]["rps"]
+        out["saturated_detect_cpu"] = detect_cpu
     return out
+
+
+def saturated(srv, endpoint: str, connections: int, duration: float, warmup: float) -> tuple:
+    """(the load test's result, where the CPU went meanwhile: the server's event-loop thread, its other
+    threads, the client; tools/bench/cpu.py) of one endpoint at `connections` connections. A thread
+    near one core is what bounds the route; neither near it: the device or the batching."""
+    from tools.bench import cpu
+
+    before = cpu.snapshot(srv.proc.pid)  # (the warm-up counts too: the same load)
+    result = lt.run_loadtest(srv.url, [endpoint], concurrency=connections, duration=duration, warmup=warmup)
+    rps = endpoint_summary(result.report)[endpoint]["rps"]
+    return result, cpu.split(before, cpu.snapshot(srv.proc.pid), rps)
 
 
 def with_heads(bundle: Path, precisions: Sequence[str]) -> Path:

@@ -117,7 +117,7 @@ def correctness(device: str, timeout: float, work: Path) -> dict:
 def measure_peer(bundle: Path, device: str, duration: float, log_dir: Path, saturate: int) -> dict:
     """The onnxruntime peer on `device`, measured as device.measure measures slc (no all-logits route)."""
     from tools import loadtest as lt
-    from tools.bench.device import SINGLE, _model
+    from tools.bench.device import SINGLE, _model, saturated
     from tools.bench.server import ort_peer_server, process_tree_memory
     from tools.loadtest.stats import endpoint_summary
 
@@ -126,16 +126,17 @@ def measure_peer(bundle: Path, device: str, duration: float, log_dir: Path, satu
         model = _model(peer.url)
         one = lt.run_loadtest(peer.url, SINGLE, concurrency=1, duration=duration * len(SINGLE), warmup=1.0,
                               interleave="request")
-        sat = lt.run_loadtest(peer.url, ["softmax"], concurrency=saturate, duration=duration, warmup=2.0)
-        sat_detect = lt.run_loadtest(peer.url, ["detect"], concurrency=saturate, duration=duration, warmup=1.0)
+        sat, sat_cpu = saturated(peer, "softmax", saturate, duration, 2.0)
+        sat_detect, detect_cpu = saturated(peer, "detect", saturate, duration, 1.0)
         rss = process_tree_memory(peer.proc.pid)["rss"]
     single = endpoint_summary(one.report)
     return {"device": device, "precision": "float32", "ready_s": ready_s, "rss": rss,
             "chosen": {"providers": model["providers"]},
             "p50_ms": {name: single[name]["p50_ms"] for name in SINGLE} | {"all_logits": None},
             "errors": sum(sum(s["errors"].values()) for s in single.values()),
-            "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"],
-            "saturated_detect_rps": endpoint_summary(sat_detect.report)["detect"]["rps"]}
+            "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"], "saturated_softmax_cpu": sat_cpu,
+            "saturated_detect_rps": endpoint_summary(sat_detect.report)["detect"]["rps"],
+            "saturated_detect_cpu": detect_cpu}
 
 
 def breakdown(bundle: Path, classes: int, dim: int, device: str, duration: float, log_dir: Path, env: dict,
@@ -313,6 +314,24 @@ def suite_markdown(res: dict, command: str) -> str:
               f"{SATURATE[res['device']]} connections. slc: `slc serve` (exact top-k, no class index); ort-peer: "
               "tools/bench/ort_peer.py, FastAPI over onnxruntime sessions of full.onnx and single.onnx on the same "
               "device. All logits: slc's KServe v2 `<model>-full`, binary output (the peer has no such route).\n"]
+    bound_rows = []
+    for row in sorted(res["rows"], key=lambda r: (ORDER.index(r["precision"]), r["classes"])):
+        for s in row["servers"]:
+            for route in ("softmax", "detect"):
+                use = s.get(f"saturated_{route}_cpu")
+                if use:
+                    c = use["cores"]
+                    bound_rows.append([f"{row['classes']:,}", row["precision"], s["server"], route,
+                                       fmt(s[f"saturated_{route}_rps"], 0), fmt(c["loop"], 2), fmt(c["workers"], 2),
+                                       fmt(c["client"], 2), fmt(use["idle_share"], 2)])
+    if bound_rows:
+        lines += ["## What bounds the saturated routes\n", md_table(
+            ["D", "head", "server", "route", "req/s", "event loop cores", "other threads cores", "client cores",
+             "machine idle"], bound_rows),
+            "\nCores each part used during the saturated run (tools/bench/cpu.py, /proc). The event loop is one "
+            "thread: near 1.0 it is the front that bounds the route. slc's other threads are the batch workers, "
+            "and one of them runs the pass over the head, so near 1.0 there the batcher's worker bounds it. "
+            "Neither near 1.0 while the machine still has idle cores: the device, or the client (its own column).\n"]
     by_d: dict[int, dict[str, dict]] = {}
     for row in res["rows"]:
         s = _server(row, "slc")

@@ -120,7 +120,8 @@ def test_the_whole_check_runs_on_the_cpu_provider_at_a_tiny_d(tmp_path):
     assert set(b["passes"]) == {"float32", "int8"}
     assert gpu_suite.auto_choice(res, 2000) in ("float32", "int8")  # the int8 server timed float32 beside it
     md = (out / "gpu-bench.md").read_text()
-    for section in ("## Side by side", "## slc by head precision", "taken apart", "## Issue 52's goals"):
+    assert set(res["rows"][0]["servers"][0]["saturated_softmax_cpu"]["cores"]) == {"loop", "workers", "client"}
+    for section in ("## Side by side", "## slc by head precision", "taken apart", "## What bounds", "## Issue 52's goals"):
         assert section in md
     assert res["skipped"] == []
 

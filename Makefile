@@ -54,11 +54,13 @@ test-all: setup
 # docs/results/gpu-serving.md), and where a device pass's time goes (tools/bench/device_profile.py).
 # Without CUDA: one line, exit 0.
 GPU_CLASSES ?= 100000,1000000,10000000
+GPU_BUDGET_S ?= 480
+# The one prepared GPU check (tools/bench/gpu_suite.py), within GPU_BUDGET_S: tools/gpu_check.py (train,
+# export, serve against offline math), then slc beside an onnxruntime peer on the same card by D and head
+# precision, and one connection's softmax taken apart -> docs/results/gpu-bench.{json,md}. Without CUDA:
+# one line, exit 0. `slc bench gpu --device cpu --no-check` is its smoke run on the CPU provider.
 gpu-check: setup
-	$(BIN)/python tools/gpu_check.py
-	@if $(BIN)/python -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then \
-		$(BIN)/slc bench device --classes $(GPU_CLASSES) --out docs/results && \
-		$(BIN)/python -m tools.bench.device_profile --precision float32,bf16,int8 --out docs/results/gpu-device-profile.jsonl; fi
+	$(BIN)/slc bench gpu --classes $(GPU_CLASSES) --budget-s $(GPU_BUDGET_S) --out docs/results
 
 lint: setup
 	$(BIN)/ruff check --select F,E9 slc serving trainer models tests

@@ -137,11 +137,13 @@ class Settings(BaseSettings):
         "(float32 head, softmax_impl auto or device) auto = exact, the device's exact top-k; exact = no "
         "index, the same pass as mode=exact (nothing to build: a head too large to index within the start-up "
         "budget serves at once)")
-    head_precision: Literal["float32", "int8", "bf16"] = Field(
+    head_precision: Literal["float32", "int8", "bf16", "auto"] = Field(
         "float32", description="the head the passes over all D classes read (softmax, exact top-k, all logits): the "
         "float32 rows, or the bundle's int8 / bf16 copy (slc bundle quantize; docs/bundle-format.md). The top-k "
         "and the asked class's logit are re-scored on the float32 rows; all logits are then the quantized ones. "
-        "Detect always reads its float32 row")
+        "Detect always reads its float32 row. auto: every head the bundle carries is timed at warm-up on the "
+        "runtime's device and the fastest serves, never one slower than float32; int8 / bf16 asked for are "
+        "served as asked (float32 timed beside them); GET /v1/model head_precision says which serves and why")
     concurrent_batches: int = Field(2, ge=1, le=2, description=(
         "batches computed at once, each in a worker thread of its own: backbone-only requests (detect, v2 single "
         "logits) are batched apart from passes over the head and start beside a running pass instead of waiting "

@@ -41,6 +41,7 @@ BENCH: dict[str, tuple[Optional[str], str]] = {
     "hostile": ("tools.bench.cli:hostile", "Hostile bodies up to the limit: time, memory, a concurrent probe."),
     "fuzz": ("tools.bench.cli:fuzz", "schemathesis from the server's OpenAPI: server errors, schema conformance."),
     "device": ("tools.bench.cli:device", "The server on a GPU against the device floor and the CPU server, as D grows."),
+    "gpu": ("tools.bench.cli:gpu", "The one prepared GPU check: correctness, slc beside an onnxruntime peer on the same device, by D and precision."),
     "enroll": ("tools.bench.cli:enroll", "Classes enrolled into a large server: time each, detect under enrollment, memory, the limit."),
     "many-models": ("tools.bench.cli:many_models", "Many class-sets on one server sharing a backbone against one bundle: RSS, detect p50, load/unload."),
     "neighbours": ("tools.bench.cli:neighbours", "One model flooded on a backbone it shares with another: the other's latency and failures."),

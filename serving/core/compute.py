@@ -41,14 +41,16 @@ class HeadPass:
     the onnx strategy, which embeds too), each slice of rows into its accumulator. The state the
     strategies share (the bundle, the GEMMs, the statistics thread) lives here; their own in them."""
 
-    def __init__(self, bundle, runtime, settings):
+    def __init__(self, bundle, runtime, settings, precision: Optional[str] = None):
+        """`precision`: the head it reads (default SLC_HEAD_PRECISION; under `auto` the warm-up builds one
+        HeadPass per precision the bundle carries, serving/core/head_precision.py)."""
         self.bundle, self.runtime, self.settings = bundle, runtime, settings
         self.num_classes, self.embed_dim = int(bundle.num_classes), int(bundle.embed_dim)
         self._weight, self._bias = np.asarray(bundle.weight), np.asarray(bundle.bias)
         self.name = "numpy" if settings.softmax_impl == "auto" else settings.softmax_impl
         self.timing: dict[str, float] = {}  # seconds of a max_batch softmax batch per strategy (warm-up)
         self.timing_by_batch: dict[int, dict[str, float]] = {}  # {batch size: {strategy: seconds}}
-        self.precision = settings.head_precision
+        self.precision = precision or settings.head_precision
         if self.precision != "float32" and self.precision not in bundle.heads:
             raise ValueError(f"head_precision={self.precision}: the bundle has no {self.precision} head "
                              f"(add one with: slc bundle quantize {bundle.path} --precision {self.precision})")
@@ -168,6 +170,18 @@ class HeadPass:
         self.timing = {name: t[n] for name, t in times.items()}  # the full batch: sets the scan's patience
         self.timing_by_batch = {size: {name: t[size] for name, t in times.items()} for size in sizes}
         self._drop_unused()
+
+    def cost(self) -> float:
+        """Seconds per input of the chosen strategy, summed over the timed batch sizes (pick_strategy's
+        measure; after choose)."""
+        return sum(t[self.name] / size for size, t in self.timing_by_batch.items() if self.name in t)
+
+    def release_all(self) -> None:
+        """A HeadPass not served (another precision was chosen): every strategy lets go of what it holds."""
+        for impl in self._impls.values():
+            impl.release()
+        self._impls = {}
+        self.close()
 
     def _small_head(self) -> bool:
         """A head too small for the strategies to differ (its GEMM is a sliver of a request's cost): no

@@ -25,7 +25,7 @@ import orjson
 from serving.core import head_scan, open_set
 from serving.core.batcher import Batcher, Job, JobFailed
 from serving.core.classes import ClassRef, ClassRegistry
-from serving.core.compute import HeadPass
+from serving.core import head_precision
 from serving.core.enrolled import Enrolled, EnrolledClasses, LimitReached, empty_snapshot
 from serving.bundle.names import refused_character, shown
 from serving.core.enrollment import check_name
@@ -81,7 +81,8 @@ class Engine:
         self.input_shape = tuple(int(s) for s in bundle.input_shape)
         self.input_size = int(np.prod(self.input_shape))
         self.num_classes = int(bundle.num_classes)
-        self.head_pass = HeadPass(bundle, runtime, settings)  # the passes over all D classes
+        self.head_pass = head_precision.open_pass(bundle, runtime, settings)  # the passes over all D classes
+        self.precision_choice: Optional[head_precision.PrecisionChoice] = None  # set at warm-up
         self.scan_patience = 0.0  # seconds a softmax / exact top-k batch waits for batch-mates (set at warm-up)
         # gallery calls and gallery bodies: a bounded executor of their own (serving/gallery/executor.py)
         self.gallery_pool = GalleryExecutor(settings.gallery_threads, settings.gallery_queue_size)
@@ -111,7 +112,8 @@ class Engine:
         small = await self.batcher.run_sync(lambda: self.runtime.choose_small_batches(pinned=pinned))
         await self.batcher.run_sync(self.runtime.embed, x[:1])
         await self.batcher.run_sync(self.runtime.embed, x)
-        await self.batcher.run_sync(self.head_pass.choose)
+        self.head_pass, self.precision_choice = await self.batcher.run_sync(
+            lambda: head_precision.choose(self.head_pass, self.bundle, self.runtime, self.settings))
         self.scan_patience = SCAN_PATIENCE_SHARE * self.softmax_timing.get(self.softmax_impl, 0.0)
         if small:
             log.info("backbone: one-thread session for batches of up to %d inputs (%s)", small,

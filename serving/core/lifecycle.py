@@ -140,6 +140,9 @@ class ServerState(Readiness):
             "providers": list(model.runtime.providers),
             "device": s.device,
             "head_device": engine.head_pass.device_info(),
+            "head_precision": (engine.precision_choice.info() if engine.precision_choice is not None else
+                               {"served": engine.head_pass.precision, "setting": s.head_precision,
+                                "reason": "not timed (SLC_WARMUP=false)"}),
             "softmax_impl": engine.softmax_impl,
             "softmax_timing_ms": {k: round(v * 1e3, 3) for k, v in engine.softmax_timing.items()},
             "softmax_timing_ms_by_batch": {str(n): {k: round(v * 1e3, 3) for k, v in t.items()}

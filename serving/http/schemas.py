@@ -271,6 +271,9 @@ class ModelInfo(BaseModel):
     device: str
     head_device: dict[str, Any] = Field(description="where the passes over all D classes read the rows: host, or "
                                         "the device (cuda) holding them, its bytes and whether it is healthy")
+    head_precision: Optional[dict[str, Any]] = Field(None, description="the head precision serving the passes over "
+                                                     "all D classes, the setting, why (asked for, or each precision's "
+                                                     "measured cost per input under auto)")
     softmax_impl: str
     index: Optional[dict[str, Any]] = None
     batching: dict[str, Any]

@@ -446,6 +446,45 @@ def _precisions(ctx, param, value: str) -> tuple[str, ...]:
     return names
 
 
+def _maybe_classes(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[list[int]]:
+    return None if value is None else _classes(ctx, param, value)
+
+
+@click.command()
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu: a smoke run of every phase on the CPU provider at tiny D (says nothing about a GPU)")
+@click.option("--classes", default=None, callback=_maybe_classes,
+              help="comma list of D  [default: 100000,1000000,10000000 on cuda, 2000,20000 on cpu]")
+@click.option("--dim", type=click.IntRange(min=1), default=None, help="embedding size d  [default: 256 on cuda, 32 on cpu]")
+@click.option("--precision", "precisions", default="float32,bf16,int8", show_default=True, callback=_precisions,
+              help="comma list of the head's precisions slc is measured with (the peer: float32)")
+@click.option("--duration", type=POSITIVE, default=1.0, show_default=True, help="measured seconds per endpoint")
+@click.option("--budget-s", type=POSITIVE, default=480.0, show_default=True,
+              help="the whole check's seconds: a measurement that cannot fit what is left is skipped and listed")
+@click.option("--check/--no-check", default=True, show_default=True,
+              help="first the correctness check (tools/gpu_check.py: train, export, serve against offline math)")
+@click.option("--peer-max-classes", type=click.IntRange(min=0), default=10_000_000, show_default=True,
+              help="measure the onnxruntime peer up to this D")
+@click.option("--out", default="docs/results", show_default=True, help="where gpu-bench.{json,md} go", **OUT)
+@guarded("report folder")
+def gpu(device: str, classes: Optional[list[int]], dim: Optional[int], precisions: tuple[str, ...], duration: float,
+        budget_s: float, check: bool, peer_max_classes: int, out: Path) -> None:
+    """The one prepared GPU check (make gpu-check): correctness, then slc beside an onnxruntime peer on the
+    same device by D and head precision, and one connection's softmax taken apart: OUT/gpu-bench.{json,md}.
+    Without CUDA: one line, exit 0."""
+    from tools.bench.gpu_suite import main as suite
+
+    command = (f"slc bench gpu --device {device}" + (f" --classes {','.join(map(str, classes))}" if classes else "")
+               + (f" --dim {dim}" if dim else "") + f" --precision {','.join(precisions)} --duration {duration:g}"
+               f" --budget-s {budget_s:g}" + ("" if check else " --no-check"))
+    res = suite(device, classes, dim, precisions, duration, budget_s, check, peer_max_classes, out, command)
+    if res is None:
+        return
+    servers = sum(len(r["servers"]) for r in res["rows"])
+    click.echo(f"gpu check: {servers} server(s) measured in {res['elapsed_s']:.0f} s, {len(res['skipped'])} skipped "
+               f"-> {out / 'gpu-bench.md'}")
+
+
 @click.command()
 @click.option("--classes", default="100000,1000000,10000000", show_default=True, callback=_classes, help="comma list of D")
 @click.option("--dim", type=click.IntRange(min=1), default=256, show_default=True, help="embedding size d")

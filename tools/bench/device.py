@@ -68,29 +68,50 @@ def _model(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/v1/model", timeout=30).read())
 
 
-def measure(bundle: Path, device: str, duration: float, log_dir: Path, precision: str = "float32") -> dict:
+def measure(bundle: Path, device: str, duration: float, log_dir: Path, precision: str = "float32",
+            env: Optional[dict] = None, saturate: int = SATURATE, saturated_detect: bool = False) -> dict:
     """One server on `device` with the head in `precision`: its choices, one-connection p50s, all logits,
-    saturated softmax, RSS."""
+    saturated softmax (and with `saturated_detect`, saturated detect on the same server), RSS.
+    `env`: more SLC_* settings (SLC_SOFTMAX_IMPL=device: the device pass on the CPU provider)."""
     data_dir = bundle.with_name(bundle.name + f"-data-{device}")
     # the class index is not what this bench measures (exact top-k is): none is built, on either device
-    env = {"SLC_DEVICE": device, "SLC_CLASS_INDEX": "exact", "SLC_HEAD_PRECISION": precision}
-    with slc_server(bundle, log_dir, f"{bundle.name}-{device}-{precision}", data_dir, env=env) as srv:
+    env = {"SLC_DEVICE": device, "SLC_CLASS_INDEX": "exact", "SLC_HEAD_PRECISION": precision, **(env or {})}
+    tag = f"{bundle.name}-{device}-{precision}" + "".join(f"-{v}" for k, v in (env or {}).items() if k == "SLC_INLINE_MAX_MS")
+    with slc_server(bundle, log_dir, tag, data_dir, env=env) as srv:
         ready_s = srv.wait_ready(1800)
         model = _model(srv.url)
         one = lt.run_loadtest(srv.url, SINGLE, concurrency=1, duration=duration * len(SINGLE), warmup=1.0,
                               interleave="request")
         full = full_logits_formats(srv.url, model["name"], rounds=7, formats=("binary",))  # JSON of 10^7: the client's
-        sat = lt.run_loadtest(srv.url, ["softmax"], concurrency=SATURATE, duration=duration, warmup=2.0)
+        sat, sat_cpu = saturated(srv, "softmax", saturate, duration, 2.0)
+        sat_detect, detect_cpu = (saturated(srv, "detect", saturate, duration, 1.0) if saturated_detect
+                                  else (None, None))
         rss = process_tree_memory(srv.proc.pid)["rss"]
     single = endpoint_summary(one.report)
-    return {"device": device, "precision": precision, "ready_s": ready_s, "rss": rss,
-            "chosen": {"softmax_impl": model["softmax_impl"], "head_device": model.get("head_device"),
-                       "providers": model["providers"],
-                       "small_batch_backbone": model["batching"].get("small_batch_backbone"),
-                       "small_batch_max": model["batching"].get("one_thread_backbone_max_batch")},
-            "p50_ms": {name: single[name]["p50_ms"] for name in SINGLE} | {"all_logits": full["binary"]["median_ms"]},
-            "errors": sum(sum(s["errors"].values()) for s in single.values()),  # {status or transport: count}
-            "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"]}
+    out = {"device": device, "precision": precision, "ready_s": ready_s, "rss": rss,
+           "chosen": {"softmax_impl": model["softmax_impl"], "head_device": model.get("head_device"),
+                      "head_precision": model.get("head_precision"), "providers": model["providers"],
+                      "small_batch_backbone": model["batching"].get("small_batch_backbone"),
+                      "small_batch_max": model["batching"].get("one_thread_backbone_max_batch")},
+           "p50_ms": {name: single[name]["p50_ms"] for name in SINGLE} | {"all_logits": full["binary"]["median_ms"]},
+           "errors": sum(sum(s["errors"].values()) for s in single.values()),  # {status or transport: count}
+           "saturated_softmax_rps": endpoint_summary(sat.report)["softmax"]["rps"], "saturated_softmax_cpu": sat_cpu}
+    if sat_detect is not None:
+        out["saturated_detect_rps"] = endpoint_summary(sat_detect.report)["detect"]["rps"]
+        out["saturated_detect_cpu"] = detect_cpu
+    return out
+
+
+def saturated(srv, endpoint: str, connections: int, duration: float, warmup: float) -> tuple:
+    """(the load test's result, where the CPU went meanwhile: the server's event-loop thread, its other
+    threads, the client; tools/bench/cpu.py) of one endpoint at `connections` connections. A thread
+    near one core is what bounds the route; neither near it: the device or the batching."""
+    from tools.bench import cpu
+
+    before = cpu.snapshot(srv.proc.pid)  # (the warm-up counts too: the same load)
+    result = lt.run_loadtest(srv.url, [endpoint], concurrency=connections, duration=duration, warmup=warmup)
+    rps = endpoint_summary(result.report)[endpoint]["rps"]
+    return result, cpu.split(before, cpu.snapshot(srv.proc.pid), rps)
 
 
 def with_heads(bundle: Path, precisions: Sequence[str]) -> Path:

@@ -64,6 +64,12 @@ def synthetic_builder_version() -> str:
     return hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:8]
 
 
+def bundle_cache_path(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_ROWS, negatives: int = 0) -> Path:
+    """Where cached_bundle keeps (or will build) the synthetic bundle of these parameters."""
+    return bench_home() / (f"synthetic-D{classes}-d{dim}-i{INPUT_DIM}-s{seed}-{rows}" + (f"-n{negatives}" if negatives else "")
+                           + f"-b{synthetic_builder_version()}")
+
+
 def cached_bundle(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_ROWS, negatives: int = 0) -> Path:
     """Build (once) the synthetic bundle for D = classes; built into a temp dir, then renamed.
 
@@ -72,8 +78,7 @@ def cached_bundle(classes: int, dim: int, seed: int = 0, rows: str = SYNTHETIC_R
     """
     from serving.bundle.synthetic import build_synthetic_bundle
 
-    path = bench_home() / (f"synthetic-D{classes}-d{dim}-i{INPUT_DIM}-s{seed}-{rows}" + (f"-n{negatives}" if negatives else "")
-                           + f"-b{synthetic_builder_version()}")
+    path = bundle_cache_path(classes, dim, seed, rows, negatives)
     if (path / "manifest.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

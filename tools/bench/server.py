@@ -1,4 +1,4 @@
-"""Servers under test as subprocesses: `slc serve` and the plain torch peer, ready when
+"""Servers under test as subprocesses: `slc serve`, the plain torch peer and the onnxruntime peer, ready when
 /v1/health/ready answers 200, with the resident memory of their process tree."""
 from __future__ import annotations
 
@@ -132,3 +132,11 @@ def peer_server(bundle: Path, log_dir: Path, tag: str) -> ServerProcess:
     port = free_port()
     argv = [sys.executable, "-m", "tools.bench.torch_peer", str(bundle), "--port", str(port)]
     return ServerProcess(argv, port, log_dir / f"peer-{tag}.log")
+
+
+def ort_peer_server(bundle: Path, log_dir: Path, tag: str, device: str = "auto") -> ServerProcess:
+    """The onnxruntime peer (tools/bench/ort_peer.py: FastAPI over full.onnx and single.onnx) on a free port,
+    on the CUDA provider where listed (`device` auto / cuda) or the CPU's."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tools.bench.ort_peer", str(bundle), "--port", str(port), "--device", device]
+    return ServerProcess(argv, port, log_dir / f"ort-peer-{tag}.log")

@@ -228,3 +228,14 @@ def json_mutations(seed: int, bodies: list[bytes], count: int):
             else:
                 b.insert(i, b[i])
         yield bytes(b)
+
+
+def quantized_bundle(folder: Path, classes: int, dim: int, seed: int) -> Path:
+    """A synthetic bundle of `classes` x `dim` carrying its int8 and bf16 heads too."""
+    from serving.bundle.heads import add_heads
+    from serving.bundle.synthetic import build_synthetic_bundle
+
+    out = folder / "b"
+    build_synthetic_bundle(classes=classes, dim=dim, input_dim=INPUT_DIM, seed=seed, out=out)
+    add_heads(out, ("int8", "bf16"))
+    return out

@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.bundle.heads import add_heads
 from serving.core import head_precision
 from serving.core.compute import HeadPass
-from tests.serving.helpers import INPUT_DIM, Offline, make_settings, wait_ready
+from tests.serving.helpers import quantized_bundle, INPUT_DIM, Offline, make_settings, wait_ready
 from tests.serving.test_quantized_head import _bound
 
 D, DIM = 2000, 32
@@ -18,12 +17,7 @@ D, DIM = 2000, 32
 
 @pytest.fixture(scope="module")
 def qbundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
-
-    out = tmp_path_factory.mktemp("precision") / "b"
-    build_synthetic_bundle(classes=D, dim=DIM, input_dim=INPUT_DIM, seed=5, out=out)
-    add_heads(out, ("int8", "bf16"))
-    return out
+    return quantized_bundle(tmp_path_factory.mktemp("precision"), D, DIM, 5)
 
 
 def test_decide_keeps_float32_when_the_quantized_head_is_slower():

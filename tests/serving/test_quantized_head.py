@@ -10,9 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from serving.bundle.heads import add_heads
 from serving.bundle.quantize import bf16_bits, bf16_to_float32, int8_rows
-from tests.serving.helpers import INPUT_DIM, Offline, make_settings, wait_ready
+from tests.serving.helpers import quantized_bundle, INPUT_DIM, Offline, make_settings, wait_ready
 
 D_Q, DIM_Q = 3000, 32
 
@@ -50,12 +49,7 @@ def test_int8_rows_dequantize_within_half_a_step_and_use_the_full_range():
 
 @pytest.fixture(scope="module")
 def qbundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
-
-    out = tmp_path_factory.mktemp("qbundle") / "b"
-    build_synthetic_bundle(classes=D_Q, dim=DIM_Q, input_dim=INPUT_DIM, seed=3, out=out)
-    add_heads(out, ("int8", "bf16"))
-    return out
+    return quantized_bundle(tmp_path_factory.mktemp("qbundle"), D_Q, DIM_Q, 3)
 
 
 def test_quantized_bundle_verifies_and_lists_its_heads(qbundle):

@@ -17,12 +17,13 @@ GET /v1/health/live, /v1/health/ready.
 Run: `python -m tools.bench.ort_peer BUNDLE --port P [--device auto|cuda|cpu]`. Imports no torch.
 """
 # no `from __future__ import annotations`: FastAPI must see the real body model classes below
-import argparse
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+
+from tools.bench.server import add_health_routes
 
 CUDA = "CUDAExecutionProvider"
 
@@ -80,13 +81,7 @@ def create_peer_app(bundle_path, device: str = "auto"):
 
     app = FastAPI(title="onnxruntime peer")
 
-    @app.get("/v1/health/live")
-    def live():
-        return {"status": "live"}
-
-    @app.get("/v1/health/ready")
-    def ready():
-        return {"status": "ready"}
+    add_health_routes(app)
 
     @app.get("/v1/model")
     def model():
@@ -140,16 +135,9 @@ def create_peer_app(bundle_path, device: str = "auto"):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("bundle", type=Path)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8002)
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    args = parser.parse_args(argv)
-    import uvicorn
+    from tools.bench.server import run_peer
 
-    uvicorn.run(create_peer_app(args.bundle, args.device), host=args.host, port=args.port, log_level="warning",
-                access_log=False)
+    run_peer(create_peer_app, __doc__.split("\n")[0], 8002, argv, device=True)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,32 @@ def ort_peer_server(bundle: Path, log_dir: Path, tag: str, device: str = "auto")
     port = free_port()
     argv = [sys.executable, "-m", "tools.bench.ort_peer", str(bundle), "--port", str(port), "--device", device]
     return ServerProcess(argv, port, log_dir / f"ort-peer-{tag}.log")
+
+
+def run_peer(create_app, description: str, default_port: int, argv: Optional[list[str]] = None,
+             device: bool = False) -> None:
+    """A hand-written peer's command line (BUNDLE --host --port [--device]) and its uvicorn process."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=default_port)
+    if device:
+        parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    args = parser.parse_args(argv)
+    app = create_app(args.bundle, args.device) if device else create_app(args.bundle)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+def add_health_routes(app) -> None:
+    """GET /v1/health/live and /v1/health/ready: always up once the app exists."""
+    @app.get("/v1/health/live")
+    def live():
+        return {"status": "live"}
+
+    @app.get("/v1/health/ready")
+    def ready():
+        return {"status": "ready"}

@@ -19,7 +19,6 @@ This module may import torch -- lazily, inside functions -- and nothing on the s
 imports it (it runs only as a subprocess of the bench). Run: `python -m tools.bench.torch_peer BUNDLE --port P` (needs the train extra).
 """
 # no `from __future__ import annotations`: FastAPI must see the real body model class below
-import argparse
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,6 +26,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from serving.bundle.session import ort_session
+from tools.bench.server import add_health_routes
 
 
 def _attr_reader(onnx) -> Callable:
@@ -143,17 +143,6 @@ def _peer_backbone(bundle_path: Path) -> tuple[Callable, str]:
     return backbone, "onnxruntime (graph has ops the torch rebuild does not cover)"
 
 
-def _add_health_routes(app) -> None:
-    """GET /v1/health/live and /v1/health/ready: always up once the app exists."""
-    @app.get("/v1/health/live")
-    def live():
-        return {"status": "live"}
-
-    @app.get("/v1/health/ready")
-    def ready():
-        return {"status": "ready"}
-
-
 def create_peer_app(bundle_path: Path | str):
     """FastAPI app of the plain peer over a bundle directory."""
     import torch
@@ -173,7 +162,7 @@ def create_peer_app(bundle_path: Path | str):
         inputs: list[Any]
 
     app = FastAPI(title="plain torch peer")
-    _add_health_routes(app)
+    add_health_routes(app)
 
     @app.get("/v1/model")
     def model():
@@ -203,14 +192,9 @@ def create_peer_app(bundle_path: Path | str):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("bundle", type=Path)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    args = parser.parse_args(argv)
-    import uvicorn
+    from tools.bench.server import run_peer
 
-    uvicorn.run(create_peer_app(args.bundle), host=args.host, port=args.port, log_level="warning", access_log=False)
+    run_peer(create_peer_app, __doc__.split("\n")[0], 8001, argv, device=False)
 
 
 if __name__ == "__main__":

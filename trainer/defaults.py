@@ -24,7 +24,7 @@ auto_patience validations. From SMALL_DATA on (every built-in dataset) the recip
   defaults to 0): its calibration accuracy swings between validations while the learning rate is
   high (issue 50's folder, seed 1: 0.18-1.00 up to epoch 45 of 60), and patience stopped it on a
   lucky epoch. On issue 50's folder the classes' logits then separate by a margin: detect recall at
-  the export's default thresholds from 0.817 / 0.767 / 0.867 to RECALL_FIGURES at pooled precision 1.000,
+  the export's default thresholds from 0.817 / 0.767 / 0.867 to 0.983 / 0.917 / 0.983 at pooled precision 1.000,
   test accuracy kept (docs/results/small-folder-aims.md, "Augmentation by default on small folders").
 
 A value the user gave always wins. The run's short-run warning (trainer/cli.py) uses MIN_STEPS too.

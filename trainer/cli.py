@@ -134,8 +134,10 @@ def _runtime_options() -> list:
         click.option("--compile", is_flag=True, help="torch.compile the network"),
         click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
                      help="DataLoader worker processes (the batches are the same for any number)"),
-        click.option("--augment", type=click.Choice(AUGMENTS), default="none", show_default=True,
-                     help="geometry: seeded scale (0.4-1.15), shift and small rotation of image examples"),
+        click.option("--augment", type=click.Choice(AUGMENTS),
+                     help="geometry: seeded scale (0.4-1.15), shift and small rotation of image examples "
+                          "[default: none; geometry for an image folder trained to convergence (--epochs unset "
+                          "below 1,024 training examples; docs/training.md: Defaults on small data)]"),
         click.option("--image-size", callback=_image_size, help="imagefolder/csv: decode images to HxW "
                      "[default: the pretrained backbone's size, else by the images (docs/datasets.md)]"),
         click.option("--channels", type=click.Choice(["1", "3"]), help="imagefolder/csv: grey (1) or RGB (3)"),
@@ -152,7 +154,7 @@ def _validation_options() -> list:
         click.option("--patience", type=click.IntRange(min=0),
                      help="early stopping: stop after N validations without a better accuracy (0: off) [default: "
                           "off; 10 (and at least 100 steps' worth) when --epochs is left unset below 1,024 "
-                          "training examples]"),
+                          "training examples, unless augmented (an image folder's default: the whole budget)]"),
         click.option("--restore-best/--no-restore-best", default=True, show_default=True,
                      help="export the best validated weights, not the last"),
         click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,

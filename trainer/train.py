@@ -91,7 +91,7 @@ class TrainConfig:
     channels_last: bool = False  # NHWC memory layout for conv backbones
     compile: bool = False  # torch.compile the network
     workers: int = 0  # DataLoader worker processes
-    augment: str = "none"  # none | geometry (trainer/augment.py), image datasets only
+    augment: str | None = None  # none | geometry | ... (trainer/augment.py), image datasets; None: by trainer/defaults.py
     val_every: int | None = None  # validate every N epochs; 0 = never; None: 1, or about 20 a run (trainer/defaults.py)
     patience: int | None = None  # stop after N validations without a better one; 0 = off; None: by trainer/defaults.py
     converge: bool | None = None  # train to convergence (a budget, patience); None: by trainer/defaults.py
@@ -538,10 +538,10 @@ def _setup(cfg: TrainConfig, out: Path, progress: bool, resume: bool, overwrite:
     splits = _load_data(cfg, progress and rank == 0)
     data_info = _data_info(cfg, splits)
     cfg = replace(cfg, backbone=resolve_backbone(cfg, splits))
-    augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])
     y_train = torch.tensor(np.asarray(splits.train[1], dtype=np.int64))  # [N]
     n_train, num_classes = len(y_train), splits.num_classes
     cfg, defaults = resolve_defaults(cfg, n_train, world)
+    augment = build_augment(cfg.augment, splits.input_shape, data_info["image"])
     model, loss_fn, sampler = _build(cfg, splits, num_classes, n_train, resume)
     net = _place(cfg, model, num_classes, device, world)
 

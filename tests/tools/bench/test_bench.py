@@ -189,7 +189,7 @@ def test_enroll_bench_enrolls_them_all_and_meets_the_limit_and_a_race(tmp_path, 
 
     monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
     r = run_enroll_bench(classes=500, enroll=12, examples=3, duration=0.3, negatives=32, log_dir=tmp_path, dim=16)
-    assert r["statuses"] == {201: 12} and r["served_enrolled"] == 12 and r["rule"] == "standardised"
+    assert r["statuses"] == {201: 12} and r["served_enrolled"] == 12 and r["rule"] == "fitted"
     assert r["enroll_ms"]["n"] == 12 and not r["probe_errors"] and r["probe_ms"]["alone"]["n"] > 0
     assert r["back_to_back"] + r["paced"] == 12 and r["paced"] == 6
     assert r["abuse"]["over_limit"] == {"status": 507, "code": "enrolled_limit"}

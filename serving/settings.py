@@ -101,12 +101,16 @@ class Settings(BaseSettings):
         "how often a server asks the store for enrollments made by other processes (a second replica on the "
         "same SQLite data_dir or PostgreSQL): another replica's enrolled class is served here within this time "
         "(plus the time of one read); this process's own enrollments are served as soon as they are answered"))
-    enroll_rule: Literal["auto", "imprint", "standardised"] = Field("auto", description=(
+    enroll_rule: Literal["auto", "imprint", "standardised", "fitted"] = Field("auto", description=(
         "how an enrolled class's row is made from its examples' embeddings (serving/core/enrollment.py): imprint = "
         "their normalised mean at the trained rows' median norm, the median trained bias; standardised = the same "
         "direction centred on the calibration negatives' mean, scaled and shifted so that its logits on the "
-        "negatives spread as a typical trained class's do (uncentred, a new row scores every image high); auto = standardised "
-        "where the bundle carries calibration negatives, else imprint"))
+        "negatives spread as a typical trained class's do (uncentred, a new row scores every image high); fitted = "
+        "an L2-regularised logistic regression of the examples against the calibration negatives, scaled as "
+        "standardised, with a threshold of its own cross-fitted on the examples against the negatives at the "
+        "bundle's target precision (needs 2 examples or more; SLC_ENROLL_THRESHOLD does not apply to it); "
+        "auto = fitted where the bundle carries calibration negatives (standardised for a class of one "
+        "example), else imprint"))
     enroll_threshold: Literal["global", "negatives"] = Field("global", description=(
         "the threshold of an enrolled class: global = the bundle's global calibrated threshold (calibration.json "
         "`global`; PoLS logits are comparable across classes); negatives = the lowest logit at which the class "

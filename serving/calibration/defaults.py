@@ -15,7 +15,9 @@ context calibrates on (docs/calibration.md gives the measurements):
   per-class thresholds pulled toward the global one;
 - `slc calibrate` on a user's images: norm ("The norm rule": few images per class, a face unlike
   the training ones);
-- enrollment: the row rule `auto` and the bundle's global threshold (docs/api.md, "Enroll a class").
+- enrollment: the row rule `auto` (standardised where the bundle carries calibration negatives, else
+  imprint; `fitted`, with a cross-fitted threshold of its own, only when named: it raised a small
+  folder's enrolled recall but gave away precision on glyphs3755; docs/api.md, "Enroll a class").
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ RULE_DEFAULTS = {
     "not pols": {"name": "shrink", "kappa": KAPPA},
     "calibrate": {"name": "norm"},
 }
-ENROLL_RULE = "auto"  # SLC_ENROLL_RULE: imprint or standardised, chosen by the bundle (serving/core/enrollment.py)
+ENROLL_RULE = "auto"  # SLC_ENROLL_RULE: imprint, standardised or fitted, chosen by the bundle (serving/core/enrollment.py)
 ENROLL_THRESHOLD = "global"  # SLC_ENROLL_THRESHOLD: the bundle's global threshold for an enrolled class
 
 BETAS = (0.25, 0.5, 1.0)  # --adapt-rows: the steps, in units of each row's length, the halves choose among

@@ -1,6 +1,14 @@
 """The rule that turns a few examples into a class row (issue 38): no protocol, no store, no state,
 so that measurement can swap it for another (docs/api.md "Enroll a class").
 
+The default where the bundle carries calibration negatives and a class has 2 examples or more,
+`fitted` (issue 50, at the end of this module): the row is an L2-regularised logistic regression of
+the examples against the negatives (numpy Newton steps, `logistic_fit`), its logits mapped onto a
+typical trained class's scale on the negatives, with a threshold of its own chosen on cross-fitted
+scores (each example scored by the regression fitted without it) at the bundle's target precision.
+Measured: docs/results/small-folder-aims.md, "After: a row fitted against the calibration negatives".
+Otherwise one of the rules below (`standardised` with negatives, `imprint` without).
+
 Baseline, "imprinting" (Qi, Brown & Lowe 2018, "Low-shot learning with imprinted weights"):
 
   e_i   = h_i / |h_i|                       each example's embedding, normalised   [n, d]
@@ -191,3 +199,139 @@ def standardised(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.
     bias -= max(0.0, tail - neg.logit_tail)
     return ClassRow(row=row.astype(np.float32), bias=bias, threshold=stats.threshold, platt_a=stats.platt_a,
                     platt_b=stats.platt_b, examples=centred.examples, rule="global")
+
+
+# ------------------------------------------------------------------ a row fitted against the negatives (issue 50)
+FIT_C = 1.0  # inverse L2 strength on the embeddings scaled to unit RMS norm (measured: docs/results/small-folder-aims.md)
+FIT_NEGATIVES = 2048  # calibration negatives the row is fitted on at most (a seeded sample); the rest only score it
+FIT_FOLDS = 10  # at most: the examples' cross-fitting folds (one per example up to this)
+FIT_MIN_EXAMPLES = 2  # fewer: no example is left to judge a threshold on; the standardised row is made instead
+NEWTON_STEPS = 50
+
+
+def logistic_fit(x: np.ndarray, y: np.ndarray, c: float, sample_weight: Optional[np.ndarray] = None,
+                 start: Optional[np.ndarray] = None, tol: float = 1e-10) -> np.ndarray:
+    """L2-regularised binary logistic regression by Newton's method: the (w, b) [d + 1] minimising
+    0.5 |w|^2 + c * sum_i s_i * log(1 + exp(-y_i (x_i . w + b))), y_i in {0, 1} (as +-1), the
+    intercept b not penalised: scikit-learn's LogisticRegression(C=c) objective (lbfgs), solved exactly
+    (tests/serving/test_enroll_fitted.py compares the two). x [n, d] float64."""
+    x = np.asarray(x, dtype=np.float64)
+    n, d = x.shape
+    s = np.ones(n) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+    sign = np.where(np.asarray(y) > 0, 1.0, -1.0)  # [n]
+    xa = np.concatenate([x, np.ones((n, 1))], axis=1)  # [n, d + 1]
+    reg = np.ones(d + 1)
+    reg[-1] = 0.0  # the intercept is free
+
+    def loss(theta: np.ndarray) -> float:
+        m = sign * (xa @ theta)
+        return 0.5 * float(reg @ theta ** 2) + c * float(s @ np.logaddexp(0.0, -m))
+
+    theta = np.zeros(d + 1) if start is None else np.asarray(start, dtype=np.float64).copy()
+    f = loss(theta)
+    for _ in range(NEWTON_STEPS):
+        m = sign * (xa @ theta)
+        q = 0.5 * (1.0 - np.tanh(0.5 * m))  # sigma(-m), stable
+        grad = reg * theta - c * (xa.T @ (s * sign * q))
+        hess = (xa.T * (c * s * q * (1.0 - q))) @ xa
+        hess[np.diag_indices_from(hess)] += reg + 1e-12
+        step = np.linalg.solve(hess, grad)
+        decrease = float(grad @ step)
+        if decrease < tol * max(1.0, abs(f)):
+            break
+        t = 1.0
+        while t > 1e-8:  # backtracking (Armijo): Newton's full step almost always passes
+            g = loss(theta - t * step)
+            if g <= f - 1e-4 * t * decrease:
+                break
+            t *= 0.5
+        theta, f = theta - t * step, g
+    return theta
+
+
+def precision_threshold(z_pos: np.ndarray, z_neg: np.ndarray, num_trained: int,
+                        target_precision: float) -> Optional[float]:
+    """The lowest score t at which the examples' scores z_pos [n] against the negatives' z_neg [N]
+    reach the target precision, the examples weighted as an average class's share of the N negatives
+    (N / D positives in all, as `negatives_threshold`); placed halfway between that score and the
+    next lower score of either kind, so that it sits in the gap rather than on one sample. None when
+    no t reaches the target with an example at or above it."""
+    z_pos, z_neg = np.asarray(z_pos, dtype=np.float64), np.asarray(z_neg, dtype=np.float64)
+    weight = max(len(z_neg) / max(num_trained, 1), 1.0) / len(z_pos)
+    candidates = np.unique(np.concatenate([z_pos, z_neg]))  # ascending
+    tp = weight * (len(z_pos) - np.searchsorted(np.sort(z_pos), candidates, side="left"))
+    fp = len(z_neg) - np.searchsorted(np.sort(z_neg), candidates, side="left")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        precision = tp / (tp + fp)
+    ok = np.flatnonzero((tp > 0) & (precision >= target_precision))
+    if not ok.size:
+        return None
+    i = int(ok[0])
+    return float(candidates[i]) if i == 0 else 0.5 * float(candidates[i] + candidates[i - 1])
+
+
+def fitted(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.ndarray, num_trained: int,
+           c: float = FIT_C, max_negatives: int = FIT_NEGATIVES, seed: int = 0) -> ClassRow:
+    """A row fitted to the examples h [n, d] (n >= FIT_MIN_EXAMPLES) against the bundle's calibration
+    negatives h_neg [N, d], with a threshold of its own (docs/api.md "Enroll a class"):
+
+    1. direction: L2-regularised logistic regression (`logistic_fit`, C = c, classes balanced: the n
+       examples weigh as much as the negatives together) on the embeddings divided by the negatives'
+       RMS norm (so that c does not depend on the model's embedding scale); at most max_negatives
+       negatives (a seeded sample) are fitted on;
+    2. threshold: cross-fitted. The examples and the fitted negatives are split into min(n, FIT_FOLDS)
+       folds; each fold's examples and negatives are scored by the regression fitted on the other
+       folds, negatives never fitted on by the full regression; the score threshold is
+       `precision_threshold` on those scores at the bundle's target precision (a threshold judged on
+       examples the row was not fitted on), or, when none reaches it (no out-of-fold example scores
+       above every negative), just above the highest negative score;
+    3. scale: the full regression's scores mapped linearly so that its logits on all N negatives have
+       a typical trained class's mean and spread there (`NegativeStats`), like `standardised`'s; the
+       threshold mapped with them.
+
+    ClassRow.rule is "cv" (the threshold's origin). 422 as `imprint` for examples with no direction."""
+    imprint(h, stats)  # the same refusals (no example, non-finite, norm 0, cancelling out)
+    h = np.asarray(h, dtype=np.float64)
+    h_neg = np.asarray(h_neg, dtype=np.float64)
+    n, big_n = len(h), len(h_neg)
+    if n < FIT_MIN_EXAMPLES or big_n < 2:
+        raise InvalidInput(f"a fitted row needs at least {FIT_MIN_EXAMPLES} examples and 2 negatives",
+                           code="no_examples")
+    scale = math.sqrt(float(np.mean(np.einsum("ij,ij->i", h_neg, h_neg)))) or 1.0
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(big_n)
+    fit_idx, rest_idx = np.sort(order[:max_negatives]), np.sort(order[max_negatives:])
+    xp, xn = h / scale, h_neg[fit_idx] / scale
+
+    def fit(pos: np.ndarray, negs: np.ndarray, start=None) -> np.ndarray:
+        x = np.concatenate([pos, negs])
+        y = np.r_[np.ones(len(pos)), np.zeros(len(negs))]
+        total = len(x)
+        sw = np.r_[np.full(len(pos), total / (2.0 * len(pos))), np.full(len(negs), total / (2.0 * len(negs)))]
+        return logistic_fit(x, y, c, sw, start)
+
+    full = fit(xp, xn)
+    folds = min(n, FIT_FOLDS)
+    pos_fold = np.arange(n) % folds
+    neg_fold = rng.permutation(len(xn)) % folds
+    z_pos, z_neg = np.empty(n), np.empty(len(xn))
+    for k in range(folds):
+        theta = fit(xp[pos_fold != k], xn[neg_fold != k], start=full)
+        z_pos[pos_fold == k] = xp[pos_fold == k] @ theta[:-1] + theta[-1]
+        z_neg[neg_fold == k] = xn[neg_fold == k] @ theta[:-1] + theta[-1]
+    if rest_idx.size:
+        z_neg = np.concatenate([z_neg, h_neg[rest_idx] / scale @ full[:-1] + full[-1]])
+    t = precision_threshold(z_pos, z_neg, num_trained, stats.target_precision)
+    if t is None:  # no out-of-fold example clears every negative: the threshold just above them all
+        t = float(np.nextafter(z_neg.max(), np.inf))
+    p = h_neg / scale @ full[:-1] + full[-1]  # [N] the full regression's scores of every negative
+    spread = float(p.std())
+    if not spread > 0:
+        raise InvalidInput("the examples' direction does not separate anything in the model's space",
+                           code="degenerate_examples")
+    a = neg.logit_std / spread
+    b0 = neg.logit_mean - a * float(p.mean())
+    row = (a / scale) * full[:-1]  # logit = a * score + b0 = row . h + bias
+    bias = a * full[-1] + b0
+    return ClassRow(row=row.astype(np.float32), bias=float(bias), threshold=float(a * t + b0),
+                    platt_a=stats.platt_a, platt_b=stats.platt_b, examples=n, rule="cv")

@@ -343,7 +343,8 @@ def test_a_quantized_pass_goes_on_over_the_enrolled_rows(tmp_path, inputs):
 
 
 def test_standardised_rule_on_a_bundle_with_negatives(tmp_path):
-    """The default rule where the bundle carries calibration negatives: the examples' direction centred
+    """SLC_ENROLL_RULE=standardised (auto's rule for a class of one example where the bundle carries
+    calibration negatives; tests/serving/test_enroll_fitted.py has auto's fitted rule): the examples' direction centred
     on the negatives' mean, and the new class's logits on the negatives spread as a typical trained
     class's do (the medians of their mean and std) and reach no further into the tail (the median of
     their 1 - 2/N quantile), all checked by brute force over the bundle."""
@@ -360,7 +361,7 @@ def test_standardised_rule_on_a_bundle_with_negatives(tmp_path):
     h_neg = np.load(path / "calibration_embeddings.npy").astype(np.float64)
     y_neg = np.load(path / "calibration_labels.npy")
     x = examples(21, n=3)
-    with TestClient(build(make_settings(path, tmp_path))[0]) as client:
+    with TestClient(build(make_settings(path, tmp_path, enroll_rule="standardised"))[0]) as client:
         wait_ready(client.get)
         assert client.get("/v1/model").json()["classes"]["enroll_rule"] == "standardised"
         got = enroll(client, "centred", x).json()

@@ -204,9 +204,11 @@ def test_slc_enroll_against_a_running_server(image_bundle, tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: cannot reach {url}/v1/classes/cat")
 
 
-def test_adding_is_exact_under_the_standardised_rule_and_the_negatives_threshold(tmp_path):
-    """The rules that need every example (centred directions; each example's logit for the threshold)
-    give the same class whether its examples came in one PUT or a PUT and two adds."""
+@pytest.mark.parametrize("rule", ["standardised", "fitted"])
+def test_adding_is_exact_under_the_rules_that_need_every_example(tmp_path, rule):
+    """The rules that need every example (centred directions and each example's logit for the
+    threshold; the fitted regression and its cross-fitted threshold) give the same class whether its
+    examples came in one PUT or a PUT and two adds."""
     from fastapi.testclient import TestClient
 
     from serving.bundle.synthetic import build_synthetic_bundle
@@ -215,15 +217,15 @@ def test_adding_is_exact_under_the_standardised_rule_and_the_negatives_threshold
     path = build_synthetic_bundle(classes=30, dim=16, input_dim=12, seed=0, out=tmp_path / "neg", negatives=300)
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((1, 12)) + 0.05 * rng.standard_normal((6, 12))).astype(np.float32)
-    with TestClient(create_app(make_settings(path, tmp_path, enroll_threshold="negatives"))) as client:
+    with TestClient(create_app(make_settings(path, tmp_path, enroll_threshold="negatives", enroll_rule=rule))) as client:
         wait_ready(client.get)
         once = client.put("/v1/classes/once", json={"inputs": x.tolist()}).json()
-        client.put("/v1/classes/grown", json={"inputs": x[:1].tolist()})
-        client.post("/v1/classes/grown/examples", json={"inputs": x[1:4].tolist()})
+        client.put("/v1/classes/grown", json={"inputs": x[:2].tolist()})
+        client.post("/v1/classes/grown/examples", json={"inputs": x[2:4].tolist()})
         grown = client.post("/v1/classes/grown/examples", json={"inputs": x[4:].tolist()}).json()
         probe = rng.standard_normal((5, 12)).astype(np.float32)
         z_once, z_grown = _logits(client, "once", probe), _logits(client, "grown", probe)
-    assert once["rule"] == grown["rule"] and once["rule"].startswith("standardised+")
+    assert once["rule"] == grown["rule"] and once["rule"].startswith(f"{rule}+")
     assert grown["examples"] == once["examples"] == 6
     for key in ("threshold", "bias", "norm"):
         assert grown[key] == pytest.approx(once[key], rel=1e-6, abs=1e-6), key

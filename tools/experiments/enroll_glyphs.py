@@ -124,13 +124,20 @@ def nearest_example(h_test: np.ndarray, y_test: np.ndarray, h_items: np.ndarray,
     return float(np.mean(y_items[best] == y_test))
 
 
-def enroll_row(h: np.ndarray, stats, negatives=None):
-    """The row the server makes by default (SLC_ENROLL_RULE=auto, serving/core/enrolled.py `compute`):
-    standardised imprinting where the bundle carries calibration negatives (`negatives` = their
-    NegativeStats and embeddings), else plain imprinting; the bundle's global threshold either way."""
-    from serving.core.enrollment import imprint, standardised
+def enroll_row(h: np.ndarray, stats, negatives=None, num_trained: int = 0, rule: str = "auto"):
+    """The row the server makes (SLC_ENROLL_RULE, serving/core/enrolled.py `compute`) where the bundle
+    carries calibration negatives (`negatives` = their NegativeStats and embeddings): with `fitted`, the
+    fitted row and its cross-fitted threshold for 2 examples or more; with `auto`, standardised
+    imprinting (the global threshold); else plain imprinting and the global threshold. (The server also
+    gives a standardised or imprinted class whose global threshold rejects all its examples the
+    negatives threshold; this study keeps the global one there, as it was measured.)"""
+    from serving.core.enrollment import FIT_MIN_EXAMPLES, fitted, imprint, standardised
 
-    return imprint(h, stats) if negatives is None else standardised(h, stats, negatives[0], negatives[1])
+    if negatives is None:
+        return imprint(h, stats)
+    if rule == "fitted" and len(h) >= FIT_MIN_EXAMPLES:
+        return fitted(h, stats, negatives[0], negatives[1], num_trained)
+    return standardised(h, stats, negatives[0], negatives[1])
 
 
 def study(run: Path, work: Path) -> dict:
@@ -173,9 +180,11 @@ def study(run: Path, work: Path) -> dict:
         h_neg = np.load(bundle_dir / "calibration_embeddings.npy")
         y_neg = np.load(bundle_dir / "calibration_labels.npy")
         negatives = (negative_stats(b.weight, b.bias, h_neg, y_neg), h_neg)
-    out["rule"] = "standardised imprint (mean, spread and far tail of a trained class on the negatives) + global threshold" if negatives else "imprint + global threshold"
+    out["rule"] = ("k = 1: standardised imprint (mean, spread and far tail of a trained class on the negatives) + "
+                   "global threshold; k >= 2: fitted against the negatives + cross-fitted threshold") \
+        if negatives else "imprint + global threshold"
     for k in KS:
-        rows = [enroll_row(h_ex[i, :k], stats, negatives) for i in range(C)]
+        rows = [enroll_row(h_ex[i, :k], stats, negatives, D) for i in range(C)]
         w = np.concatenate([np.asarray(b.weight), np.stack([r.row for r in rows])])
         bias = np.concatenate([np.asarray(b.bias), [r.bias for r in rows]])
         d = decisions(h, labels, w, bias, np.concatenate([thr, [r.threshold for r in rows]]))

@@ -10,7 +10,35 @@ from typing import Callable
 
 from torch import nn
 
+from trainer.losses.init import ZERO_HEAD
+
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
+
+
+class Loss(nn.Module):
+    """What every registered loss carries (trainer/losses/init.py): `pols`, the head's initial weight scale,
+    and `initial_bias` (None unless a loss says where its optimum puts a constant logit)."""
+
+    pols = False
+    initial_weight_scale = ZERO_HEAD
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.num_classes = num_classes
+
+    def initial_bias(self, num_classes: int, batch_size: int | None = None):
+        return None
+
+
+class Scheduled(Loss):
+    """A loss that changes over training: the trainer calls `set_progress(fraction)`, 0 at the start, 1 at the end."""
+
+    def __init__(self, num_classes: int):
+        super().__init__(num_classes)
+        self.progress = 0.0
+
+    def set_progress(self, fraction: float) -> None:
+        self.progress = min(max(float(fraction), 0.0), 1.0)
 
 
 def register_loss(name: str):

@@ -14,29 +14,26 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from trainer.distributed import gather_batch
-from trainer.losses import register_loss
-from trainer.losses.init import ZERO_HEAD, expected_present, prior_logit
+from trainer.losses import Loss, register_loss
+from trainer.losses.init import expected_present, prior_logit
 from trainer.losses.standard import SmoothHinge, false_logits, shard_false_max, smooth_max, true_logits
 
 
 @register_loss("self_norm")
-class SelfNormalization(nn.Module):
+class SelfNormalization(Loss):
     """−log p_y + α·(logsumexp_j z_j)² (Devlin et al. 2014). Default alpha=0.1 (Devlin et al.'s value).
 
     The second term pins the softmax normaliser at 1, so e^{z_j} is itself a probability.
     """
 
     pols = True
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, alpha: float = 0.1):
-        super().__init__()
+        super().__init__(num_classes)
         if alpha <= 0:
             raise ValueError("alpha must be > 0 (alpha = 0 is plain ce, which is not PoLS)")
-        self.num_classes, self.alpha = num_classes, float(alpha)
+        self.alpha = float(alpha)
 
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
         """−log C: equal logits then have logsumexp 0, so the penalty starts at its minimum and
@@ -55,7 +52,7 @@ class SelfNormalization(nn.Module):
 
 
 @register_loss("nce")
-class NoiseContrastive(nn.Module):
+class NoiseContrastive(Loss):
     """NCE (Mnih & Teh 2012): −log g_y − t·Σ_j q_j log(1 − g_j), g_j = σ(z_j − log(t·q_j)).
 
     Defaults: t=10 noise samples, q uniform (1/C), mode="exact" (the expectation over j~q,
@@ -65,10 +62,9 @@ class NoiseContrastive(nn.Module):
     """
 
     pols = True
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, t: int = 10, q: Sequence[float] | None = None, mode: str = "exact"):
-        super().__init__()
+        super().__init__(num_classes)
         if mode not in ("exact", "sampled"):
             raise ValueError(f"mode must be 'exact' or 'sampled', got {mode!r}")
         if int(t) != t or t < 1:
@@ -136,15 +132,10 @@ class NoiseContrastive(nn.Module):
 
 
 @register_loss("bce")
-class BinaryCrossEntropy(nn.Module):
+class BinaryCrossEntropy(Loss):
     """One-vs-all logistic loss −log σ(z_y) − Σ_{j≠y} log(1 − σ(z_j)) ("LGL"), summed over classes."""
 
     pols = True
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
-
-    def __init__(self, num_classes: int):
-        super().__init__()
-        self.num_classes = num_classes
 
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
         """−log(C − 1): σ(b) = 1/C, the prior of each one-vs-all logit."""
@@ -161,22 +152,15 @@ class BinaryCrossEntropy(nn.Module):
 
 
 @register_loss("batch_ce")
-class BatchCrossEntropy(nn.Module):
+class BatchCrossEntropy(Loss):
     """KL(P_B ‖ Q_B) over the m×C batch = mean_i(−z_{i,y_i}) + logsumexp_{i,j} z_{ij} − log m.
 
     One softmax over all logits of the (global) batch. No parameters.
     """
 
     pols = True
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
-    def __init__(self, num_classes: int):
-        super().__init__()
-        self.num_classes = num_classes
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: adding one constant to every logit of the batch leaves the loss unchanged."""
-        return None
+    # initial bias None (Loss): adding one constant to every logit of the batch leaves the loss unchanged
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = gather_batch(logits, target)  # [m, C], [m]
@@ -215,7 +199,7 @@ class BatchMaxMargin(SmoothHinge):
 
 
 @register_loss("lgl_inr")
-class LogisticInNegativeReweighted(nn.Module):
+class LogisticInNegativeReweighted(Loss):
     """LGL-INR (Li et al., Eq. 11) summed over target classes j, on the (global) batch.
 
     Σ_{k present} −mean_{i∈S_k} log σ(z_ik)
@@ -227,13 +211,12 @@ class LogisticInNegativeReweighted(nn.Module):
     """
 
     pols = True
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
 
     def __init__(self, num_classes: int, beta: float = 1.0, detach_weights: bool = False):
-        super().__init__()
+        super().__init__(num_classes)
         if beta < 0:
             raise ValueError("beta must be >= 0")
-        self.num_classes, self.beta, self.detach_weights = num_classes, float(beta), bool(detach_weights)
+        self.beta, self.detach_weights = float(beta), bool(detach_weights)
 
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float | None:
         """log(P/C), P the expected number of classes present in a batch: at equal logits b the

@@ -34,10 +34,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from trainer.losses import register_loss
-from trainer.losses.init import ZERO_HEAD
+from trainer.losses import Loss, register_loss
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -408,7 +406,7 @@ def smooth_topk_loss(logits: torch.Tensor, target: torch.Tensor, k: int = 5, tau
 
 
 @register_loss("smooth_topk")
-class SmoothTopkSVM(nn.Module):
+class SmoothTopkSVM(Loss):
     """Smooth top-k SVM L_{k,τ} (Berrada et al. 2018); mean over the batch.
 
     Not PoLS: like softmax CE it only compares logits within one example.
@@ -416,21 +414,17 @@ class SmoothTopkSVM(nn.Module):
     """
 
     pols = False
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
+    # initial bias None (Loss): only differences of logits enter the loss
 
     def __init__(self, num_classes: int, k: int = 5, tau: float = 1.0, alpha: float = 1.0, order: int = 2):
-        super().__init__()
+        super().__init__(num_classes)
         if not 1 <= k < num_classes:
             raise ValueError(f"smooth_topk needs 1 <= k < num_classes, got k={k}, num_classes={num_classes}")
         if tau <= 0:
             raise ValueError(f"tau must be > 0, got {tau}")
         if order < 0:
             raise ValueError(f"order must be >= 0, got {order}")
-        self.num_classes, self.k, self.tau, self.alpha, self.order = num_classes, k, float(tau), float(alpha), order
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: only differences of logits enter the loss."""
-        return None
+        self.k, self.tau, self.alpha, self.order = k, float(tau), float(alpha), order
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return smooth_topk_loss(logits, target, self.k, self.tau, self.alpha, self.order).mean()

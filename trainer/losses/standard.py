@@ -9,10 +9,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from trainer.losses import register_loss
-from trainer.losses.init import ZERO_HEAD
+from trainer.losses import Loss, Scheduled, register_loss
 
 
 def true_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -39,27 +37,19 @@ def smooth_max(z: torch.Tensor, tau: float, dim: int | None = 1) -> torch.Tensor
     return z.amax(dim=dim) if tau == 0 else tau * torch.logsumexp(z / tau, dim=dim)
 
 
-class SmoothHinge(nn.Module):
+class SmoothHinge(Scheduled):
     """A hinge loss of margin `gamma` and its option (docs/losses.md, "Hinge losses at many classes"):
     `tau` > 0 replaces each max over false logits by tau·logsumexp(·/tau) (and a min by its mirror);
     `anneal` in (0, 1] lowers tau linearly to 0 over that share of training (set_progress), so the
     loss is the exact hinge from then on. Defaults tau=0, anneal=0: the hinge as defined."""
 
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
+    # initial bias None (Loss): only differences of logits enter a hinge
 
     def __init__(self, num_classes: int, gamma: float = 1.0, tau: float = 0.0, anneal: float = 0.0):
-        super().__init__()
+        super().__init__(num_classes)
         if tau < 0 or not 0 <= anneal <= 1:
             raise ValueError(f"need tau >= 0 and 0 <= anneal <= 1, got tau={tau}, anneal={anneal}")
-        self.num_classes, self.gamma = num_classes, float(gamma)
-        self.tau, self.anneal, self.progress = float(tau), float(anneal), 0.0
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: only differences of logits enter a hinge."""
-        return None
-
-    def set_progress(self, fraction: float) -> None:
-        self.progress = min(max(float(fraction), 0.0), 1.0)
+        self.gamma, self.tau, self.anneal = float(gamma), float(tau), float(anneal)
 
     @property
     def current_tau(self) -> float:
@@ -79,19 +69,11 @@ def log_square_plus(u: torch.Tensor, c: float) -> torch.Tensor:
 
 
 @register_loss("ce")
-class CrossEntropy(nn.Module):
+class CrossEntropy(Loss):
     """−log p_y, the softmax cross-entropy (not PoLS: logits only compete within an example)."""
 
     pols = False
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
-
-    def __init__(self, num_classes: int):
-        super().__init__()
-        self.num_classes = num_classes
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: softmax is unchanged by one constant added to every logit."""
-        return None
+    # initial bias None (Loss): softmax is unchanged by one constant added to every logit
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target)
@@ -127,19 +109,13 @@ def shard_false_max(z: torch.Tensor, shard, tau: float) -> torch.Tensor:
 
 
 @register_loss("taylor_softmax")
-class TaylorSoftmax(nn.Module):
+class TaylorSoftmax(Loss):
     """−log of the second-order Taylor softmax, f(z) = 1 + z + z²/2 = ((z+1)² + 1)/2 > 0.
 
     Computed as log((z+1)² + 1) per logit (the 1/2 cancels) and a logsumexp over classes.
     """
 
     pols = False
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
-
-    def __init__(self, num_classes: int):
-        super().__init__()
-        self.num_classes = num_classes
-
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
         """None (0): equal logits give p_y = 1/C at any value; at 0 the true logit's gradient
         −f'(b)/f(b)·(1 − 1/C) is largest, while −1 (f's minimum, the false logits' optimum) is a
@@ -152,7 +128,7 @@ class TaylorSoftmax(nn.Module):
 
 
 @register_loss("spherical_softmax")
-class SphericalSoftmax(nn.Module):
+class SphericalSoftmax(Loss):
     """−log((z_y² + ε) / Σ_j (z_j² + ε)). Default eps=1e-6 (the blog's small additive term).
 
     Computed in log space with per-row scaling, so z of magnitude 1e3 (and far beyond)
@@ -160,13 +136,11 @@ class SphericalSoftmax(nn.Module):
     """
 
     pols = False
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
-
     def __init__(self, num_classes: int, eps: float = 1e-6):
-        super().__init__()
+        super().__init__(num_classes)
         if eps <= 0:
             raise ValueError("eps must be > 0")
-        self.num_classes, self.eps = num_classes, float(eps)
+        self.eps = float(eps)
 
     def initial_bias(self, num_classes: int, batch_size: int | None = None) -> float:
         """1.0: equal logits give p_y = 1/C at any value, but f = z² + ε is symmetric about 0, so a
@@ -192,7 +166,7 @@ def _parse_schedule(schedule) -> list[float]:
 
 
 @register_loss("ce_el")
-class CrossEntropyExpectation(nn.Module):
+class CrossEntropyExpectation(Scheduled):
     """a·(−log p_y) + b·(1 − p_y), the CE + expectation-loss mix of Battash et al.
 
     The focus F (the p_y where the gradient is largest) follows `schedule`, a list of F
@@ -202,20 +176,11 @@ class CrossEntropyExpectation(nn.Module):
     """
 
     pols = False
-    initial_weight_scale = ZERO_HEAD  # trainer/losses/init.py
+    # initial bias None (Loss): softmax is unchanged by one constant added to every logit
 
     def __init__(self, num_classes: int, schedule: Sequence[float] | str = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)):
-        super().__init__()
-        self.num_classes = num_classes
+        super().__init__(num_classes)
         self.schedule = _parse_schedule(schedule)
-        self.progress = 0.0
-
-    def initial_bias(self, num_classes: int, batch_size: int | None = None) -> None:
-        """None: softmax is unchanged by one constant added to every logit."""
-        return None
-
-    def set_progress(self, fraction: float) -> None:
-        self.progress = min(max(float(fraction), 0.0), 1.0)
 
     @property
     def phase(self) -> int:

@@ -54,6 +54,33 @@ def make_settings(bundle_path, tmp_path, **overrides):
     return Settings(**base)
 
 
+def synthetic_image_bundle(tmp_path_factory, name: str, spec: dict) -> Path:
+    """A 20-class synthetic bundle (d = 8) that takes 8x8 images of `spec`: the image tests' shared bundle."""
+    from serving.bundle.synthetic import build_synthetic_bundle
+
+    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
+                                  out=tmp_path_factory.mktemp(name) / "bundle", image=spec)
+
+
+@contextmanager
+def client_starter(bundle: Path, tmp_path: Path):
+    """`start(**settings)`: a ready TestClient of `bundle`, its settings on `.settings`; all closed on exit."""
+    from contextlib import ExitStack
+
+    from fastapi.testclient import TestClient
+
+    from serving.http.app import create_app
+
+    with ExitStack() as stack:
+        def start(**overrides):
+            settings = make_settings(bundle, tmp_path, **overrides)
+            client = stack.enter_context(TestClient(create_app(settings)))
+            wait_ready(client.get)
+            client.settings = settings
+            return client
+        yield start
+
+
 def wait_ready(get, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -62,6 +89,15 @@ def wait_ready(get, timeout: float = 30.0) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"server not ready after {timeout} s: {r.status_code} {r.text}")
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still exists."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def free_port() -> int:

@@ -365,6 +365,21 @@ def test_a_request_that_gives_up_leaves_the_queue_at_once():
     assert [sizes for _, sizes, _ in lanes.calls] == [[1], [2]]  # the cancelled request was never computed
 
 
+async def _refused_behind_a_stall(b: Batcher, hold, queued_inputs: list) -> Overloaded:
+    """The refusal of one more input while a pass stalls on an input of 9.0 (until `hold` is set) and
+    `queued_inputs` wait behind it; then the stall is released, everything answered and `b` stopped."""
+    blocker = asyncio.ensure_future(b.submit(np.full((1, 1), 9.0), "logits"))
+    await asyncio.sleep(0.05)
+    queued = [asyncio.ensure_future(b.submit(x, "logits")) for x in queued_inputs]
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as refused:
+        await b.submit(np.ones((1, 1)), "logits")
+    hold.set()
+    await asyncio.gather(blocker, *queued)
+    await b.stop()
+    return refused.value
+
+
 def test_retry_after_counts_each_kind_at_its_own_rate():
     """Queued passes are worked off at the pass rate, however fast the backbone batches in between were."""
     import threading
@@ -386,18 +401,7 @@ def test_retry_after_counts_each_kind_at_its_own_rate():
         await b.submit(np.ones((1, 1)), "logits")
         for _ in range(5):
             await b.submit(np.ones((1, 1)), "embed")  # fast batches after it
-        blocker = asyncio.ensure_future(b.submit(np.full((1, 1), 9.0), "logits"))
-        await asyncio.sleep(0.05)
-        queued = [asyncio.ensure_future(b.submit(np.ones((1, 1)), "logits")) for _ in range(6)]
-        await asyncio.sleep(0)
-        try:
-            await b.submit(np.ones((1, 1)), "logits")
-        except Overloaded as exc:
-            refused = exc
-        hold.set()
-        await asyncio.gather(blocker, *queued)
-        await b.stop()
-        return refused
+        return await _refused_behind_a_stall(b, hold, [np.ones((1, 1))] * 6)
 
     refused = run(main())
     assert refused.retry_after >= 2  # 6 queued passes at <= 3.3 inputs/s: at least 1.8 s
@@ -423,18 +427,7 @@ def test_retry_after_counts_a_pass_per_batch_not_per_input():
         b.start()
         for _ in range(3):
             await b.submit(np.ones((1, 1)), "logits")  # 1-input passes of ~0.1 s
-        blocker = asyncio.ensure_future(b.submit(np.full((1, 1), 9.0), "logits"))
-        await asyncio.sleep(0.05)
-        queued = [asyncio.ensure_future(b.submit(np.ones((64, 1)), "logits")) for _ in range(4)]
-        await asyncio.sleep(0)
-        try:
-            await b.submit(np.ones((1, 1)), "logits")
-        except Overloaded as exc:
-            refused = exc
-        hold.set()
-        await asyncio.gather(blocker, *queued)
-        await b.stop()
-        return refused
+        return await _refused_behind_a_stall(b, hold, [np.ones((64, 1))] * 4)
 
     refused = run(main())
     assert refused.retry_after <= 2  # 4 full batches of ~0.1 s (per input, it would have read 26 s)

@@ -26,7 +26,7 @@ from serving.codecs.image_decoder import DecodePool
 from serving.errors import Kind, SlcError
 from serving.http.errors import http_headers, http_status
 from tests.serving import stalling_worker
-from tests.serving.helpers import assert_envelope
+from tests.serving.helpers import alive, assert_envelope
 
 pytestmark = pytest.mark.integration  # worker processes
 
@@ -45,14 +45,6 @@ def _png() -> bytes:
 def _offline(body: bytes) -> np.ndarray:
     """The truth: the bundle's decode function run in this process on the same bytes."""
     return decode_image(io.BytesIO(body), SPEC, formats=["PNG"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @pytest.fixture
@@ -117,7 +109,7 @@ def test_a_worker_killed_mid_decode_is_replaced_and_the_body_decoded_on_the_fres
             truth = _offline(body)
             assert got.shape == truth.shape == (64,)
             np.testing.assert_array_equal(got, truth)
-            assert killed == first and not _alive(first) and pool.crashes == 1
+            assert killed == first and not alive(first) and pool.crashes == 1
             assert pool.pids()[0] not in (None, first) and _left(stall) == 0
         finally:
             pool.stop()
@@ -137,7 +129,7 @@ def test_a_body_whose_decode_dies_twice_is_503_decoder_crashed_with_retry_after(
                 await task
             assert (err.value.kind, err.value.code, err.value.retry_after) == (Kind.UNAVAILABLE, "decoder_crashed", 1)
             assert (http_status(err.value), http_headers(err.value)) == (503, {"Retry-After": "1"})
-            assert len(set(killed)) == 2 and not any(map(_alive, killed)) and pool.crashes == 2
+            assert len(set(killed)) == 2 and not any(map(alive, killed)) and pool.crashes == 2
             np.testing.assert_array_equal(await pool.decode(body, b"image/png", SPEC, (64,)), _offline(body))
             assert pool.pids()[0] not in (None, *killed)  # a third process answered
         finally:
@@ -157,7 +149,7 @@ def test_an_image_that_fails_to_decode_on_its_own_is_still_422_and_its_worker_ke
             with pytest.raises(SlcError) as err:
                 await pool.decode(truncated, b"image/png", SPEC, (64,))
             assert (http_status(err.value), err.value.code) == (422, "invalid_image")
-            assert pool.crashes == 0 and pool.pids() == [first] and _alive(first)  # the worker answered it
+            assert pool.crashes == 0 and pool.pids() == [first] and alive(first)  # the worker answered it
         finally:
             pool.stop()
     asyncio.run(go())
@@ -177,7 +169,7 @@ def test_a_request_cancelled_mid_decode_is_not_retried(stall):
                 await task
             worker = pool.workers[0]
             await _until(lambda: worker.current is None and pool.pids()[0] not in (None, first))
-            assert _left(stall) == 1 and pool.crashes == 0 and not _alive(first)  # killed, not decoded again
+            assert _left(stall) == 1 and pool.crashes == 0 and not alive(first)  # killed, not decoded again
         finally:
             pool.stop()
     asyncio.run(go())
@@ -201,10 +193,9 @@ def test_a_decode_cut_by_shutdown_is_503_not_ready_and_not_retried(stall):
 # ------------------------------------------------------------------ over HTTP
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
+    from tests.serving.helpers import synthetic_image_bundle
 
-    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
-                                  out=tmp_path_factory.mktemp("crash-img") / "bundle", image=SPEC)
+    return synthetic_image_bundle(tmp_path_factory, "crash-img", SPEC)
 
 
 @pytest.fixture
@@ -234,7 +225,7 @@ def test_over_http_one_crash_answers_as_the_offline_tensor(client, stall):
     r, killed = _post_while_killing(client, stall, 1)
     by_json = client.post("/v1/classes/3/detect", json={"inputs": [_offline(_png()).tolist()]})
     assert r.status_code == 200, r.text
-    assert r.json() == by_json.json() and client.pool.crashes == 1 and not _alive(killed[0])
+    assert r.json() == by_json.json() and client.pool.crashes == 1 and not alive(killed[0])
 
 
 def test_over_http_two_crashes_are_503_decoder_crashed_with_retry_after(client, stall):

@@ -44,10 +44,9 @@ def imprint(offline: Offline, x: np.ndarray) -> tuple[np.ndarray, float]:
 
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
+    from tests.serving.helpers import synthetic_image_bundle
 
-    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
-                                  out=tmp_path_factory.mktemp("forms") / "bundle", image=IMAGE)
+    return synthetic_image_bundle(tmp_path_factory, "forms", IMAGE)
 
 
 @pytest.fixture(scope="module")

@@ -182,10 +182,9 @@ class FrozenGallery:
 
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
+    from tests.serving.helpers import synthetic_image_bundle
 
-    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
-                                  out=tmp_path_factory.mktemp("img") / "bundle", image=IMAGE)
+    return synthetic_image_bundle(tmp_path_factory, "img", IMAGE)
 
 
 def _png() -> bytes:

@@ -25,7 +25,7 @@ from serving.errors import SlcError
 from serving.http.errors import http_headers, http_status
 from serving.codecs.image_decoder import DecodePool
 from serving.codecs.images import decode
-from tests.serving.helpers import assert_envelope
+from tests.serving.helpers import alive, assert_envelope
 
 pytestmark = pytest.mark.integration  # worker processes
 
@@ -50,14 +50,6 @@ def _refusal(body: bytes, content_type: bytes) -> tuple[int, str]:
     with pytest.raises(SlcError) as err:
         decode(body, content_type, SPEC, (64,))
     return http_status(err.value), err.value.code
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 # ------------------------------------------------------------------ finding 1: progressive JPEG scan bomb
@@ -190,7 +182,7 @@ def test_a_decode_past_its_budget_is_killed_its_worker_replaced_and_the_next_ima
             with pytest.raises(SlcError) as err:
                 await pool.decode(_slow_jpeg(), b"image/jpeg", SPEC, (64,))
             assert (http_status(err.value), err.value.code) == (422, "image_decode_timeout")
-            assert not _alive(before) and pool.kills == 1  # killed (and reaped), not left running
+            assert not alive(before) and pool.kills == 1  # killed (and reaped), not left running
             got = await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))
             np.testing.assert_array_equal(got, decode(_png(_digit()), b"image/png", SPEC, (64,)))
             assert pool.pids()[0] not in (None, before)
@@ -211,7 +203,7 @@ def test_a_cancelled_decode_kills_its_worker():
             with pytest.raises(asyncio.CancelledError):
                 await task
             got = await pool.decode(_png(_digit()), b"image/png", SPEC, (64,))  # served by the replacement
-            assert got.shape == (64,) and not _alive(before) and pool.pids()[0] != before
+            assert got.shape == (64,) and not alive(before) and pool.pids()[0] != before
         finally:
             pool.stop()
     _run(go())
@@ -311,29 +303,17 @@ def test_decode_workers_never_load_torch():
 # ------------------------------------------------------------------ over HTTP, with the attack in flight
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
+    from tests.serving.helpers import synthetic_image_bundle
 
-    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
-                                  out=tmp_path_factory.mktemp("hostile-img") / "bundle", image=SPEC)
+    return synthetic_image_bundle(tmp_path_factory, "hostile-img", SPEC)
 
 
 @pytest.fixture
 def serve(image_bundle, tmp_path):
     """`serve(**settings)`: a TestClient of an image bundle, its settings on `.settings`."""
-    from contextlib import ExitStack
+    from tests.serving.helpers import client_starter
 
-    from fastapi.testclient import TestClient
-
-    from serving.http.app import create_app
-    from tests.serving.helpers import make_settings, wait_ready
-
-    with ExitStack() as stack:
-        def start(**overrides):
-            settings = make_settings(image_bundle, tmp_path, **overrides)
-            client = stack.enter_context(TestClient(create_app(settings)))
-            wait_ready(client.get)
-            client.settings = settings
-            return client
+    with client_starter(image_bundle, tmp_path) as start:
         yield start
 
 
@@ -384,7 +364,7 @@ def test_an_image_past_the_budget_is_422_its_worker_replaced_while_others_answer
     assert f"{BUDGET_S:g} s" in assert_envelope(hostile[0], 422, "image_decode_timeout")["error"]["message"]
     assert valid.status_code == 200 and health.status_code == 200
     killed = before - set(pool.pids())
-    assert len(killed) == 1 and not any(_alive(p) for p in killed) and pool.kills == 1
+    assert len(killed) == 1 and not any(alive(p) for p in killed) and pool.kills == 1
 
 
 def test_decode_workers_start_with_the_server_and_stop_with_it(image_bundle, tmp_path):
@@ -397,9 +377,9 @@ def test_decode_workers_start_with_the_server_and_stop_with_it(image_bundle, tmp
     with TestClient(create_app(settings)) as client:
         wait_ready(client.get)
         pids = image_decoder.current(settings).pids()  # started before readiness, before any image
-        assert len(pids) == 3 and all(p is not None and _alive(p) for p in pids)
+        assert len(pids) == 3 and all(p is not None and alive(p) for p in pids)
     assert image_decoder.current(settings) is None
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_a_bundle_without_images_starts_no_decode_worker(client):

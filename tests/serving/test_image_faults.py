@@ -86,29 +86,17 @@ def test_a_memory_error_while_decoding_is_503_with_retry_after_not_an_invalid_im
 # ------------------------------------------------------------------ over HTTP, real worker processes
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
+    from tests.serving.helpers import synthetic_image_bundle
 
-    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
-                                  out=tmp_path_factory.mktemp("image-faults") / "bundle", image=SPEC)
+    return synthetic_image_bundle(tmp_path_factory, "image-faults", SPEC)
 
 
 @pytest.fixture
 def serve(image_bundle, tmp_path):
     """`serve(**settings)`: a TestClient of an image bundle, its settings on `.settings`."""
-    from contextlib import ExitStack
+    from tests.serving.helpers import client_starter
 
-    from fastapi.testclient import TestClient
-
-    from serving.http.app import create_app
-    from tests.serving.helpers import make_settings, wait_ready
-
-    with ExitStack() as stack:
-        def start(**overrides):
-            settings = make_settings(image_bundle, tmp_path, **overrides)
-            client = stack.enter_context(TestClient(create_app(settings)))
-            wait_ready(client.get)
-            client.settings = settings
-            return client
+    with client_starter(image_bundle, tmp_path) as start:
         yield start
 
 

@@ -77,10 +77,9 @@ def test_other_sizes_are_resized_and_colour_becomes_grey():
 # ---------------------------------------------------------------------------------- over HTTP
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
-    from serving.bundle.synthetic import build_synthetic_bundle
+    from tests.serving.helpers import synthetic_image_bundle
 
-    return build_synthetic_bundle(classes=20, dim=8, input_dim=64, seed=1,
-                                  out=tmp_path_factory.mktemp("img") / "bundle", image=IMAGE)
+    return synthetic_image_bundle(tmp_path_factory, "img", IMAGE)
 
 
 @pytest.fixture

@@ -86,3 +86,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "live_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def serve(image_bundle, tmp_path):
+    """`serve(**settings)`: a ready TestClient of the module's `image_bundle`, its settings on `.settings`."""
+    from tests.serving.helpers import client_starter
+
+    with client_starter(image_bundle, tmp_path) as start:
+        yield start

@@ -90,14 +90,7 @@ def image_bundle(tmp_path_factory):
 
     return synthetic_image_bundle(tmp_path_factory, "image-faults", SPEC)
 
-
-@pytest.fixture
-def serve(image_bundle, tmp_path):
-    """`serve(**settings)`: a TestClient of an image bundle, its settings on `.settings`."""
-    from tests.serving.helpers import client_starter
-
-    with client_starter(image_bundle, tmp_path) as start:
-        yield start
+# serve(**settings): tests/serving/conftest.py
 
 
 def _vm_bytes(pid: int) -> int:

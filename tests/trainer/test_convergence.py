@@ -19,12 +19,7 @@ from trainer.defaults import convergence, convergence_line, resolve_defaults
 from trainer.train import TrainConfig, train
 from tests.trainer.test_imagefolder import render_folder
 
-
-@pytest.fixture(autouse=True, scope="module")
-def home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLC_HOME", str(tmp_path_factory.mktemp("home")))
-        yield
+pytestmark = pytest.mark.usefixtures("module_home")
 
 
 @pytest.fixture(scope="module")

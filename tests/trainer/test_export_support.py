@@ -19,14 +19,7 @@ from serving.calibration.support import support
 from slc.cli import main
 from tests.trainer.test_imagefolder import render_folder
 
-pytestmark = pytest.mark.integration  # trains and exports a small model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLC_HOME", str(tmp_path_factory.mktemp("home")))
-        yield
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("module_home")]  # trains and exports a small model
 
 
 @pytest.fixture(scope="module")

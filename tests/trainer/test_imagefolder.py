@@ -23,17 +23,9 @@ from serving.bundle.image import load_image_file
 from trainer.data import data_record, load_dataset, load_run_data
 from trainer.data import imagefiles
 
+pytestmark = pytest.mark.usefixtures("module_home")  # every cache of this module under a temporary SLC_HOME
 CLASSES = "ABCDEFGHIJ"
 PER_CLASS = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def home(tmp_path_factory):
-    """Every cache of this module under a temporary SLC_HOME."""
-    with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp("home")
-        mp.setenv("SLC_HOME", str(path))
-        yield path
 
 
 def render_folder(root: Path, classes: str = CLASSES, per_class: int = PER_CLASS) -> Path:

@@ -27,15 +27,7 @@ from tests.trainer.test_imagefolder import render_folder
 
 ROOT = Path(__file__).resolve().parents[3]
 SEEN = "ABCDEFGH"  # classes with recalibration images; I and J have none
-pytestmark = pytest.mark.integration  # trains, exports and serves a small model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp("home")
-        mp.setenv("SLC_HOME", str(path))
-        yield path
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("module_home")]  # trains, exports and serves a small model
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import orjson
 
-from tools.bench.server import ServerProcess, free_port, process_tree_memory
+from tools.bench.server import ServerProcess, free_port, process_tree_memory, timed_request
 from tools.report import md_table
 
 MB = 1 << 20
@@ -91,19 +91,9 @@ IMAGE_CASES: dict[str, tuple[Callable[[], bytes], int, str]] = {
 }
 
 
-def _post(url: str, body: bytes, content_type: str, timeout: float = 300) -> tuple[int, Optional[str], float]:
-    """(status, error code, seconds) of POST /v1/classes/3/detect with an image body."""
-    req = urllib.request.Request(url + "/v1/classes/3/detect", data=body, headers={"Content-Type": content_type})
-    t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, answer = r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        status, answer = exc.code, exc.read()
-    except OSError as exc:  # timed out, connection reset
-        return 0, type(exc).__name__, time.perf_counter() - t0
-    code = orjson.loads(answer).get("error", {}).get("code") if answer[:1] == b"{" else None
-    return status, code, time.perf_counter() - t0
+def _post(url: str, body: bytes, content_type: str, timeout: float = 300) -> tuple[int, str, float]:
+    """(status, error code or "", seconds) of POST /v1/classes/3/detect with an image body."""
+    return timed_request(url + "/v1/classes/3/detect", body, content_type=content_type, timeout=timeout)
 
 
 class _Watch(threading.Thread):

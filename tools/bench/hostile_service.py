@@ -17,11 +17,12 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import orjson
 
 from tools.bench import h2_attack
+from tools.bench.server import timed_request
 from tools.report import md_table, write_json
 
 MB = 1 << 20
@@ -34,30 +35,15 @@ def _rss(pid: int) -> float:
     return 0.0
 
 
-def _http(url: str, body: Optional[bytes] = None, method: Optional[str] = None, timeout: float = 120) -> tuple[int, str, float]:
-    """(status, envelope code or "", seconds) of one request."""
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, answer = r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        status, answer = exc.code, exc.read()
-    except OSError as exc:  # a timeout or a refused connection: the probe failed
-        return 0, type(exc).__name__, time.perf_counter() - t0
-    code = orjson.loads(answer).get("error", {}).get("code", "") if answer[:9] == b'{"error":' else ""
-    return status, code, time.perf_counter() - t0
-
-
 class Probes:
     """Health, detect and gallery-list requests in loops (one thread each) while an attack runs;
     the worst latency of each and the server's peak RSS over the samples."""
 
     def __init__(self, url: str, pid: int, input_size: int):
         detect = orjson.dumps({"inputs": [[0.5] * input_size]})
-        self.calls = {"health": lambda: _http(url + "/v1/health/live"),
-                      "detect": lambda: _http(url + "/v1/classes/3/detect", detect),
-                      "gallery": lambda: _http(url + "/v1/gallery")}
+        self.calls = {"health": lambda: timed_request(url + "/v1/health/live"),
+                      "detect": lambda: timed_request(url + "/v1/classes/3/detect", detect),
+                      "gallery": lambda: timed_request(url + "/v1/gallery")}
         self.worst = {k: 0.0 for k in self.calls}
         self.failed: Counter = Counter()
         self.pid, self.peak = pid, _rss(pid)
@@ -120,14 +106,14 @@ def gallery_cases(url: str, input_size: int, data_dir: Path) -> list[tuple[str, 
     items = url + "/v1/gallery/items"
 
     def write(body: bytes) -> Callable:
-        return lambda: _http(items, body)
+        return lambda: timed_request(items, body)
 
     def read_back() -> tuple[dict, float]:
         """The largest metadata the server takes (the 8 MiB one where it is taken), read 8 times at once."""
         for values in (ZEROS, 100_000):
-            if _http(items, _metadata_item(values).replace(b'"hostile"', b'"big"'))[0] == 201:
+            if timed_request(items, _metadata_item(values).replace(b'"hostile"', b'"big"'))[0] == 201:
                 break
-        return _concurrent([lambda: _http(items + "/big")] * 8)
+        return _concurrent([lambda: timed_request(items + "/big")] * 8)
 
     def frozen_database() -> tuple[dict, float]:
         """The SQLite file locked by another process for 5 s (a frozen database): 8 writes wait on it."""

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
@@ -65,6 +66,25 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def timed_request(url: str, body: Optional[bytes] = None, method: Optional[str] = None,
+                  content_type: str = "application/json", timeout: float = 120) -> tuple[int, str, float]:
+    """(status, the error envelope's code or "", seconds) of one request; status 0 and the exception's
+    name when it timed out or the connection failed."""
+    import orjson
+
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": content_type})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, answer = r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        status, answer = exc.code, exc.read()
+    except OSError as exc:  # a timeout, a refused or reset connection: the request failed
+        return 0, type(exc).__name__, time.perf_counter() - t0
+    code = orjson.loads(answer).get("error", {}).get("code", "") if answer[:9] == b'{"error":' else ""
+    return status, code, time.perf_counter() - t0
 
 
 def process_tree_memory(pid: int) -> dict:

@@ -306,7 +306,7 @@ def _check_params(cfg) -> None:
 @click.option("--data", help="the run's dataset at its new place, when it has moved (same files, same fingerprint)")
 def evaluate(run: Path, split: str, data: Optional[str]) -> None:
     """Single-logit metrics of a trained RUN on a split."""
-    from trainer.train import evaluate_run
+    from trainer.runs import evaluate_run
 
     try:
         metrics = evaluate_run(run, split=split, print_table=True, data=data)

@@ -197,7 +197,7 @@ class _Run:
 def _open_run(run: Path, data: str | None = None) -> _Run:
     """The run and its data (from `data` when it has moved; ValueError, one line, when gone or changed)."""
     from trainer.data import load_run_data
-    from trainer.train import load_run
+    from trainer.runs import load_run
 
     net, config, data_info = load_run(run)
     net.eval()

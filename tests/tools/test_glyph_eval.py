@@ -11,7 +11,8 @@ from serving.calibration.estimator import calibrate
 from trainer.data import load_dataset
 from tools.experiments.glyph_eval import DETECT_TARGET, embed, evaluate, normalized_chunks
 from trainer.metrics import slc_metrics
-from trainer.train import TrainConfig, load_run, train
+from trainer.train import TrainConfig, train
+from trainer.runs import load_run
 
 
 @pytest.fixture(scope="module")

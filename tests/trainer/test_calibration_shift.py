@@ -97,7 +97,8 @@ def test_export_calibrates_a_pols_image_run_on_clean_and_shifted_copies(tmp_path
     from tests.trainer.test_imagefolder import render_folder
     from serving.calibration.estimator import calibrate
     from trainer.data import load_run_data
-    from trainer.train import TrainConfig, load_run, run_logits, train
+    from trainer.train import TrainConfig, train
+    from trainer.runs import load_run, run_logits
 
     monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
     folder = render_folder(tmp_path / "letters")

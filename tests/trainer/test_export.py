@@ -145,7 +145,7 @@ def test_round_trip_verifies_and_describes_the_run(exported):
 
 @pytest.mark.slow
 def test_graphs_match_torch_and_each_other(exported):
-    from trainer.train import load_run
+    from trainer.runs import load_run
 
     _, run, bundle, splits = exported
     net, _, _ = load_run(run)

@@ -56,7 +56,7 @@ def test_detect_over_http_gives_the_offline_per_class_test_precision_and_recall(
     """Exact for every class whose test logits keep clear of its threshold (torch, which export
     measured with, and onnxruntime, which serves, differ in the last float32 bits); the few
     classes with a logit within 1e-4 of the threshold may flip that one decision."""
-    from trainer.train import load_run, run_logits
+    from trainer.runs import load_run, run_logits
 
     client, run, bundle, splits = served
     x, y = splits.test

@@ -307,7 +307,8 @@ def test_a_trained_exported_served_folder_answers_each_test_png_with_its_offline
     from serving.bundle import load_bundle
     from tests.serving.helpers import Offline, make_settings, wait_ready
     from trainer.export import export_bundle
-    from trainer.train import TrainConfig, load_run, run_logits, train
+    from trainer.train import TrainConfig, train
+    from trainer.runs import load_run, run_logits
 
     name = f"imagefolder:{folder}"
     cfg = TrainConfig(dataset=name, backbone="resnet_glyph", backbone_params={"width": 8}, loss="batch_ce",

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from trainer.loader import EpochBatches, batch_loader
-from trainer.train import TrainConfig, TrainingInterrupted, load_run, model_metrics, resume_config, train
+from trainer.train import TrainConfig, TrainingInterrupted, resume_config, train
+from trainer.runs import load_run, model_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SLC = [sys.executable, "-m", "slc"]

@@ -29,7 +29,8 @@ def test_timm_backbone_trains_on_rgb_files_and_exports_their_logits(tmp_path, mo
 
     from serving.bundle.image import load_image_file
     from trainer.export import export_bundle
-    from trainer.train import TrainConfig, load_run, train
+    from trainer.train import TrainConfig, train
+    from trainer.runs import load_run
 
     monkeypatch.setenv("SLC_HOME", str(tmp_path / "home"))
     folder = _rgb_folder(tmp_path / "photos")

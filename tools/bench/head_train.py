@@ -122,7 +122,7 @@ def _sharded_head_step(job: dict, rank: int):
 
 
 def _glyph_model(num_classes: int, width: int, embed: int):
-    from trainer.train import build_model
+    from trainer.runs import build_model
 
     return build_model("resnet_glyph", {"width": width, "embed": embed}, (1, 32, 32), num_classes, 128.0, 64.0).train()
 

@@ -57,7 +57,7 @@ def judge(logits: np.ndarray, labels: np.ndarray, thresholds: np.ndarray, target
 def study(run: Path, targets: tuple[float, ...] = (0.99, 0.9)) -> dict:
     """Every method × precision target for one run: chosen on calibration, judged on test."""
     from trainer.data import load_run_data
-    from trainer.train import load_run, run_logits
+    from trainer.runs import load_run, run_logits
 
     model, config, data_info = load_run(run)
     splits = load_run_data(data_info)

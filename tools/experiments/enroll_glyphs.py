@@ -144,7 +144,7 @@ def study(run: Path, work: Path) -> dict:
     from serving.bundle import load_bundle
     from serving.core.enrollment import head_stats, negative_stats
     from trainer.data import load_run_data
-    from trainer.train import load_run
+    from trainer.runs import load_run
 
     t0 = time.perf_counter()
     bundle_dir = work / "bundle"

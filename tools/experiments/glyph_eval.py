@@ -82,7 +82,7 @@ def evaluate(run: Path, splits, views: dict, normalized: bool, detect: bool = Tr
     user_views of it ({} to skip them)."""
     from serving.calibration.chunks import head_chunks
     from trainer.metrics import streaming_slc_metrics
-    from trainer.train import load_run
+    from trainer.runs import load_run
 
     path = Path(run) / "glyph_eval.json"
     want = {"views": sorted(views), "detect": detect, "normalized": normalized}

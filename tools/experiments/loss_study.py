@@ -29,7 +29,7 @@ def head_start(loss_fn, num_classes: int, init: bool, batch_size: int):
 
 
 def build(args, splits):
-    from trainer.train import build_model
+    from trainer.runs import build_model
 
     torch.manual_seed(args.seed)
     model = build_model(args.backbone, json.loads(args.backbone_params), splits.input_shape, splits.num_classes,

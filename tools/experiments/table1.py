@@ -89,7 +89,7 @@ def _softmax64(logits: np.ndarray) -> np.ndarray:
 def _normalized_metrics(run: Path, split: str) -> dict[str, float]:
     """Metrics of the softmax probabilities of a run (the paper's "normalized CE")."""
     from trainer.data import load_run_data
-    from trainer.train import load_run, run_logits, split_metrics
+    from trainer.runs import load_run, run_logits, split_metrics
 
     model, _, data_info = load_run(run)
     x, y = load_run_data(data_info).split(split)
@@ -204,7 +204,7 @@ def _pr_plot(out: Path, runs: dict[str, Path]) -> str:
 
     from trainer.data import load_run_data
     from trainer.metrics import per_class_average_precision
-    from trainer.train import load_run, run_logits
+    from trainer.runs import load_run, run_logits
 
     curves: dict[str, np.ndarray] = {}
     labels = None

@@ -146,7 +146,7 @@ def _rows(fit_z: np.ndarray, fit_y: np.ndarray, judge_z: np.ndarray, judge_y: np
 def study(run: Path, target: float = 0.99) -> dict:
     """Every rule x (held-out calibration face, test face) for one run."""
     from trainer.data import load_run_data
-    from trainer.train import load_run, run_logits
+    from trainer.runs import load_run, run_logits
 
     model, config, data_info = load_run(run)
     splits = load_run_data(data_info, progress=False)

@@ -53,7 +53,8 @@ def register_loss(name: str):
 
 
 def list_losses() -> list[str]:
-    return sorted(_REGISTRY)
+    """The losses a user can choose; a name that starts with `_` is registered by a test and not listed."""
+    return sorted(name for name in _REGISTRY if not name.startswith("_"))
 
 
 def loss_class(name: str) -> Callable[..., nn.Module]:

@@ -120,7 +120,7 @@ def test_the_thresholds_are_the_estimators_on_independently_computed_embeddings(
 
     from serving.bundle import load_bundle
     from serving.calibration.estimator import calibrate
-    from trainer.train import load_run
+    from trainer.runs import load_run
 
     run, source = trained
     b, old, new = load_bundle(source), cal_of(source), cal_of(recalibrated)

@@ -273,7 +273,7 @@ def test_two_node_torchrun_with_c10d_rendezvous_trains_the_sharded_head(tmp_path
 
 def test_losses_registered_by_tests_are_not_listed():
     """A name that starts with `_` builds but is never offered (the CLI's --loss choices, docs/cli.md)."""
-    from trainer.losses import build_loss, list_losses
+    from trainer.losses import build_loss
 
     _register_test_losses()
     assert not [name for name in list_losses() if name.startswith("_")]

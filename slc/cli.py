@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[Optional[str], str]] = {
     "verify": ("serving.cli:verify", "Re-check every hash, graph, sample and threshold of a bundle."),
     "serve": ("serving.cli:serve", "Serve a bundle over HTTP (the embedded default model without one)."),
     "enroll": ("serving.enroll_cli:enroll", "Enroll a class on a running server from image files (no retraining)."),
-    "bundle": ("serving.bundle.cli:bundle", "Bundles without training (synthetic, for scale work), enrolled classes folded in, Triton model repositories."),
+    "bundle": ("serving.bundle_cli:bundle", "Bundles without training (synthetic, for scale work), enrolled classes folded in, Triton model repositories."),
     "loadtest": ("tools.loadtest.cli:loadtest", "Load a running server (single logit against full softmax); writes report.json, report.md, latency.png."),
     "bench": (None, "Benchmarks written to docs/results: scale (single logit vs full softmax as D grows), and the lab's."),
     "experiment": ("tools.cli:experiment", "Paper experiments (table1, glyphs, thresholds, ...)."),

@@ -58,10 +58,9 @@ def read_source(bundle: Path) -> Source:
     from serving.bundle.negatives import read_negatives
     from serving.bundle.npy import open_head
 
-    manifest = json_load((bundle / MANIFEST).read_bytes())
+    manifest, calibration = (json_load((bundle / name).read_bytes()) for name in (MANIFEST, CALIBRATION))
     weight, bias, _ = open_head(bundle, manifest)
-    return Source(bundle, manifest, json_load((bundle / CALIBRATION).read_bytes()), weight, bias,
-                  read_negatives(bundle))
+    return Source(bundle, manifest, calibration, weight, bias, read_negatives(bundle))
 
 
 class BundleChanged(ValueError):

@@ -56,9 +56,11 @@ def _rows(bundle: Path, hp: np.ndarray, parts: dict) -> dict:
     """{rule: (row, bias, threshold)} of the two rules that use the calibration negatives."""
     from serving.core import enrollment as en
 
-    return {"standardised+negatives": (lambda r: (r, en.negatives_threshold(r, hp, parts["hn"], parts["D"], 0.99)))(
-                en.standardised(hp, parts["stats"], parts["neg"], parts["hn"])),
-            "fitted+cv": (lambda r: (r, r.threshold))(en.fitted(hp, parts["stats"], parts["neg"], parts["hn"], parts["D"]))}
+    row = en.standardised(hp, parts["stats"], parts["neg"], parts["hn"])
+    t = en.negatives_threshold(row, hp, parts["hn"], parts["D"], parts["stats"].target_precision)
+    fit = en.fitted(hp, parts["stats"], parts["neg"], parts["hn"], parts["D"])
+    return {"standardised+negatives": (row, row.threshold if t is None else t),  # None: the global one, as the server
+            "fitted+cv": (fit, fit.threshold)}
 
 
 def _head_parts(bundle: Path) -> dict:

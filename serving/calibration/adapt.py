@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.calibration.chunks import Chunks, chunk_classes, head_chunks
+from serving.calibration.chunks import Chunks, Logits, chunk_classes, head_chunks
 from serving.calibration.defaults import BETAS, NORM_K
 from serving.calibration.norm import cross_choices, halves, norm_thresholds
 
@@ -101,7 +101,8 @@ def choose_beta(h: np.ndarray, y: np.ndarray, weight, bias, target: dict, bar=No
     parts = halves(y)
     scores = []
     for beta in betas:
-        halves_ = cross_choices(cross_chunks(h, y, weight, bias, beta), y, len(weight), parts, NORM_K, target, bar)
+        cross = [Logits(c, y, len(weight), bar) for c in cross_chunks(h, y, weight, bias, beta)]
+        halves_ = cross_choices(cross, parts, NORM_K, target)
         scores.append({"beta": float(beta), "recall": float(np.mean([c["recall"] for c in halves_])),
                        "precision": float(np.mean([c["precision"] for c in halves_]))})
     best = max(scores, key=lambda s: (round(s["recall"], 9), -s["beta"]))

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from serving.calibration.estimator import per_class_pass
-from serving.calibration.chunks import Chunks, chunk_positive, each_chunk, true_logits
+from serving.calibration.chunks import Chunks, Logits
 from serving.calibration.counts import PooledThreshold, check_target, counts_at
 from serving.calibration.defaults import CV_CANDIDATES as CANDIDATES
 from serving.calibration.rules import RULES, Fit, check_method
@@ -40,19 +40,19 @@ def folds(y: np.ndarray, seed: int = SEED) -> np.ndarray:
     return out
 
 
-def fit_rules(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, methods, bar=None) -> list[np.ndarray]:
-    """Each method's thresholds [D] fitted on (chunks, y): two passes (three more for norm), no Platt fits."""
-    pooled = PooledThreshold(true_logits(chunks, y, num_classes, bar))
-    per, _, _ = per_class_pass(chunks, y, num_classes, target, pooled, bar, methods=tuple(methods), platt=False)
-    fit = Fit(per, float(pooled.choose(target)["threshold"][0]), chunks, y, num_classes, target, bar)
+def fit_rules(logits: Logits, target: dict, methods) -> list[np.ndarray]:
+    """Each method's thresholds [D] fitted on `logits`: two passes (two more for norm), no Platt fits."""
+    pooled = PooledThreshold(logits.true)
+    per, _, _ = per_class_pass(logits, target, pooled, methods=tuple(methods), platt=False)
+    fit = Fit(per, float(pooled.choose(target)["threshold"][0]), logits, target)
     return [RULES[m["name"]].thresholds(fit, m) for m in methods]
 
 
-def counts(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: list[np.ndarray], bar=None) -> list[tuple]:
+def counts(logits: Logits, thresholds: list[np.ndarray]) -> list[tuple]:
     """(true matches, matches, positives) [D] per class at each set of thresholds, in one pass."""
     parts: list[list] = [[] for _ in thresholds]
-    for first, z in each_chunk(chunks, y, num_classes, bar):
-        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
+    for first, z in logits:
+        positive = logits.positive(first, z.shape[1])  # [N, c]
         for part, t in zip(parts, thresholds):
             part.append(counts_at(z, positive, t[first:first + z.shape[1]]))
     return [tuple(map(np.concatenate, zip(*part))) for part in parts]
@@ -64,7 +64,7 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
     `chunks_of(rows)` gives the logits of those rows in class chunks."""
     from tqdm.auto import tqdm
 
-    passes = 3 + 3 * any(m["name"] == "norm" for m in candidates)  # per fold: fit (2, + 3 for norm), judge (1)
+    passes = 3 + 2 * any(m["name"] == "norm" for m in candidates)  # per fold: fit (2, + 2 for norm), judge (1)
     with tqdm(total=passes * FOLDS * num_classes, desc="choosing the rule", unit="class", leave=False,
               disable=None if progress else True) as bar:
         return _choose(chunks_of, y, num_classes, target, candidates, seed, bar)
@@ -81,8 +81,8 @@ def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates
         fit_rows, judge_rows = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
         if len(fit_rows) == 0 or len(judge_rows) == 0:
             raise ValueError("cross-validation needs at least 2 images of some class")
-        fitted = fit_rules(chunks_of(fit_rows), y[fit_rows], num_classes, target, methods, bar)
-        for i, c in enumerate(counts(chunks_of(judge_rows), y[judge_rows], num_classes, fitted, bar)):
+        fitted = fit_rules(Logits(chunks_of(fit_rows), y[fit_rows], num_classes, bar), target, methods)
+        for i, c in enumerate(counts(Logits(chunks_of(judge_rows), y[judge_rows], num_classes, bar), fitted)):
             tp[i] += c[0]
             matches[i] += c[1]
             positives[i] += c[2]

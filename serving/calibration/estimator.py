@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from serving.calibration.chunks import Chunks, chunk_classes, chunk_positive, dense_chunks, each_chunk, labels, true_logits
+from serving.calibration.chunks import Chunks, Logits, chunk_classes, dense_chunks
 from serving.calibration.counts import (KERNEL_VALUES, PooledThreshold, check_target, class_thresholds, counts_at,
                                         rates)
 from serving.calibration.defaults import DEFAULT_TARGET
@@ -22,18 +22,18 @@ def _f(x) -> float:
     return float(x)
 
 
-def per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, pooled: PooledThreshold,
-                   bar=None, methods: tuple = (), platt: bool = True) -> tuple[dict, np.ndarray, np.ndarray]:
+def per_class_pass(logits: Logits, target: dict, pooled: PooledThreshold, methods: tuple = (),
+                   platt: bool = True) -> tuple[dict, np.ndarray, np.ndarray]:
     """Per-class thresholds (and those of the `methods` that read one column at a time, under their
     names) and Platt fits (unless not) chunk by chunk (each needs its own column only); the pooled
     counts on the way."""
     columns = [m for m in methods if type(RULES[m["name"]]).column is not Rule.column]
     parts, a, b = [], [], []
-    for first, z in each_chunk(chunks, y, num_classes, bar):
+    for first, z in logits:
         if not np.isfinite(z).all():
             raise ValueError("calibration logits contain NaN or inf")
-        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
-        group = max(1, KERNEL_VALUES // len(y))
+        positive = logits.positive(first, z.shape[1])  # [N, c]
+        group = max(1, KERNEL_VALUES // len(logits.y))
         for g in range(0, z.shape[1], group):
             part = class_thresholds(z[:, g:g + group], positive[:, g:g + group], target)
             for m in columns:
@@ -48,27 +48,24 @@ def per_class_pass(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict
     return per, np.concatenate(a or [np.zeros(0)]), np.concatenate(b or [np.zeros(0)])
 
 
-def _counts_pass(chunks: Chunks, y: np.ndarray, num_classes: int, thresholds: np.ndarray, global_t: float,
-                 bar=None) -> tuple[tuple, tuple]:
+def _counts_pass(logits: Logits, thresholds: np.ndarray, global_t: float) -> tuple[tuple, tuple]:
     """(true matches, matches, positives) [D] per class at `thresholds` [D] and at the global threshold."""
     at_t, at_g = [], []
-    for first, z in each_chunk(chunks, y, num_classes, bar):
-        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
+    for first, z in logits:
+        positive = logits.positive(first, z.shape[1])  # [N, c]
         at_t.append(counts_at(z, positive, thresholds[first:first + z.shape[1]]))
         at_g.append(counts_at(z, positive, np.full(z.shape[1], global_t)))
     return tuple(map(np.concatenate, zip(*at_t))), tuple(map(np.concatenate, zip(*at_g)))
 
 
-def measured_rates(chunks: Chunks, y_test, num_classes: int, per_thresholds: np.ndarray, global_t: float,
-                bar=None) -> dict:
+def measured_rates(logits: Logits, per_thresholds: np.ndarray, global_t: float) -> dict:
     """Rates on the test split at the thresholds chosen on the calibration split (measured only)."""
-    y_test = np.asarray(y_test, dtype=np.int64)  # [N']
-    at_t, at_g = _counts_pass(chunks, y_test, num_classes, per_thresholds, global_t, bar)
+    at_t, at_g = _counts_pass(logits, per_thresholds, global_t)
     return {
         "per_class": rates(*at_t),
         "global": rates(*(np.array([c.sum()]) for c in at_g)),  # the pooled pairs: sums over classes
         "per_class_at_global": rates(*at_g),
-        "examples": int(len(y_test)),
+        "examples": int(len(logits.y)),
     }
 
 
@@ -145,8 +142,8 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     """calibration.json content from logits in class chunks (`Chunks`): [N, c] at a time, never [N, D].
 
     Three passes over `cal` (the true logits; thresholds, Platt and the pooled counts; the rates at
-    the method's thresholds, which need the global one), three more for the norm rule (norm.py;
-    eight with `cross`, the logits each half's tau is chosen on when a head was adapted on the other
+    the method's thresholds, which need the global one), two more for the norm rule (norm.py;
+    seven with `cross`, the logits each half's tau is chosen on when a head was adapted on the other
     half: adapt.py), and one over `test`, which is only measured. Equal to the dense computation.
     """
     from tqdm.auto import tqdm
@@ -157,27 +154,28 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     rule = RULES[method["name"]]
     if rule.precision_only and kind != "precision":
         raise ValueError(f"the {rule.name} rule needs a precision target (--target-precision)")
-    y_cal = labels(y_cal, num_classes)
     if cross is not None and rule.name != "norm":
         raise ValueError("cross-fitted logits go with the norm rule")
-    passes = 3 + (rule.extra_passes if cross is None else 8 * bool(rule.extra_passes)) + (test is not None)
+    passes = 3 + (rule.extra_passes if cross is None else 1 + 3 * len(cross)) + (test is not None)
     with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
               disable=None if progress else True) as bar:
-        pooled = PooledThreshold(true_logits(cal, y_cal, num_classes, bar))
-        per, a, b = per_class_pass(cal, y_cal, num_classes, target, pooled, bar, methods=(method,))
+        logits = Logits(cal, y_cal, num_classes, bar).checked()
+        pooled = PooledThreshold(logits.true)
+        per, a, b = per_class_pass(logits, target, pooled, methods=(method,))
         pooled_cut = pooled.choose(target)
         global_t = float(pooled_cut["threshold"][0])
-        threshold = rule.thresholds(Fit(per, global_t, cal, y_cal, num_classes, target, bar, cross), method)
-        at_t, at_g = _counts_pass(cal, y_cal, num_classes, threshold, global_t, bar)
+        threshold = rule.thresholds(Fit(per, global_t, logits, target, cross), method)
+        at_t, at_g = _counts_pass(logits, threshold, global_t)
         per = _with_method(per, method, threshold, rates(*at_t), kind, value)
-        rates_test = None if test is None else measured_rates(test, y_test, num_classes, per["threshold"], global_t, bar)
+        rates_test = None if test is None else measured_rates(Logits(test, y_test, num_classes, bar),
+                                                              per["threshold"], global_t)
     out = {
         "target": {kind: value},
         "method": method,
         "decision": "match = logit >= threshold",
         "probability": "sigmoid(a * logit + b)",
         "split": "calibration",
-        "examples": int(len(y_cal)),
+        "examples": int(len(logits.y)),
         "global": global_entry(pooled_cut, rates_test),
         "per_class": per_class_entries(per, a, b, rates_test),
         # the global threshold read per class: how much does one number lose against D numbers?

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving.calibration.adapt import AdaptedRows, directions
-from serving.calibration.chunks import Chunks, chunk_classes, head_chunks
+from serving.calibration.chunks import Chunks, Logits, chunk_classes, head_chunks
 from serving.calibration.defaults import BETAS, KEEP_EXAMPLES, KEEP_FRACTIONS, NORM_K
 from serving.calibration.norm import CrossFit, cross_choices, halves, norm_thresholds, top_stats
 
@@ -134,7 +134,8 @@ def choose_beta(h: np.ndarray, y: np.ndarray, weight, bias, target: dict, kept: 
     scores = []
     for beta in betas:
         cross = cross_chunks(h, y, weight, bias, beta, kept)
-        halves_ = cross_choices(cross, y_all, len(weight), cross.parts, NORM_K, target, bar, cross.groups)
+        halves_ = cross_choices([Logits(c, y_all, len(weight), bar) for c in cross], cross.parts, NORM_K, target,
+                                cross.groups)
         scores.append({"beta": float(beta), "recall": float(np.mean([c["recall"] for c in halves_])),
                        "precision": float(np.mean([c["precision"] for c in halves_]))})
     best = max(scores, key=lambda s: (round(s["recall"], 9), -s["beta"]))

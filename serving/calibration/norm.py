@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.calibration.chunks import Chunks, chunk_positive, each_chunk, true_logits
+from serving.calibration.chunks import Chunks, Logits
 from serving.calibration.counts import PooledThreshold, check_target
 from serving.calibration.defaults import NORM_K
 
@@ -55,13 +55,13 @@ def _half_k(k: int, rows: int, n: int) -> int:
     return max(2, round(k * rows / max(n, 1)))
 
 
-def _stats_pass(chunks: Chunks, y: np.ndarray, num_classes: int, row_sets: list[np.ndarray], k: int, bar=None):
+def _stats_pass(logits: Logits, row_sets: list[np.ndarray], k: int):
     """(mu, sd, count) [D] on all rows, and (mu, sd) [D] on each half's rows, plus the lowest positive and
     the highest score per column: one pass."""
-    n = len(y)
+    n = len(logits.y)
     full, parts, low, high = [], [[] for _ in row_sets], [], []
-    for first, z in each_chunk(chunks, y, num_classes, bar):
-        positive = chunk_positive(y, first, z.shape[1])  # [N, c]
+    for first, z in logits:
+        positive = logits.positive(first, z.shape[1])  # [N, c]
         full.append(top_stats(z, positive, k))
         for part, rows in zip(parts, row_sets):
             part.append(top_stats(z[rows], positive[rows], _half_k(k, len(rows), n))[:2])
@@ -71,18 +71,17 @@ def _stats_pass(chunks: Chunks, y: np.ndarray, num_classes: int, row_sets: list[
     return cat(full), [cat(p) for p in parts], np.concatenate(low), np.concatenate(high)
 
 
-def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row_sets: list[np.ndarray],
-          other: list[tuple], target: dict, bar=None, groups: np.ndarray | None = None) -> list[dict]:
+def _taus(logits: Logits, true: np.ndarray, row_sets: list[np.ndarray], other: list[tuple], target: dict,
+          groups: np.ndarray | None = None) -> list[dict]:
     """Per half, the pooled choice (threshold, precision, recall) on its standardised scores, with
     (mu, sd) [D] of the other half: one pass. With `groups` [N], tau is chosen per group of each
     half and the half takes the highest (the target holds on every group, not only pooled)."""
     if groups is not None:
-        return _group_taus(chunks, y, num_classes, true, row_sets, other, target, bar, groups)
-    pooled = []
-    for rows, (mu, sd) in zip(row_sets, other):
-        yr = y[rows]
-        pooled.append(PooledThreshold((true[rows] - mu[yr]) / sd[yr]))  # [n_h] standardised own logits
-    for first, z in each_chunk(chunks, y, num_classes, bar):
+        return _group_taus(logits, true, row_sets, other, target, groups)
+    y = logits.y
+    pooled = [PooledThreshold((true[rows] - mu[y[rows]]) / sd[y[rows]])  # [n_h] standardised own logits
+              for rows, (mu, sd) in zip(row_sets, other)]
+    for first, z in logits:
         cols = slice(first, first + z.shape[1])
         for p, rows, (mu, sd) in zip(pooled, row_sets, other):
             p.add((z[rows] - mu[cols]) / sd[cols])  # [n_h, c]
@@ -90,17 +89,18 @@ def _taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row
             for p in pooled]
 
 
-def _group_taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarray, row_sets: list[np.ndarray],
-                other: list[tuple], target: dict, bar, groups: np.ndarray) -> list[dict]:
+def _group_taus(logits: Logits, true: np.ndarray, row_sets: list[np.ndarray], other: list[tuple], target: dict,
+                groups: np.ndarray) -> list[dict]:
     """_taus per (half, group), one pass; each half's threshold the highest of its groups', its recall
     that of group 0 (the user's images) there, its precision the lowest of its groups' own."""
+    y = logits.y
     subsets, stats, owner = [], [], []
     for h, (rows, st) in enumerate(zip(row_sets, other)):
         for g in np.unique(groups[rows]):
             subsets.append(rows[groups[rows] == g])
             stats.append(st)
             owner.append(h)
-    choices = _taus(chunks, y, num_classes, true, subsets, stats, target, bar)
+    choices = _taus(logits, true, subsets, stats, target)
     out = []
     for h, (rows, (mu, sd)) in enumerate(zip(row_sets, other)):
         mine = [c for c, o in zip(choices, owner) if o == h]
@@ -112,15 +112,14 @@ def _group_taus(chunks: Chunks, y: np.ndarray, num_classes: int, true: np.ndarra
     return out
 
 
-def cross_choices(cross: list[Chunks], y: np.ndarray, num_classes: int, parts: list[np.ndarray], k: int,
-                  target: dict, bar=None, groups: np.ndarray | None = None) -> list[dict]:
-    """Half h's choice on the logits cross[h] gives (say, a head adapted on the other half's images):
+def cross_choices(cross: list[Logits], parts: list[np.ndarray], k: int, target: dict,
+                  groups: np.ndarray | None = None) -> list[dict]:
+    """Half h's choice on the logits cross[h] (say, under a head adapted on the other half's images):
     (mu, sd) from the other half's rows there, h's rows scored there. Three passes per half."""
     out = []
-    for h, chunks in enumerate(cross):
-        _, (other,), _, _ = _stats_pass(chunks, y, num_classes, [parts[1 - h]], k, bar)
-        true = true_logits(chunks, y, num_classes, bar)
-        out += _taus(chunks, y, num_classes, true, [parts[h]], [other], target, bar, groups)
+    for h, logits in enumerate(cross):
+        _, (other,), _, _ = _stats_pass(logits, [parts[1 - h]], k)
+        out += _taus(logits, logits.true, [parts[h]], [other], target, groups)
     return out
 
 
@@ -136,31 +135,36 @@ class CrossFit(list):
 
 def norm_thresholds(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, bar=None,
                     k: int = NORM_K, cross: list[Chunks] | None = None, record: dict | None = None) -> np.ndarray:
+    """thresholds() of the logits `chunks` of examples of classes y [N] over `num_classes` classes."""
+    return thresholds(Logits(chunks, y, num_classes, bar), target, k, cross, record)
+
+
+def thresholds(logits: Logits, target: dict, k: int = NORM_K, cross: list[Chunks] | None = None,
+               record: dict | None = None) -> np.ndarray:
     """The norm rule's thresholds [D] (float64) from logits in class chunks: three passes (the true
-    logits, the column statistics, the cross-fitted tau). A class with no positive never matches (as
-    everywhere); one with under 2 negatives matches above its highest negative, or from its lowest
-    positive if it has none. `cross`: per half, the logits its tau is chosen on, where they are not
-    `chunks` (adapt.py: each half judged by a head the other half adapted; a CrossFit also names the
+    logits, unless read already; the column statistics; the cross-fitted tau). A class with no positive
+    never matches (as everywhere); one with under 2 negatives matches above its highest negative, or from
+    its lowest positive if it has none. `cross`: per half, the logits its tau is chosen on, where they are
+    not `logits` (adapt.py: each half judged by a head the other half adapted; a CrossFit also names the
     halves and groups); `record`, if given, receives each half's choice."""
     check_target(target)
-    y = np.asarray(y, dtype=np.int64)
+    y = logits.y
     parts = getattr(cross, "parts", None) or halves(y)
-    groups = getattr(cross, "groups", None)
     if min(len(rows) for rows in parts) == 0:
         raise ValueError("the norm rule needs at least 2 images")
-    true = true_logits(chunks, y, num_classes, bar)
-    (mu, sd, m), half_stats, low, high = _stats_pass(chunks, y, num_classes, parts, k, bar)
+    true = logits.true
+    (mu, sd, m), half_stats, low, high = _stats_pass(logits, parts, k)
     if cross is None:
-        choices = _taus(chunks, y, num_classes, true, parts, half_stats[::-1], target, bar)
+        choices = _taus(logits, true, parts, half_stats[::-1], target)
     else:
-        choices = cross_choices(cross, y, num_classes, parts, k, target, bar, groups)
+        choices = cross_choices([Logits(c, y, logits.num_classes, logits.bar) for c in cross], parts, k, target,
+                                getattr(cross, "groups", None))
     if record is not None:
         record["halves"] = choices
     tau = float(np.mean([c["threshold"] for c in choices]))
     t = mu + sd * tau
     t = np.where(m < 2, np.nextafter(mu.astype(np.float32), np.float32(np.inf)).astype(np.float64), t)
     t = np.where(m == 0, low, t)
-    n_pos = np.bincount(y, minlength=num_classes)
-    none = n_pos == 0
+    none = np.bincount(y, minlength=logits.num_classes) == 0
     t[none] = np.nextafter(high[none].astype(np.float32), np.float32(np.inf))
     return t

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from serving.calibration.chunks import Chunks
+from serving.calibration.chunks import Logits
 from serving.calibration.counts import check_target
 from serving.calibration.defaults import KAPPA, NORM_K, RULE_DEFAULTS, TAIL_K
 
@@ -27,11 +27,8 @@ class Fit:
 
     per: dict  # per-class arrays [D]: threshold (the column's own cut), positives, and each column rule's own
     global_t: float
-    chunks: Chunks
-    y: np.ndarray
-    num_classes: int
+    logits: Logits
     target: dict
-    bar: object = None
     cross: Optional[list] = None  # norm: the logits each half is judged on, when rows were adapted
 
 
@@ -110,16 +107,16 @@ class Tail(Rule):
 
 class Norm(Rule):
     name = "norm"
-    extra_passes = 3
+    extra_passes = 2  # the true logits are the per-class pass's
 
     def params(self, method: dict) -> dict:
         return {"name": "norm", "k": NORM_K}
 
     def thresholds(self, fit: Fit, method: dict) -> np.ndarray:
-        from serving.calibration.norm import norm_thresholds
+        from serving.calibration import norm
 
         if "norm" not in fit.per:
-            fit.per["norm"] = norm_thresholds(fit.chunks, fit.y, fit.num_classes, fit.target, fit.bar, cross=fit.cross)
+            fit.per["norm"] = norm.thresholds(fit.logits, fit.target, cross=fit.cross)
         return stored(fit.per["norm"])
 
 

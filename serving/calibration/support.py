@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from serving.calibration.chunks import Chunks, each_chunk, labels, true_logits
+from serving.calibration.chunks import Chunks, Logits
 from serving.calibration.counts import PooledThreshold, check_target
 
 CONFIDENCE = 0.95
@@ -119,18 +119,18 @@ def matches_needed(p: float, confidence: float = CONFIDENCE) -> int:
     return math.ceil(math.log(1.0 - confidence) / math.log(p) - 1e-9)
 
 
-def pooled_cuts(chunks: Chunks, y: np.ndarray, num_classes: int) -> dict[str, np.ndarray]:
+def pooled_cuts(logits: Logits) -> dict[str, np.ndarray]:
     """Every candidate cut of the pooled column, highest threshold first: threshold, true matches
     (tp) and matches [K]; two passes over the chunks, O(N) memory (counts.PooledThreshold)."""
-    y = labels(y, num_classes)
-    pooled = PooledThreshold(true_logits(chunks, y, num_classes))
+    pooled = PooledThreshold(logits.true)
     if not np.isfinite(pooled.true).all():
         raise ValueError("calibration logits contain NaN or inf")
-    for _, z in each_chunk(chunks, y, num_classes):
+    for _, z in logits:
         pooled.add(z)
     u, accepted = pooled.u[::-1], pooled.accepted[::-1]  # [K] descending
     tp = len(pooled.true) - np.searchsorted(pooled.true, u, side="left")
-    return {"threshold": u, "tp": tp.astype(np.int64), "matches": accepted.astype(np.int64), "positives": len(y)}
+    return {"threshold": u, "tp": tp.astype(np.int64), "matches": accepted.astype(np.int64),
+            "positives": len(logits.y)}
 
 
 def _frontier(cuts: dict) -> np.ndarray:
@@ -176,7 +176,7 @@ def support(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, confi
     """calibration.json's `support`: what the images can show (the module's rule), the trade-off over
     `precisions` and the target's, and the highest of them shown at a useful recall."""
     kind, value = check_target(target)
-    cuts = pooled_cuts(chunks, y, num_classes)
+    cuts = pooled_cuts(Logits(chunks, y, num_classes).checked())
     idx = _frontier(cuts)
     ps = sorted(set(precisions) | ({value} if kind == "precision" else set()))
     table = [tradeoff_entry(cuts, idx, p, confidence) for p in ps]

@@ -108,6 +108,27 @@ def base_manifest(name: str, input_shape: Sequence[int], embed_dim: int, classes
     return manifest
 
 
+def carry_files(src: Path, out: Path, files: dict, skip=(), renamed: dict[str, str] | None = None
+                ) -> dict[str, tuple[str, int]]:
+    """The files `files` (a manifest's `files` entry) of the bundle `src` copied into `out` (copies, not
+    links: a later write into one bundle must not reach another), but those in `skip`; a name in
+    `renamed` under its new name. Their (sha256, bytes) as the manifest lists them, under the names
+    written, for write_manifest (not read again: verify reads them once, on the new bundle).
+    BundleError for a listed name that is not a plain file name."""
+    import shutil
+
+    renamed = renamed or {}
+    known = {}
+    for name, info in files.items():
+        if name in skip:
+            continue
+        if "/" in name or "\\" in name or name in ("", ".", "..", MANIFEST):
+            raise BundleError(f"{MANIFEST} lists a bad file name {name!r}")
+        shutil.copyfile(Path(src) / name, Path(out) / renamed.get(name, name))
+        known[renamed.get(name, name)] = (str(info["sha256"]), int(info["bytes"]))
+    return known
+
+
 def write_manifest(out: Path, manifest: dict, known_hashes: dict[str, tuple[str, int]] | None = None) -> Path:
     """Fill `files` with sha256/bytes of every other file in `out`, add the self-hash, write manifest.json.
 

@@ -15,20 +15,16 @@ def add_heads(bundle: Path, precisions: tuple[str, ...], progress: bool = False)
     staged, verified and swapped into its place (serving/bundle/output.py; the other files' hashes are
     kept, not re-read). Returns the new manifest."""
     import json
-    import shutil
 
     from serving.bundle import output
-    from serving.bundle.format import MANIFEST, write_manifest
+    from serving.bundle.format import MANIFEST, carry_files, write_manifest
     from serving.bundle.verify import verify_bundle
 
     bundle = Path(bundle)
     manifest = json.loads((bundle / MANIFEST).read_text())
     replaced = {name for p in precisions for name in FILES[p].values()}
-    known = {name: (info["sha256"], info["bytes"]) for name, info in manifest.get("files", {}).items()
-             if name not in replaced}
     with output.staged(bundle, "bundle", in_place=True, verify=verify_bundle) as stage:
-        for name in known:
-            shutil.copyfile(bundle / name, stage / name)
+        known = carry_files(bundle, stage, manifest.get("files", {}), skip=replaced)
         weight = np.load(stage / "head_weight.npy", mmap_mode="r", allow_pickle=False)
         heads = {**(manifest.get("heads") or {}), **write_heads(stage, weight, precisions, progress)}
         write_manifest(stage, {**manifest, "heads": heads}, known_hashes=known)

@@ -57,7 +57,25 @@ class NpyStream:
         return self._hash.hexdigest(), self.path.stat().st_size
 
 
-# ---------------------------------------------------------------- graph pieces
+BLOCK_ROWS = 65_536  # rows of the head streamed at a time
+
+
+def write_head(folder: Path, parts: list, bias: np.ndarray) -> dict[str, int]:
+    """head_weight.npy [D, d], the rows of `parts` one after the other (each [n_i, d]: an array, a memory
+    map, or anything sliced like one; streamed BLOCK_ROWS rows at a time as float32), and head_bias.npy
+    [D] into `folder`; the data offsets of both files (graphs' external data points there)."""
+    weight = NpyStream(Path(folder) / "head_weight.npy", (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+    for part in parts:
+        for start in range(0, part.shape[0], BLOCK_ROWS):
+            weight.write(np.asarray(part[start:start + BLOCK_ROWS], dtype=np.float32))
+    weight.close()
+    stream = NpyStream(Path(folder) / "head_bias.npy", (weight.shape[0],))
+    stream.write(np.asarray(bias, dtype=np.float32))
+    stream.close()
+    return {"weight": weight.offset, "bias": stream.offset}
+
+
+# ---------------------------------------------------------------- reading
 
 
 def check_npy_header(p: Path) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from serving.bundle.calibration import calibration_limit, parse_calibration
-from serving.bundle.format import MANIFEST, SELF_HASH_KEY, canonical_manifest_hash, json_load, write_manifest
+from serving.bundle.format import (MANIFEST, SELF_HASH_KEY, BundleError, canonical_manifest_hash, carry_files, json_load,
+                                   write_manifest)
 from serving.bundle.output import OutputRefused, check, real_target, staged
 from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
 
@@ -88,7 +88,9 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, h
     """Write the bundle `source` with `calibration` to `out` (`in_place`: `source` itself is replaced,
     through its symlinks); `note` goes into the manifest's `recalibration` entry. `head`: new rows
     [D, d] (sliced like an array: serving/calibration/adapt.py), written with the graphs, samples and quantized
-    heads that read them (serving/bundle/fold.py). Verified before it takes `out`'s place."""
+    heads that read them (serving/bundle/newhead.py). Verified before it takes `out`'s place."""
+    from serving.bundle.newhead import write_new_head  # onnx: not imported by a server
+
     source = Path(source)
     in_place = in_place or Path(out).resolve() == source.resolve()
     target = check_out(source, Path(out), in_place, overwrite)
@@ -96,15 +98,17 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, h
     try:
         with staged(target, "bundle", overwrite=overwrite, inputs=[source], in_place=in_place,
                     verify=_verified) as stage:
-            skip = set() if head is None else _head_files(source, manifest)
-            known = _carry(source, stage, {k: v for k, v in manifest["files"].items() if k not in skip})
             (stage / CALIBRATION).write_text(json.dumps(calibration, indent=1, allow_nan=False) + "\n")
-            manifest = {**manifest, "calibration_target": calibration["target"],
-                        "recalibration": {**note, "previous_calibration": PREVIOUS}}
+            changed = {"calibration_target": calibration["target"],
+                       "recalibration": {**note, "previous_calibration": PREVIOUS}}
+            replaced = {PREVIOUS}
             if head is not None:
-                manifest = _write_new_head(source, stage, manifest, head)
-            write_manifest(stage, manifest, known_hashes=known)
-    except OutputRefused as exc:
+                new = write_new_head(source, stage, [head], np.load(source / "head_bias.npy", allow_pickle=False),
+                                     manifest, trained=head.shape[0])
+                changed, replaced = {**changed, **new.manifest}, replaced | new.replaced
+            known = carry_files(source, stage, manifest["files"], skip=replaced, renamed={CALIBRATION: PREVIOUS})
+            write_manifest(stage, {**manifest, **changed}, known_hashes=known)
+    except (OutputRefused, BundleError) as exc:
         raise RecalibrationError(str(exc)) from None
     return target
 
@@ -114,50 +118,6 @@ def _verified(stage: Path) -> list[str]:
         raise RecalibrationError("the recalibrated bundle fails verification, nothing was written: "
                                  + "; ".join(problems[:3]))
     return []
-
-
-def _head_files(source: Path, manifest: dict) -> set[str]:
-    from serving.bundle.fold import head_files
-
-    return head_files(source, manifest)
-
-
-def _write_new_head(source: Path, stage: Path, manifest: dict, head) -> dict:
-    """The rows, the graphs over them, the samples and the quantized heads in `stage`; the manifest
-    pointing at them."""
-
-    from serving.bundle.fold import row_blocks, write_graphs, write_head, write_samples
-
-    D, d = head.shape
-    bias = np.load(source / "head_bias.npy", allow_pickle=False)
-    offsets = write_head(stage, row_blocks(head), (D, d), bias)
-    write_graphs(source, stage, d, offsets, D)
-    write_samples(source, stage, D)
-    external = dict(manifest.get("external_data") or {})
-    external.update({g: ["head_weight.npy", "head_bias.npy"] for g in ("full.onnx", "single.onnx")})
-    manifest = {**manifest, "external_data": external}
-    if manifest.get("heads"):
-        from serving.bundle.quantize import write_heads
-
-        manifest["heads"] = write_heads(stage, np.load(stage / "head_weight.npy", mmap_mode="r"), tuple(manifest["heads"]))
-    return manifest
-
-
-def _carry(source: Path, stage: Path, files: dict) -> dict[str, tuple[str, int]]:
-    """Every listed file but the calibrations copied into the stage, the current calibration as PREVIOUS;
-    their manifest hashes (not read again: verify reads them once, on the stage)."""
-    carry = shutil.copyfile
-    known = {}
-    for name, info in files.items():
-        if name in CALIBRATION_FILES:
-            continue
-        if "/" in name or "\\" in name or name in ("", ".", "..", MANIFEST):
-            raise RecalibrationError(f"{MANIFEST} lists a bad file name {name!r}")
-        carry(source / name, stage / name)
-        known[name] = (str(info["sha256"]), int(info["bytes"]))
-    carry(source / CALIBRATION, stage / PREVIOUS)
-    known[PREVIOUS] = (str(files[CALIBRATION]["sha256"]), int(files[CALIBRATION]["bytes"]))
-    return known
 
 
 def previous_digests(path: Path, expect: str | None = None) -> list[str]:

@@ -22,9 +22,9 @@ import numpy as np
 
 from serving.calibration.estimator import per_class_pass
 from serving.calibration.chunks import Chunks, Logits
-from serving.calibration.counts import PooledThreshold, check_target, counts_at
+from serving.calibration.counts import check_target, class_counts
 from serving.calibration.defaults import CV_CANDIDATES as CANDIDATES
-from serving.calibration.rules import RULES, Fit, check_method
+from serving.calibration.rules import RULES, check_method
 FOLDS = 2
 SEED = 0
 
@@ -42,20 +42,8 @@ def folds(y: np.ndarray, seed: int = SEED) -> np.ndarray:
 
 def fit_rules(logits: Logits, target: dict, methods) -> list[np.ndarray]:
     """Each method's thresholds [D] fitted on `logits`: two passes (two more for norm), no Platt fits."""
-    pooled = PooledThreshold(logits.true)
-    per, _, _ = per_class_pass(logits, target, pooled, methods=tuple(methods), platt=False)
-    fit = Fit(per, float(pooled.choose(target)["threshold"][0]), logits, target)
+    fit = per_class_pass(logits, target, methods=tuple(methods), platt=False)
     return [RULES[m["name"]].thresholds(fit, m) for m in methods]
-
-
-def counts(logits: Logits, thresholds: list[np.ndarray]) -> list[tuple]:
-    """(true matches, matches, positives) [D] per class at each set of thresholds, in one pass."""
-    parts: list[list] = [[] for _ in thresholds]
-    for first, z in logits:
-        positive = logits.positive(first, z.shape[1])  # [N, c]
-        for part, t in zip(parts, thresholds):
-            part.append(counts_at(z, positive, t[first:first + z.shape[1]]))
-    return [tuple(map(np.concatenate, zip(*part))) for part in parts]
 
 
 def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes: int, target: dict,
@@ -82,7 +70,7 @@ def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates
         if len(fit_rows) == 0 or len(judge_rows) == 0:
             raise ValueError("cross-validation needs at least 2 images of some class")
         fitted = fit_rules(Logits(chunks_of(fit_rows), y[fit_rows], num_classes, bar), target, methods)
-        for i, c in enumerate(counts(Logits(chunks_of(judge_rows), y[judge_rows], num_classes, bar), fitted)):
+        for i, c in enumerate(class_counts(Logits(chunks_of(judge_rows), y[judge_rows], num_classes, bar), fitted)):
             tp[i] += c[0]
             matches[i] += c[1]
             positives[i] += c[2]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from serving.calibration.chunks import Logits
+
 # the per-class kernels (thresholds, Platt) run on column groups [N, g] of about this many values:
 # cache-sized, they run 2-3x faster than on a whole chunk (same results: each column is on its own)
 KERNEL_VALUES = 1 << 17
@@ -99,6 +101,27 @@ def rates(tp, predicted, n_pos) -> dict[str, np.ndarray]:
     precision = np.where(predicted > 0, tp / np.maximum(predicted, 1), 1.0)
     recall = np.where(n_pos > 0, tp / np.maximum(n_pos, 1), 0.0)
     return {"precision": precision, "recall": recall, "positives": n_pos, "matches": predicted}
+
+
+def class_counts(logits: Logits, thresholds: list[np.ndarray]) -> list[tuple]:
+    """(true matches, matches, positives) [D] per class at each set of thresholds [D], in one pass."""
+    parts: list[list] = [[] for _ in thresholds]
+    for first, z in logits:
+        positive = logits.positive(first, z.shape[1])  # [N, c]
+        for part, t in zip(parts, thresholds):
+            part.append(counts_at(z, positive, t[first:first + z.shape[1]]))
+    return [tuple(map(np.concatenate, zip(*part))) for part in parts]
+
+
+def measured_rates(logits: Logits, thresholds: np.ndarray, global_t: float) -> dict:
+    """Rates at per-class thresholds [D] and at one global threshold, per class and pooled, in one pass."""
+    at_t, at_g = class_counts(logits, [thresholds, np.full(logits.num_classes, global_t)])
+    return {
+        "per_class": rates(*at_t),
+        "global": rates(*(np.array([c.sum()]) for c in at_g)),  # the pooled pairs: sums over classes
+        "per_class_at_global": rates(*at_g),
+        "examples": int(len(logits.y)),
+    }
 
 
 def rates_at(scores: np.ndarray, positive: np.ndarray, threshold: np.ndarray) -> dict[str, np.ndarray]:

@@ -10,8 +10,7 @@ import math
 import numpy as np
 
 from serving.calibration.chunks import Chunks, Logits, chunk_classes, dense_chunks
-from serving.calibration.counts import (KERNEL_VALUES, PooledThreshold, check_target, class_thresholds, counts_at,
-                                        rates)
+from serving.calibration.counts import KERNEL_VALUES, PooledThreshold, check_target, class_thresholds, measured_rates
 from serving.calibration.defaults import DEFAULT_TARGET
 from serving.calibration.platt import fit_platt
 from serving.calibration.rules import RULES, Fit, Rule, check_method
@@ -22,12 +21,13 @@ def _f(x) -> float:
     return float(x)
 
 
-def per_class_pass(logits: Logits, target: dict, pooled: PooledThreshold, methods: tuple = (),
-                   platt: bool = True) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Per-class thresholds (and those of the `methods` that read one column at a time, under their
-    names) and Platt fits (unless not) chunk by chunk (each needs its own column only); the pooled
-    counts on the way."""
+def per_class_pass(logits: Logits, target: dict, methods: tuple = (), platt: bool = True,
+                   cross: list | None = None) -> Fit:
+    """What every rule reads, in one pass (each class needs its own column only): each class's own cut,
+    those of the `methods` that read one column at a time (under their names), Platt fits (platt_a,
+    platt_b; unless not), and the pooled column's cut, counted on the way. `cross`: the norm rule's."""
     columns = [m for m in methods if type(RULES[m["name"]]).column is not Rule.column]
+    pooled = PooledThreshold(logits.true)
     parts, a, b = [], [], []
     for first, z in logits:
         if not np.isfinite(z).all():
@@ -45,28 +45,9 @@ def per_class_pass(logits: Logits, target: dict, pooled: PooledThreshold, method
                 b.append(b_g)
         pooled.add(z)
     per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-    return per, np.concatenate(a or [np.zeros(0)]), np.concatenate(b or [np.zeros(0)])
-
-
-def _counts_pass(logits: Logits, thresholds: np.ndarray, global_t: float) -> tuple[tuple, tuple]:
-    """(true matches, matches, positives) [D] per class at `thresholds` [D] and at the global threshold."""
-    at_t, at_g = [], []
-    for first, z in logits:
-        positive = logits.positive(first, z.shape[1])  # [N, c]
-        at_t.append(counts_at(z, positive, thresholds[first:first + z.shape[1]]))
-        at_g.append(counts_at(z, positive, np.full(z.shape[1], global_t)))
-    return tuple(map(np.concatenate, zip(*at_t))), tuple(map(np.concatenate, zip(*at_g)))
-
-
-def measured_rates(logits: Logits, per_thresholds: np.ndarray, global_t: float) -> dict:
-    """Rates on the test split at the thresholds chosen on the calibration split (measured only)."""
-    at_t, at_g = _counts_pass(logits, per_thresholds, global_t)
-    return {
-        "per_class": rates(*at_t),
-        "global": rates(*(np.array([c.sum()]) for c in at_g)),  # the pooled pairs: sums over classes
-        "per_class_at_global": rates(*at_g),
-        "examples": int(len(logits.y)),
-    }
+    if platt:
+        per["platt_a"], per["platt_b"] = np.concatenate(a), np.concatenate(b)
+    return Fit(per, pooled.choose(target), logits, target, cross)
 
 
 def per_class_entries(per: dict, a: np.ndarray, b: np.ndarray, test: dict | None) -> list[dict]:
@@ -160,15 +141,12 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
               disable=None if progress else True) as bar:
         logits = Logits(cal, y_cal, num_classes, bar).checked()
-        pooled = PooledThreshold(logits.true)
-        per, a, b = per_class_pass(logits, target, pooled, methods=(method,))
-        pooled_cut = pooled.choose(target)
-        global_t = float(pooled_cut["threshold"][0])
-        threshold = rule.thresholds(Fit(per, global_t, logits, target, cross), method)
-        at_t, at_g = _counts_pass(logits, threshold, global_t)
-        per = _with_method(per, method, threshold, rates(*at_t), kind, value)
-        rates_test = None if test is None else measured_rates(Logits(test, y_test, num_classes, bar),
-                                                              per["threshold"], global_t)
+        fit = per_class_pass(logits, target, methods=(method,), cross=cross)
+        threshold = rule.thresholds(fit, method)
+        rates_cal = measured_rates(logits, threshold, fit.global_t)
+        rates_test = None if test is None else measured_rates(Logits(test, y_test, num_classes, bar), threshold,
+                                                              fit.global_t)
+    per = _with_method(fit.per, method, threshold, rates_cal["per_class"], kind, value)
     out = {
         "target": {kind: value},
         "method": method,
@@ -176,10 +154,10 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
         "probability": "sigmoid(a * logit + b)",
         "split": "calibration",
         "examples": int(len(logits.y)),
-        "global": global_entry(pooled_cut, rates_test),
-        "per_class": per_class_entries(per, a, b, rates_test),
+        "global": global_entry(fit.pooled, rates_test),
+        "per_class": per_class_entries(per, per["platt_a"], per["platt_b"], rates_test),
         # the global threshold read per class: how much does one number lose against D numbers?
-        "summary": summary(per, rates(*at_g), rates_test, kind, value),
+        "summary": summary(per, rates_cal["per_class_at_global"], rates_test, kind, value),
     }
     if rates_test is not None:
         out["test_examples"] = rates_test["examples"]

@@ -25,11 +25,15 @@ from serving.calibration.defaults import KAPPA, NORM_K, RULE_DEFAULTS, TAIL_K
 class Fit:
     """What a rule may read: the pass's per-class results and the logits, to stream again if it must."""
 
-    per: dict  # per-class arrays [D]: threshold (the column's own cut), positives, and each column rule's own
-    global_t: float
+    per: dict  # per-class arrays [D]: threshold (the column's own cut), positives, each column rule's own, Platt
+    pooled: dict  # the pooled column's choice (counts.PooledThreshold): threshold, precision, recall, reached [1]
     logits: Logits
     target: dict
     cross: Optional[list] = None  # norm: the logits each half is judged on, when rows were adapted
+
+    @property
+    def global_t(self) -> float:
+        return float(self.pooled["threshold"][0])
 
 
 class Rule:

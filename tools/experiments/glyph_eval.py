@@ -110,8 +110,9 @@ def evaluate(run: Path, splits, views: dict, normalized: bool, detect: bool = Tr
 def _detect(h: dict, y: dict, w: np.ndarray, b: np.ndarray, splits: tuple[str, ...]) -> dict:
     """Per-class thresholds calibrated on the calibration split (DETECT_TARGET, the export's
     default method), then each split's mean per-class recall and precision at them."""
-    from serving.calibration.estimator import calibrate_chunks, measured_rates
-    from serving.calibration.chunks import head_chunks
+    from serving.calibration.chunks import Logits, head_chunks
+    from serving.calibration.counts import measured_rates
+    from serving.calibration.estimator import calibrate_chunks
 
     d = len(b)
     cal = calibrate_chunks(head_chunks(h["calibration"], w, b, CHUNK), y["calibration"], d, DETECT_TARGET,
@@ -119,8 +120,8 @@ def _detect(h: dict, y: dict, w: np.ndarray, b: np.ndarray, splits: tuple[str, .
     thresholds = np.array([c["threshold"] for c in cal["per_class"]], dtype=np.float64)  # [D]
     out = {}
     for split in splits:
-        rates = measured_rates(head_chunks(h[split], w, b, CHUNK), y[split], d, thresholds,
-                            float(cal["global"]["threshold"]))["per_class"]
+        rates = measured_rates(Logits(head_chunks(h[split], w, b, CHUNK), y[split], d), thresholds,
+                               float(cal["global"]["threshold"]))["per_class"]
         out[split] = {"per_class_mean_recall": float(rates["recall"].mean()),
                       "per_class_mean_precision": float(rates["precision"].mean()),
                       "classes_reaching_target": int((rates["precision"] >= DETECT_TARGET["precision"] - 1e-12).sum()),

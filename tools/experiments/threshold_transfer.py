@@ -27,8 +27,8 @@ import numpy as np
 from tools.report import md_table, write_result
 from trainer.calibration_shift import SHIFT_SEED, style_shifted
 from serving.calibration.norm import norm_thresholds
-from serving.calibration.chunks import chunk_classes, chunk_positive, dense_chunks
-from serving.calibration.counts import PooledThreshold, class_thresholds, counts_at
+from serving.calibration.chunks import Logits, chunk_classes, dense_chunks
+from serving.calibration.counts import PooledThreshold, class_counts, class_thresholds
 from serving.calibration.rules import tail_thresholds
 
 USER_IMAGES = 2  # per class, as in the user-calibration study (issue 37 part 6)
@@ -41,9 +41,9 @@ def fit(z: np.ndarray, y: np.ndarray, target: dict) -> dict[str, np.ndarray]:
     num_classes = z.shape[1]
     pooled = PooledThreshold(z[np.arange(len(y)), y])
     parts = []
-    for first in range(0, num_classes, chunk_classes(len(y), num_classes)):
-        zc = np.asarray(z[:, first:first + chunk_classes(len(y), num_classes)], dtype=np.float64)  # [N, c]
-        positive = chunk_positive(y, first, zc.shape[1])
+    logits = Logits(dense_chunks(z, chunk_classes(len(y), num_classes)), y, num_classes)
+    for first, zc in logits:  # [N, c] float64
+        positive = logits.positive(first, zc.shape[1])
         parts.append({**class_thresholds(zc, positive, target), "tail": tail_thresholds(zc, positive, target)})
         pooled.add(zc)
     per = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
@@ -61,10 +61,9 @@ def judge(z: np.ndarray, y: np.ndarray, thresholds: np.ndarray) -> dict:
     """Detect at `thresholds` [D] on logits z [N, D]: per-class mean recall and precision (a class with
     no match: precision 1), pooled precision over every decision, matches; and the top-1 accuracy of
     z (what softmax and top-k answer: moved rows change it, thresholds do not)."""
-    num_classes, step = z.shape[1], chunk_classes(len(y), z.shape[1])
-    counts = [counts_at(np.asarray(z[:, f:f + step], dtype=np.float64), chunk_positive(y, f, min(step, num_classes - f)),
-                         thresholds[f:f + step]) for f in range(0, num_classes, step)]
-    tp, matches, positives = (np.concatenate(c) for c in zip(*counts))
+    num_classes = z.shape[1]
+    (tp, matches, positives), = class_counts(Logits(dense_chunks(z, chunk_classes(len(y), num_classes)), y, num_classes),
+                                             [thresholds])
     precision = np.where(matches > 0, tp / np.maximum(matches, 1), 1.0)
     recall = np.where(positives > 0, tp / np.maximum(positives, 1), 0.0)
     has = positives > 0  # classes the judged split holds

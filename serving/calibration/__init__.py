@@ -5,7 +5,7 @@ chunks (logits in class chunks, the one way a head's D columns are read) · coun
 target, per column and pooled) · platt (probabilities) · rules (per_class, global, shrink, tail, norm: one
 interface, one registry) · norm (the norm rule's estimator) · estimator (calibration.json) · choose (the rule
 chosen by cross-validation) · adapt (head rows moved toward a user's images) · support (what the calibration images can show) ·
-defaults (the one table of defaults) · recalibrate + cli (`slc calibrate`).
+defaults (the one table of defaults) · recalibrate + images + measure + cli (`slc calibrate`).
 """
 from serving.calibration.estimator import calibrate, calibrate_chunks, per_class_pass
 from serving.calibration.chunks import Chunks, chunk_classes, dense_chunks, head_chunks

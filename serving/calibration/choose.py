@@ -25,6 +25,8 @@ from serving.calibration.chunks import Chunks, Logits
 from serving.calibration.counts import check_target, class_counts
 from serving.calibration.defaults import CV_CANDIDATES as CANDIDATES
 from serving.calibration.rules import RULES, check_method
+
+CV = "cv"  # the method name that asks for this choice (slc calibrate --threshold-method cv)
 FOLDS = 2
 SEED = 0
 
@@ -56,6 +58,23 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
     with tqdm(total=passes * FOLDS * num_classes, desc="choosing the rule", unit="class", leave=False,
               disable=None if progress else True) as bar:
         return _choose(chunks_of, y, num_classes, target, candidates, seed, bar)
+
+
+def choose_rule(method: dict, bundle_method: dict | None, chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray,
+                num_classes: int, target: dict, progress: bool = False) -> tuple[dict, dict | None]:
+    """(the rule to fit, the record of its choice or None): `method` itself, unless it is {"name": CV}:
+    then the one cross-validation picks (choose), or where no class has 2 images to cross-validate on,
+    the bundle's own rule `bundle_method` (the defaults table's when it names none, or names tail
+    under a recall target)."""
+    if method["name"] != CV:
+        return method, None
+    if np.bincount(y).max(initial=0) >= 2:
+        return choose(chunks_of, y, num_classes, target, progress=progress)
+    chosen = check_method(bundle_method)
+    if chosen["name"] == "tail" and "recall" in target:
+        chosen = check_method(None)
+    return chosen, {"by": "the bundle's rule (no class has 2 images to cross-validate on)", "chosen": chosen["name"],
+                    "candidates": []}
 
 
 def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates, seed: int, bar) -> tuple[dict, dict]:

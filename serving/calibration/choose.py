@@ -54,7 +54,8 @@ def choose(chunks_of: Callable[[np.ndarray], Chunks], y: np.ndarray, num_classes
     `chunks_of(rows)` gives the logits of those rows in class chunks."""
     from tqdm.auto import tqdm
 
-    passes = 3 + 2 * any(m["name"] == "norm" for m in candidates)  # per fold: fit (2, + 2 for norm), judge (1)
+    # per fold: fit (2, + the most any candidate adds: 2 for norm), judge (1)
+    passes = 3 + max(RULES[m["name"]].extra_passes for m in candidates)
     with tqdm(total=passes * FOLDS * num_classes, desc="choosing the rule", unit="class", leave=False,
               disable=None if progress else True) as bar:
         return _choose(chunks_of, y, num_classes, target, candidates, seed, bar)
@@ -71,7 +72,7 @@ def choose_rule(method: dict, bundle_method: dict | None, chunks_of: Callable[[n
     if np.bincount(y).max(initial=0) >= 2:
         return choose(chunks_of, y, num_classes, target, progress=progress)
     chosen = check_method(bundle_method)
-    if chosen["name"] == "tail" and "recall" in target:
+    if RULES[chosen["name"]].precision_only and "recall" in target:
         chosen = check_method(None)
     return chosen, {"by": "the bundle's rule (no class has 2 images to cross-validate on)", "chosen": chosen["name"],
                     "candidates": []}
@@ -80,9 +81,9 @@ def choose_rule(method: dict, bundle_method: dict | None, chunks_of: Callable[[n
 def _choose(chunks_of, y: np.ndarray, num_classes: int, target: dict, candidates, seed: int, bar) -> tuple[dict, dict]:
     kind, value = check_target(target)
     fold = folds(y, seed)
-    few = min(int((fold != f).sum()) for f in range(FOLDS)) < 2  # a fold fitted on one image: norm cannot be
-    methods = [check_method(m) for m in candidates
-               if (kind == "precision" or m["name"] != "tail") and not (few and m["name"] == "norm")]
+    fitted_on = min(int((fold != f).sum()) for f in range(FOLDS))  # the fewest images a fold is fitted on
+    methods = [check_method(m) for m in candidates if (kind == "precision" or not RULES[m["name"]].precision_only)
+               and RULES[m["name"]].min_images <= fitted_on]
     tp, matches, positives = (np.zeros((len(methods), num_classes)) for _ in range(3))
     for f in range(FOLDS):
         fit_rows, judge_rows = np.flatnonzero(fold != f), np.flatnonzero(fold == f)

@@ -135,8 +135,8 @@ def calibrate_chunks(cal: Chunks, y_cal: np.ndarray, num_classes: int, target: d
     rule = RULES[method["name"]]
     if rule.precision_only and kind != "precision":
         raise ValueError(f"the {rule.name} rule needs a precision target (--target-precision)")
-    if cross is not None and rule.name != "norm":
-        raise ValueError("cross-fitted logits go with the norm rule")
+    if cross is not None and not rule.cross_fitted:
+        raise ValueError(f"cross-fitted logits go with the norm rule, not {rule.name}")
     passes = 3 + (rule.extra_passes if cross is None else 1 + 3 * len(cross)) + (test is not None)
     with tqdm(total=passes * num_classes, desc="calibration", unit="class", leave=False,
               disable=None if progress else True) as bar:

@@ -19,6 +19,7 @@ import click
 import numpy as np
 
 from serving.bundle.recalibration import Source
+from serving.calibration.rules import RULES
 
 SHOW_UNKNOWN = 5  # unknown class names given in the one line
 EMBED_BATCH = 64
@@ -71,9 +72,9 @@ def read_images(source: Source, data: str, skip_bad: bool,
     y [n], h_test, y_test) of the decodable files."""
     bundle, spec = source.path, source.manifest["image"]
     images, y_fit, y_test = list_images(data, source.manifest["classes"], skip_bad)
-    if rule == "norm" and len(y_fit) < 2:
-        raise click.UsageError(f"{data}: the norm rule needs at least 2 images to fit on; name another "
-                               "--threshold-method (global, shrink, per_class)")
+    if rule in RULES and len(y_fit) < RULES[rule].min_images:
+        raise click.UsageError(f"{data}: the {rule} rule needs at least {RULES[rule].min_images} images to fit on; "
+                               "name another --threshold-method (global, shrink, per_class)")
     h, kept = embed_files(bundle, spec, images.root, images.fit, skip_bad, f"embedding {len(images.fit):,} images")
     if len(kept) == 0:
         raise click.ClickException("no image decodes: nothing to fit thresholds on")

@@ -26,7 +26,7 @@ from serving.calibration.defaults import RULE_DEFAULTS
 from serving.calibration.estimator import calibrate_chunks
 from serving.calibration.images import Images, read_images
 from serving.calibration.measure import measure, previous_thresholds
-from serving.calibration.rules import check_method
+from serving.calibration.rules import RULES, check_method
 DEFAULT_RULE = RULE_DEFAULTS["calibrate"]["name"]  # docs/calibration.md, "The norm rule"
 DEFAULT_METHOD = RULE_DEFAULTS["not pols"]  # a bundle that names no rule
 KEPT_RULE = ("a class with no image in the recalibration data keeps its entry of the calibration this one "
@@ -163,8 +163,8 @@ def resolve_options(calibration: dict, target_precision: float | None = None, ta
         raise click.UsageError("--kappa goes with --threshold-method shrink")
     if name == CV:
         return Options(target, {"name": CV}, skip_bad)
-    if name == "tail" and "recall" in target:
-        raise click.UsageError("--threshold-method tail needs a precision target: give --target-precision P")
+    if name in RULES and RULES[name].precision_only and "recall" in target:
+        raise click.UsageError(f"--threshold-method {name} needs a precision target: give --target-precision P")
     if kappa is None:
         kappa = old.get("kappa", DEFAULT_METHOD["kappa"]) if old.get("name") == "shrink" else DEFAULT_METHOD["kappa"]
     try:

@@ -41,7 +41,9 @@ class Rule:
     pass (None: the rule needs no such pass); `thresholds`: the D thresholds, as the server stores them."""
 
     name = ""
-    precision_only = False
+    precision_only = False  # a recall target has no meaning for it
+    min_images = 1  # the fewest examples it can fit on
+    cross_fitted = False  # takes `cross`: per half, the logits of a head adapted on the other half
     extra_passes = 0  # passes over the logits beyond the per-class ones
 
     def params(self, method: dict) -> dict:
@@ -111,6 +113,8 @@ class Tail(Rule):
 
 class Norm(Rule):
     name = "norm"
+    min_images = 2  # two halves, each standardised by the other
+    cross_fitted = True
     extra_passes = 2  # the true logits are the per-class pass's
 
     def params(self, method: dict) -> dict:

@@ -45,7 +45,8 @@ def write_new_head(src: Path, stage: Path, parts: list, bias: np.ndarray, manife
     external = {**(manifest.get("external_data") or {}), **{g: ["head_weight.npy", "head_bias.npy"] for g in GRAPHS}}
     fields: dict = {"external_data": external}
     if heads := manifest.get("heads"):
-        replaced |= {name for spec in heads.values() for k, name in spec.items() if k != "scheme" and isinstance(name, str)}
+        replaced |= {name for spec in heads.values() for k, name in spec.items()
+                     if k != "scheme" and isinstance(name, str)}
         fields["heads"] = write_heads(stage, np.load(stage / "head_weight.npy", mmap_mode="r"), tuple(heads))
     return NewHead(fields, replaced)
 

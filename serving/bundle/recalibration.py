@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from serving.bundle.calibration import calibration_limit, parse_calibration
-from serving.bundle.format import (MANIFEST, SELF_HASH_KEY, BundleError, canonical_manifest_hash, carry_files, json_load,
-                                   write_manifest)
+from serving.bundle.format import (MANIFEST, SELF_HASH_KEY, BundleError, canonical_manifest_hash, carry_files,
+                                   json_load, write_manifest)
 from serving.bundle.output import OutputRefused, check, real_target, staged
 from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
 

@@ -234,8 +234,9 @@ def fit(source: Source, h: np.ndarray, y: np.ndarray, h_test: np.ndarray | None,
     D = len(weight)
     chunk = chunk_classes(max(len(y), 0 if y_test is None else len(y_test)), D)
     has_test = y_test is not None and len(y_test) > 0
-    opts.method, choice = choose_rule(opts.method, old.get("method"), lambda rows: head_chunks(h[rows], weight, bias, chunk),
-                                      y, D, opts.target, progress=True)
+    opts.method, choice = choose_rule(opts.method, old.get("method"),
+                                      lambda rows: head_chunks(h[rows], weight, bias, chunk), y, D, opts.target,
+                                      progress=True)
     cal = calibrate_chunks(head_chunks(h, weight, bias, chunk), y, D, opts.target,
                            head_chunks(h_test, weight, bias, chunk) if has_test else None,
                            y_test if has_test else None, method=opts.method, progress=True, cross=cross)

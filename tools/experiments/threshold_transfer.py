@@ -62,8 +62,8 @@ def judge(z: np.ndarray, y: np.ndarray, thresholds: np.ndarray) -> dict:
     no match: precision 1), pooled precision over every decision, matches; and the top-1 accuracy of
     z (what softmax and top-k answer: moved rows change it, thresholds do not)."""
     num_classes = z.shape[1]
-    (tp, matches, positives), = class_counts(Logits(dense_chunks(z, chunk_classes(len(y), num_classes)), y, num_classes),
-                                             [thresholds])
+    logits = Logits(dense_chunks(z, chunk_classes(len(y), num_classes)), y, num_classes)
+    (tp, matches, positives), = class_counts(logits, [thresholds])
     precision = np.where(matches > 0, tp / np.maximum(matches, 1), 1.0)
     recall = np.where(positives > 0, tp / np.maximum(positives, 1), 0.0)
     has = positives > 0  # classes the judged split holds

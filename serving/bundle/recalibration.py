@@ -93,10 +93,9 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, h
 
     source = Path(source)
     in_place = in_place or Path(out).resolve() == source.resolve()
-    target = check_out(source, Path(out), in_place, overwrite)
     manifest = json.loads((source / MANIFEST).read_text())  # as written: the full class list
     try:
-        with staged(target, "bundle", overwrite=overwrite, inputs=[source], in_place=in_place,
+        with staged(out, "bundle", overwrite=overwrite, inputs=[source], in_place=in_place,  # the output checked
                     verify=_verified) as stage:
             (stage / CALIBRATION).write_text(json.dumps(calibration, indent=1, allow_nan=False) + "\n")
             changed = {"calibration_target": calibration["target"],
@@ -110,7 +109,7 @@ def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, h
             write_manifest(stage, {**manifest, **changed}, known_hashes=known)
     except (OutputRefused, BundleError) as exc:
         raise RecalibrationError(str(exc)) from None
-    return target
+    return real_target(out, in_place)
 
 
 def _verified(stage: Path) -> list[str]:

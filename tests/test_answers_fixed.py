@@ -100,7 +100,7 @@ def adapt_answers() -> dict:
 
 def recalibrate_defaults() -> dict:
     from serving.settings import Settings
-    from serving.calibration.recalibrate import resolve_options
+    from serving.calibration.options import resolve_options
 
     old = {"target": {"precision": 0.95}, "method": {"name": "shrink", "kappa": 3.0}}
     opts = resolve_options(old, None, None, None, None, False)

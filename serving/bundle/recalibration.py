@@ -27,7 +27,7 @@ from serving.bundle.calibration import calibration_limit, parse_calibration
 from serving.bundle.format import (MANIFEST, SELF_HASH_KEY, BundleError, canonical_manifest_hash, carry_files,
                                    json_load, write_manifest)
 from serving.bundle.output import OutputRefused, check, real_target, staged
-from serving.bundle.verify import MAX_MANIFEST_BYTES, parse_manifest, verify_bundle
+from serving.bundle.verify import MAX_MANIFEST_BYTES, inspect_bundle, parse_manifest, verify_bundle
 
 CALIBRATION = "calibration.json"
 PREVIOUS = "calibration.previous.json"  # the calibration the current one replaced (one generation)
@@ -40,6 +40,10 @@ class RecalibrationError(ValueError):
     """The recalibrated bundle cannot be written; one line."""
 
 
+class SourceRefused(RecalibrationError):
+    """The bundle cannot be recalibrated, or not into that output: said before any work; one line."""
+
+
 @dataclass
 class Source:
     """A bundle about to be recalibrated, read once (`read_source`): everything `slc calibrate` takes from it."""
@@ -50,6 +54,23 @@ class Source:
     weight: np.ndarray  # [D, d] memory-mapped
     bias: np.ndarray  # [D]
     negatives: tuple | None  # (embeddings [n, d], labels [n]) memory-mapped, when the bundle carries them
+    target: Path | None = None  # the folder the recalibrated bundle goes to (open_source)
+
+
+def open_source(bundle: Path, out: Path | None, in_place: bool, overwrite: bool = False) -> Source:
+    """The bundle read once for `slc calibrate`, with the folder to write (`out`, or BUNDLE itself with
+    `in_place`: check_out), if it loads and takes images; SourceRefused (one line) otherwise, before any
+    image is decoded."""
+    target = check_out(bundle, bundle if in_place else out, in_place, overwrite)
+    problems, _ = inspect_bundle(bundle, deep=False)
+    if problems:
+        raise SourceRefused(f"{bundle} does not load, so it is not recalibrated: {problems[0]}")
+    source = read_source(bundle)
+    if not isinstance(source.manifest.get("image"), dict):
+        raise SourceRefused(f"{bundle} takes no images (its manifest has no image spec): recalibrate it "
+                            "with slc export on its run instead")
+    source.target = target
+    return source
 
 
 def read_source(bundle: Path) -> Source:
@@ -77,10 +98,10 @@ def check_out(source: Path, out: Path, in_place: bool, overwrite: bool = False) 
     RecalibrationError (one line) for an output that must not be written, before any work."""
     try:
         if not in_place and real_target(out) == Path(source).resolve():
-            raise RecalibrationError(f"--out {out} is the bundle itself; pass --in-place to replace it")
+            raise SourceRefused(f"--out {out} is the bundle itself; pass --in-place to replace it")
         return check(out, "bundle", overwrite=overwrite, inputs=[source], in_place=in_place)
     except OutputRefused as exc:
-        raise RecalibrationError(str(exc)) from None
+        raise SourceRefused(str(exc)) from None
 
 
 def write_recalibrated(source: Path, calibration: dict, out: Path, note: dict, head=None, *,

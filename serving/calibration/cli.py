@@ -7,7 +7,9 @@ from pathlib import Path
 import click
 
 from serving.bundle.cliopts import POSITIVE, bundle_dir, guarded, out_dir, slc_command
-from serving.calibration.recalibrate import CV, DEFAULT_RULE, Outcome, run
+from serving.calibration.choose import CV
+from serving.calibration.options import DEFAULT_RULE
+from serving.calibration.recalibrate import Outcome, run
 from serving.calibration.rules import METHODS
 
 
@@ -78,10 +80,21 @@ def calibrate(bundle: Path, data: str, out: Path | None, overwrite: bool, in_pla
               target_recall: float | None, threshold_method: str | None, kappa: float | None,
               skip_bad_images: bool, adapt_rows: bool, adapt_step: float | None, adapt_keep: bool) -> None:
     """Choose BUNDLE's thresholds again on your own labelled images; writes a bundle that slc verify accepts."""
+    from serving.bundle.recalibration import RecalibrationError, SourceRefused
+
+    if out is None and not in_place:
+        raise click.UsageError("give --out NEW_BUNDLE, or --in-place to replace BUNDLE")
+    if out is not None and in_place:
+        raise click.UsageError("give --out or --in-place, not both")
     t0 = time.perf_counter()
-    outcome = run(bundle, data, out, in_place, overwrite, target_precision=target_precision,
-                  target_recall=target_recall, method_name=threshold_method, kappa=kappa, skip_bad=skip_bad_images,
-                  adapt=adapt_rows, step=adapt_step, keep=adapt_keep)
+    try:
+        outcome = run(bundle, data, out, in_place, overwrite, target_precision=target_precision,
+                      target_recall=target_recall, method_name=threshold_method, kappa=kappa,
+                      skip_bad=skip_bad_images, adapt=adapt_rows, step=adapt_step, keep=adapt_keep)
+    except SourceRefused as exc:  # before any work: a usage line
+        raise click.UsageError(str(exc)) from None
+    except RecalibrationError as exc:
+        raise click.ClickException(str(exc)) from None
     _summary(outcome, data, time.perf_counter() - t0)
     _support_echo(outcome.cal["support"], bundle, data, out, in_place)
 

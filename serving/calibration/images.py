@@ -35,6 +35,15 @@ class Images:
     left_out: int  # train-split files, not used
     name: str = ""  # the --data folder or file as calibration.json records it (absolute)
 
+    def note(self, y: np.ndarray, y_test, num_classes: int) -> dict:
+        """calibration.json's and the manifest's `recalibration` note: when, on what, which classes."""
+        import datetime as _dt
+
+        fitted = int(np.count_nonzero(np.bincount(y, minlength=num_classes)))
+        return {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "data": self.name,
+                "images": len(y), "test_images": 0 if y_test is None else len(y_test),
+                "classes_recalibrated": fitted, "classes_kept": num_classes - fitted}
+
 
 def list_images(data: str, classes: list[str], skip_bad: bool) -> tuple[Images, np.ndarray, np.ndarray]:
     """The files and their class ids in the bundle (fit, test); UsageError naming the first unknown

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from serving.calibration.chunks import Chunks, Logits
+from serving.calibration.chunks import Chunks, Logits, chunk_classes, head_chunks
 from serving.calibration.counts import PooledThreshold, check_target
 
 CONFIDENCE = 0.95
@@ -190,6 +190,12 @@ def support(chunks: Chunks, y: np.ndarray, num_classes: int, target: dict, confi
         out["target_precision"] = value
         out["target_supported"] = bool(mine["shown"] and mine["recall"] >= USEFUL_RECALL)
     return out
+
+
+def head_support(h: np.ndarray, y: np.ndarray, weight, bias: np.ndarray, target: dict) -> dict:
+    """`support` of images h [n, d] of classes y [n] at the rows weight [D, d], bias [D] (the logits W·h + b
+    in class chunks): what they can show at the rows the thresholds are for."""
+    return support(head_chunks(h, weight, bias, chunk_classes(len(y), len(weight))), y, len(weight), target)
 
 
 def support_line(sup: dict, choose: str) -> str | None:

@@ -126,9 +126,10 @@ def recalibrations(bundle: Path, h: np.ndarray, y: np.ndarray) -> dict:
     from serving.calibration import adapt, keep
     from serving.calibration.chunks import chunk_classes, head_chunks
     from serving.calibration.norm import norm_thresholds
-    from serving.calibration.recalibrate import head_rows
+    from serving.bundle.recalibration import read_source
 
-    W, b = head_rows(bundle)
+    head = read_source(bundle)
+    W, b = head.weight, head.bias
     out = {}
     t0 = time.perf_counter()
     t = norm_thresholds(head_chunks(h.astype(np.float64), W, b, chunk_classes(len(y), len(W))), y, len(W), TARGET)
@@ -153,13 +154,14 @@ def recalibrations(bundle: Path, h: np.ndarray, y: np.ndarray) -> dict:
 def study(bundle: Path, seeds: tuple[int, ...] = (0, 1, 2), dataset: str = "glyphs3755",
           cache: Path | None = None, partial: Path | None = None) -> dict:
     """The figures of the module docstring; with `partial`, written there (JSON) after each seed too."""
-    from serving.calibration.recalibrate import head_rows
+    from serving.bundle.recalibration import read_source
 
     t0 = time.perf_counter()
     by_face = faces(bundle, dataset, cache)
     embed_s = time.perf_counter() - t0
     test = next(k for k in by_face if k.endswith("(test)"))
-    W, b = head_rows(bundle)
+    head = read_source(bundle)
+    W, b = head.weight, head.bias
     cal = json.loads((bundle / "calibration.json").read_text())
     t_export = np.array([e["threshold"] for e in cal["per_class"]], dtype=np.float32)
     exported = {face: judge(h, y, W, b, t_export) for face, (h, y) in by_face.items()}

@@ -156,7 +156,7 @@ def test_with_one_image_to_fit_per_fold_cv_leaves_norm_out_and_still_chooses():
 def test_slc_calibrate_options_default_to_norm_and_refuse_what_cannot_work():
     import click
 
-    from serving.calibration.recalibrate import resolve_options
+    from serving.calibration.options import resolve_options
 
     old = {"target": {"precision": 0.99}, "method": {"name": "global"}}
     assert resolve_options(old, None, None, None, None, False).method == {"name": "norm", "k": 100}

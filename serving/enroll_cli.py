@@ -80,3 +80,7 @@ def enroll(url: str, name: str, images: tuple[Path, ...], add: bool, api_key: st
     how = f"added {len(images)}" if add else ("created" if status == 201 else "replaced")
     click.echo(f"class {got['class_name']}: id {got['class_id']}, {got['examples']} examples ({how}), "
                f"threshold {got['threshold']:.4g}")
+    for other in got.get("matched_by", []):
+        click.echo(f"warning: class {other['class_name']} (id {other['class_id']}) also says yes to {other['examples']} "
+                   f"of these {len(images)} images at its threshold {other['threshold']:.4g}, so it will match "
+                   f"{got['class_name']}'s images too (docs/api.md, \"Look-alikes\")", err=True)

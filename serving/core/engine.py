@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # A batch holding a pass over all D classes waits for batch-mates up to this share of the pass's
 # measured time: the pass costs about the same for 1 input as for max_batch (it reads all of W).
 SCAN_PATIENCE_SHARE = 0.05
+# An enrollment answer's `matched_by`: each example's k best classes are judged (exact top-k, matches only);
+# a look-alike further down than this is missed, which `matched_by_complete: false` says.
+MATCHED_BY_K = 16
 
 
 
@@ -388,11 +391,28 @@ class Engine:
         h = await self._submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32))
         try:
             if add:
-                return await self._gallery(self.enrolled.add, name, h)
-            row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
-            return await self._gallery(self.enrolled.put, name, row, h)
+                answer, created = await self._gallery(self.enrolled.add, name, h)
+            else:
+                row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
+                answer, created = await self._gallery(self.enrolled.put, name, row, h)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
+        return {**answer, **await self._matched_by(x, answer["class_id"])}, created
+
+    async def _matched_by(self, x: np.ndarray, own: int) -> dict:
+        """The other classes whose detect says yes to some of the examples x (an exact top-k of each, as
+        GET top-k with matches_only answers it): a look-alike that will also match the new class's images,
+        said when the class is made rather than found in production (docs/api.md, "Enroll a class")."""
+        found = await self.topk(x, MATCHED_BY_K, "exact", matches_only=True)
+        counts: dict[int, dict] = {}
+        for entries in found["results"]:
+            for e in entries:
+                if e["class_id"] != own:
+                    c = counts.setdefault(e["class_id"], {"class_id": e["class_id"], "class_name": e["class_name"],
+                                                          "examples": 0, "threshold": e["threshold"]})
+                    c["examples"] += 1
+        by = sorted(counts.values(), key=lambda c: (-c["examples"], c["class_id"]))
+        return {"matched_by": by, "matched_by_complete": all(found["complete"])}
 
     async def unenroll(self, ref: str) -> int:
         """Delete an enrolled class by name or id; its id. Trained classes are part of the bundle: 409."""

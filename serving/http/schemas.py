@@ -224,6 +224,13 @@ class Platt(BaseModel):
     b: float
 
 
+class MatchedBy(BaseModel):
+    class_id: int
+    class_name: str
+    examples: int = Field(description="of this request's examples, those its detect says yes to")
+    threshold: float = Field(description="the threshold it decided with")
+
+
 class EnrolledClass(BaseModel):
     class_id: int = Field(description="D + slot: stable, never given to another class")
     class_name: str
@@ -234,6 +241,14 @@ class EnrolledClass(BaseModel):
     examples: int = Field(description="examples the row was computed from")
     rule: str = Field(description="the rule and the threshold's rule, e.g. imprint+global")
     created: float = Field(description="seconds since the epoch when this version was written")
+
+
+class EnrollAnswer(EnrolledClass):
+    """PUT /v1/classes/{name} and POST .../examples: the class, and who else says yes to its examples."""
+
+    matched_by: list[MatchedBy] = Field(description="other classes whose detect says yes to some of this request's "
+                                        "examples: they will also match this class's images")
+    matched_by_complete: bool = Field(description="every example's matches were among its 16 best classes")
 
 
 class NotServed(BaseModel):

@@ -31,7 +31,7 @@ from serving.http.errors import OrjsonResponse
 from serving.http.fast_routes import RawAnswer, app_state, fast_route, path_is_utf8
 from serving.http.schemas import (CalibrationReloadRequest, CalibrationReloadResponse, ClassSearchRequest,
                              ClassSearchResponse, DetectRequest, DetectResponse, DetectSetRequest,
-                             DetectSetResponse, EnrolledClass, EnrolledList,
+                             DetectSetResponse, EnrollAnswer, EnrolledList,
                              EnrollRequest, GalleryInfo, GalleryItem, GalleryPutRequest, GalleryUpsertRequest,
                              GalleryUpsertResponse, Health, ModelInfo, SoftmaxRequest, SoftmaxResponse, TopkRequest,
                              TopkResponse)
@@ -347,7 +347,7 @@ async def reload_calibration(scope, body: bytes):
 
 # ----------------------------------------------------------------------------- enrolled classes (issue 38)
 @fast_route(router, "PUT", "/classes/{class}", name="enroll", body=EnrollRequest, status_code=201,
-            response_model=EnrolledClass, responses=_ENROLL_ERRORS, tags=["classes"])
+            response_model=EnrollAnswer, responses=_ENROLL_ERRORS, tags=["classes"])
 async def enroll(scope, body: bytes):
     """Create (201) or replace (200) a class from examples: JSON {inputs} like detect, one image body,
     or several images as multipart/form-data (curl -F image=@a.png -F image=@b.png). Its row is
@@ -360,7 +360,7 @@ async def enroll(scope, body: bytes):
 
 
 @fast_route(router, "POST", "/classes/{class}/examples", name="enroll_add", body=EnrollRequest,
-            response_model=EnrolledClass, responses=_ADD_ERRORS, tags=["classes"])
+            response_model=EnrollAnswer, responses=_ADD_ERRORS, tags=["classes"])
 async def enroll_add(scope, body: bytes):
     """Add examples to an enrolled class (200): the same bodies as PUT. Its row is made again from the
     embeddings of all its examples, kept with the class: exactly the row of enrolling them at once."""

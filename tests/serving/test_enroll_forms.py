@@ -171,12 +171,18 @@ def test_a_json_bundle_refuses_files(client):
 
 @pytest.mark.integration
 def test_slc_enroll_against_a_running_server(image_bundle, tmp_path, capsys):
+    import json
+
     import httpx
 
+    from serving.bundle.recalibration import write_recalibrated
     from tests.serving.helpers import serve_process, slc, wait_http_ready
 
+    cal = json.loads((image_bundle / "calibration.json").read_text())
+    cal["per_class"][3]["threshold"] = -1e6  # a class that says yes to every image: a look-alike of anything
+    bundle = write_recalibrated(image_bundle, cal, tmp_path / "lookalike", {"data": "test"})
     port = free_port()
-    proc = serve_process(image_bundle, tmp_path, port)
+    proc = serve_process(bundle, tmp_path, port)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ready(url, proc)
@@ -185,7 +191,15 @@ def test_slc_enroll_against_a_running_server(image_bundle, tmp_path, capsys):
             paths.append(tmp_path / f"{s}.png")
             paths[-1].write_bytes(_png(s))
         assert slc("enroll", url, "cat", *paths[:2]) == 0
-        assert capsys.readouterr().out.strip().startswith("class cat: id 20, 2 examples (created)")
+        out = capsys.readouterr()
+        assert out.out.strip().startswith("class cat: id 20, 2 examples (created)")
+        # a warning line per other class that says yes to the images, as the server's own top-k judges them
+        x = np.stack([_tensor(p.read_bytes()) for p in paths[:2]])
+        top = httpx.post(url + "/v1/topk", json={"inputs": x.tolist(), "k": 16, "matches_only": True}).json()
+        others = {e["class_name"] for row in top["results"] for e in row if e["class_name"] != "cat"}
+        assert str(json.loads((bundle / "manifest.json").read_text())["classes"][3]) in others
+        warned = [line for line in out.err.splitlines() if line.startswith("warning: class ")]
+        assert sorted(line.split()[2] for line in warned) == sorted(others)
         assert slc("enroll", f"127.0.0.1:{port}", "cat", paths[2], "--add") == 0
         assert capsys.readouterr().out.strip().startswith("class cat: id 20, 3 examples (added 1)")
         assert httpx.get(url + "/v1/classes").json()["classes"][0]["examples"] == 3

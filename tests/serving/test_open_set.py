@@ -213,3 +213,57 @@ def folder(bundle_path, tmp_path):
     from pathlib import Path
 
     return Path(shutil.copytree(bundle_path, tmp_path / "served"))
+
+
+def _matched_by_truth(ext: Extended, thr: np.ndarray, x: np.ndarray, own: int, names: dict, k: int = 16):
+    """(matched_by, complete) of an enrollment answer, offline: per example the k best of every class
+    (the new one included), those at or above their threshold other than the new class, counted."""
+    z = ext.logits(x)  # [n, D + n_e]
+    counts: dict[int, int] = {}
+    complete = True
+    for zi in z:
+        order = np.argsort(-zi, kind="stable")[:k]
+        complete &= bool(len(zi) <= k or zi[order[-1]] < thr.min())
+        for col in order:
+            if zi[col] >= thr[col] and ext.ids[col] != own:
+                counts[int(ext.ids[col])] = counts.get(int(ext.ids[col]), 0) + 1
+    by = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [{"class_id": c, "class_name": names[c], "examples": n, "threshold": thr[ext.column(c)]} for c, n in by], complete
+
+
+def _check_matched_by(got: dict, want: tuple) -> None:
+    by, complete = want
+    assert [(e["class_id"], e["class_name"], e["examples"]) for e in got["matched_by"]] == \
+        [(e["class_id"], e["class_name"], e["examples"]) for e in by]
+    np.testing.assert_allclose([e["threshold"] for e in got["matched_by"]], [e["threshold"] for e in by], rtol=1e-7)
+    assert got["matched_by_complete"] is complete
+
+
+def test_an_enrollment_names_the_classes_that_also_match_its_examples(served, offline, bundle):
+    """PUT and POST .../examples answer `matched_by`: the other classes (trained and enrolled) whose
+    detect says yes to the request's examples, with how many, as the offline logits and thresholds say;
+    the new class itself is not among them."""
+    client, ext, thr, names = served
+    pool = np.random.default_rng(11).standard_normal((4000, INPUT_DIM)).astype(np.float32)
+    margin = (ext.logits(pool) - thr).max(axis=1)
+    claimed = pool[np.argsort(margin)[-3:]]  # inputs other classes claim
+    r = enroll(client, "gamma", claimed)
+    assert r.status_code == 201, r.text
+    got = r.json()
+    row, b = imprint(offline, claimed)
+    made = Extended(offline, [*zip(ext.ids[D:].tolist(), ext.W[D:], ext.b[D:]), (got["class_id"], row, b)])
+    thr3 = np.concatenate([thr, [bundle.global_threshold]])
+    names3 = {**names, got["class_id"]: "gamma"}
+    want = _matched_by_truth(made, thr3, claimed, got["class_id"], names3)
+    assert want[0], "the probes must be claimed by some other class"
+    _check_matched_by(got, want)
+
+    unclaimed = pool[np.argsort(margin)[:2]]  # inputs no class claims: only the new row could
+    r = client.post("/v1/classes/gamma/examples", json={"inputs": unclaimed.tolist()})
+    assert r.status_code == 200, r.text
+    row, b = imprint(offline, np.concatenate([claimed, unclaimed]))
+    made = Extended(offline, [*zip(ext.ids[D:].tolist(), ext.W[D:], ext.b[D:]), (got["class_id"], row, b)])
+    want = _matched_by_truth(made, thr3, unclaimed, got["class_id"], names3)
+    _check_matched_by(r.json(), want)
+    listed = client.get("/v1/classes").json()["classes"]
+    assert all("matched_by" not in c for c in listed)  # the answer of a write, not a property of the class

@@ -397,7 +397,12 @@ class Engine:
                 answer, created = await self._gallery(self.enrolled.put, name, row, h)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
-        return {**answer, **await self._matched_by(x, answer["class_id"])}, created
+        try:
+            seen = await self._matched_by(x, answer["class_id"])
+        except SlcError as exc:  # the class is committed: answered, with its look-alikes unknown (never a lost write)
+            log.warning("enrolled %r; its look-alikes were not computed: %s", name, exc)
+            seen = {"matched_by": [], "matched_by_complete": False}
+        return {**answer, **seen}, created
 
     async def _matched_by(self, x: np.ndarray, own: int) -> dict:
         """The other classes whose detect says yes to some of the examples x (an exact top-k of each, as

@@ -248,7 +248,8 @@ class EnrollAnswer(EnrolledClass):
 
     matched_by: list[MatchedBy] = Field(description="other classes whose detect says yes to some of this request's "
                                         "examples: they will also match this class's images")
-    matched_by_complete: bool = Field(description="every example's matches were among its 16 best classes")
+    matched_by_complete: bool = Field(description="every example's matches were among its 16 best classes (false also "
+                                      "when that pass could not run: the class is committed all the same)")
 
 
 class NotServed(BaseModel):

@@ -267,3 +267,22 @@ def test_an_enrollment_names_the_classes_that_also_match_its_examples(served, of
     _check_matched_by(r.json(), want)
     listed = client.get("/v1/classes").json()["classes"]
     assert all("matched_by" not in c for c in listed)  # the answer of a write, not a property of the class
+
+
+def test_an_enrollment_whose_look_alikes_cannot_be_computed_is_still_answered(served, monkeypatch):
+    """The class is committed before its look-alikes are sought: a refusal of that second pass (here
+    an overload) answers the class with `matched_by_complete: false`, never an error for a write that
+    happened."""
+    from serving.core.engine import Engine
+    from serving.errors import Overloaded
+
+    client = served[0]
+
+    async def refused(self, *args, **kwargs):
+        raise Overloaded("busy")
+
+    monkeypatch.setattr(Engine, "topk", refused)
+    r = enroll(client, "delta", examples(5))
+    assert r.status_code == 201, r.text
+    assert r.json()["matched_by"] == [] and r.json()["matched_by_complete"] is False
+    assert "delta" in [c["class_name"] for c in client.get("/v1/classes").json()["classes"]]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from models import timm_backbone
+from models.keywords import check_keywords
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
@@ -50,13 +51,27 @@ def check_backbone_name(name: str) -> None:
                                f"or timm:NAME for a timm model (e.g. timm:resnet18)")
 
 
-def build_backbone(name: str, input_shape: tuple[int, ...] | list[int], **params) -> nn.Module:
-    """The backbone `name` for inputs [B, *input_shape]; `timm:NAME` also takes weights=FILE."""
+def check_backbone_params(name: str, params: dict) -> None:
+    """One-line ValueError unless a built-in backbone takes these keywords with values of their kind
+    (`weights` aside: every backbone takes it); timm's keywords are timm's to check."""
     check_backbone_name(name)
+    if not timm_backbone.is_timm(name):
+        rest = {k: v for k, v in params.items() if k != "weights"}
+        check_keywords(_REGISTRY[name], rest, f"backbone {name}", skip=("input_shape",))
+
+
+def build_backbone(name: str, input_shape: tuple[int, ...] | list[int], **params) -> nn.Module:
+    """The backbone `name` for inputs [B, *input_shape]; weights=FILE loads its starting weights: the
+    backbone's own state dict, or an slc run's checkpoint.pt / best.pt (its backbone part)."""
+    check_backbone_params(name, params)
     shape = tuple(int(s) for s in input_shape)
     if timm_backbone.is_timm(name):
         return timm_backbone.build_timm_backbone(name[len(timm_backbone.PREFIX):], shape, **params)
-    return _REGISTRY[name](shape, **params)
+    weights = params.pop("weights", None)
+    body = _REGISTRY[name](shape, **params)
+    if weights is not None:
+        timm_backbone.load_weights(body, weights, name)
+    return body
 
 
 def backbone_input_spec(name: str, **params) -> dict | None:

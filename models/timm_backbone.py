@@ -124,7 +124,7 @@ def build_timm_backbone(model_name: str, input_shape: tuple[int, ...], weights: 
     except TypeError as exc:
         raise ValueError(f"timm:{model_name}: {exc}") from None
     if weights is not None:
-        load_weights(model, weights, model_name)
+        load_weights(model, weights, f"timm:{model_name}", run_prefix=RUN_PREFIX + "model.")
     return TimmBackbone(model, _output_dim(model, input_shape, model_name))
 
 
@@ -165,20 +165,29 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:  # handles {'state_dict': …}/{'model': …} wrappers and DDP/compile prefixes
         state = timm.models.load_state_dict(str(p), use_ema=True, device="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unpickling / header errors: the file is not weights
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = str(exc).splitlines()[0].split(". ")[0] if str(exc) else type(exc).__name__  # torch's advice aside
         raise ValueError(f"weights file {str(p)!r} is not a state dict or safetensors file: {first}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"weights file {str(p)!r} holds no state dict of tensors")
     return state
 
 
-def load_weights(model: nn.Module, path: str | os.PathLike, model_name: str = "model") -> None:
-    """Load every backbone tensor from `path` into `model`, ignoring the classifier's keys.
+RUN_PREFIX = "backbone."  # an slc run's checkpoint.pt / best.pt: SLCNet's keys, the backbone's under this
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike, label: str, run_prefix: str = RUN_PREFIX) -> None:
+    """Load every backbone tensor from `path` into `model` (`label` names it in errors), ignoring a
+    timm classifier's keys. The file is the backbone's own state dict or an slc run's checkpoint
+    (every key of SLCNet: the backbone's are taken from under `run_prefix`, the head's dropped).
 
     Strict: a backbone key missing from the file, a key the model lacks (other than the head's),
     or a shape that differs is a one-line ValueError naming the first keys of each kind.
     """
-    state = read_state_dict(path)
+    state, hint = read_state_dict(path), ""
+    if "head.weight" in state or (any(k.startswith(run_prefix) for k in state)
+                                  and not any(k.startswith(run_prefix) for k in model.state_dict())):
+        state = {k[len(run_prefix):]: v for k, v in state.items() if k.startswith(run_prefix)}
+        hint = " (an slc run's weights: give the backbone and the backbone_params of its config.json)"
     head = _head_prefixes(model)
     state = {k: v for k, v in state.items() if not (head and k.startswith(head))}
     own = model.state_dict()
@@ -190,7 +199,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, model_name: str = "m
                ([f"unexpected {_few(unexpected)}"] if unexpected else [])
     problems = problems or ([f"shapes differ: {_few(shapes)}"] if shapes else [])  # shapes alone: same keys
     if problems:
-        raise ValueError(f"weights {str(path)!r} do not fit timm:{model_name}: {'; '.join(problems)}")
+        raise ValueError(f"weights {str(path)!r} do not fit {label}: {'; '.join(problems)}{hint}")
     model.load_state_dict(state, strict=True)
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 import click
 
 from models import check_backbone_name, list_backbones
-from serving.bundle.cliopts import OUT, POSITIVE, guarded, key_values, slc_command
+from serving.bundle.cliopts import OUT, POSITIVE, RUN_MARKERS, guarded, key_values, slc_command
 from serving.calibration.defaults import NORM_MIN_NEGATIVES
 from trainer.data import check_dataset_name, dataset_choices
 from trainer.losses import list_losses
@@ -83,8 +83,10 @@ def _model_options() -> list:
         click.option("--backbone", default="auto", show_default=True, callback=_backbone,
                      help=f"auto (resnet_glyph for images, else mlp), one of {', '.join(list_backbones())}, "
                           "or timm:NAME (docs/backbones.md)"),
-        click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="pretrained backbone weights: a local state dict (.pt/.pth) or .safetensors file"),
+        click.option("--weights", type=click.Path(exists=True, path_type=Path),
+                     help="starting backbone weights: an earlier slc run (its folder: its backbone and "
+                          "backbone parameters too, unless given), or a local state dict (.pt/.pth) or "
+                          ".safetensors file (docs/backbones.md)"),
         click.option("--loss", type=click.Choice(list_losses()), default="batch_ce", show_default=True,
                      help="loss of docs/losses.md"),
         click.option("--loss-param", "loss_params", multiple=True, callback=key_values,
@@ -222,14 +224,29 @@ def _train_config(out: Optional[Path], resume: Optional[Path], options: dict):
             raise click.BadParameter(str(exc), param_hint="--resume") from None
     if options["dataset"] is None or out is None:
         raise click.UsageError("give --dataset and --out (or --resume RUN)")
-    weights, size, channels = options.pop("weights"), options.pop("image_size"), options.pop("channels")
-    options["weights"] = str(weights.resolve()) if weights is not None else None
+    size, channels = options.pop("image_size"), options.pop("channels")
+    _weights_of(options)
     image = {"height": size[0], "width": size[1]} if size else {}
     if channels:
         image["channels"] = int(channels)
     cfg = TrainConfig(**options, image=image or None)
     _check_params(cfg)
     return cfg, out
+
+
+def _weights_of(options: dict) -> None:
+    """--weights as a file path; a run's folder gives its checkpoint, and its backbone with its
+    parameters when the command names no backbone of its own."""
+    weights = options["weights"]
+    if weights is not None and weights.is_dir():
+        if not all((weights / name).is_file() for name in RUN_MARKERS):
+            raise click.BadParameter(f"{weights} is a folder but not a training run (no {' / '.join(RUN_MARKERS)})",
+                                     param_hint="--weights")
+        source = json.loads((weights / "config.json").read_text())
+        if options["backbone"] == "auto" and not options["backbone_params"]:
+            options["backbone"], options["backbone_params"] = source["backbone"], source.get("backbone_params", {})
+        weights = weights / "checkpoint.pt"
+    options["weights"] = str(weights.resolve()) if weights is not None else None
 
 
 def _summary(out: Path, seconds: float) -> None:
@@ -276,9 +293,9 @@ def _short_run(out: Path) -> str | None:
 
 def _check_params(cfg) -> None:
     """Loss, backbone and device checked before any data is loaded."""
-    from models import build_backbone
     from trainer.device import check_precision, resolve_device
-    from trainer.losses import build_loss
+    from models.keywords import check_keywords
+    from trainer.losses import loss_class
     from trainer.train import check_head_options
 
     try:
@@ -287,17 +304,34 @@ def _check_params(cfg) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
-    try:  # keyword names only: values that depend on the dataset (nce's q) are checked when training starts
-        build_loss(cfg.loss, 2, **cfg.loss_params)
-    except TypeError as exc:
-        raise click.BadParameter(f"{cfg.loss}: {exc}", param_hint="--loss-param") from None
-    except ValueError:
-        pass
-    if cfg.backbone_params and cfg.backbone in list_backbones():
+    try:  # names and kinds: values that depend on the dataset (nce's q) are checked when training starts
+        check_keywords(loss_class(cfg.loss), cfg.loss_params, f"loss {cfg.loss}", skip=("num_classes",))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--loss-param") from None
+    _check_backbone(cfg)
+
+
+def _check_backbone(cfg) -> None:
+    """The backbone's keywords (for `auto`, those of a backbone it may choose) and that the weights
+    file reads as a state dict; whether the weights fit is known when the data gives the input."""
+    from models import check_backbone_params
+    from models.timm_backbone import read_state_dict
+    from trainer.train import AUTO_BACKBONES
+
+    names = AUTO_BACKBONES if cfg.backbone == "auto" else (cfg.backbone,)
+    errors = []
+    for name in names:
         try:
-            build_backbone(cfg.backbone, (1, 28, 28), **cfg.backbone_params)
-        except (TypeError, ValueError) as exc:
-            raise click.BadParameter(f"{cfg.backbone}: {exc}", param_hint="--backbone-param") from None
+            check_backbone_params(name, cfg.backbone_params)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if len(errors) == len(names):
+        raise click.BadParameter("; ".join(errors), param_hint="--backbone-param")
+    if cfg.weights:
+        try:
+            read_state_dict(cfg.weights)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--weights") from None
 
 
 @click.command()

@@ -14,6 +14,7 @@ def start_lines(resolved: dict, resume: bool = False) -> list[str]:
     config.json as _setup writes it)."""
     backbone, weights = resolved["backbone"], resolved.get("weights")
     origin = f"pretrained weights {weights}" if weights else "random init"
+    backbone += "".join(f" {k}={v}" for k, v in (resolved.get("backbone_params") or {}).items())
     shape = "x".join(str(v) for v in resolved["input_shape"])
     steps = f"{resolved['steps']:,} steps of {resolved['steps_per_epoch']:,}/epoch"
     line = (f"{'resuming' if resume else 'training'}: backbone {backbone} ({origin}), input {shape}, "
@@ -22,7 +23,7 @@ def start_lines(resolved: dict, resume: bool = False) -> list[str]:
             f"({resolved['schedule']}), device {resolved['device_resolved']} {resolved['precision']}")
     lines = [line]
     if backbone.startswith("timm:") and not weights and not resume:
-        lines.append(f"warning: --backbone {backbone} without --weights trains from random initialisation, not "
+        lines.append(f"warning: --backbone {resolved['backbone']} without --weights trains from random initialisation, not "
                      "from pretrained weights (nothing is downloaded): pass --weights FILE.safetensors "
                      "(docs/backbones.md) to fine-tune")
     return lines

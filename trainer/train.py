@@ -252,12 +252,15 @@ def _load_data(cfg: TrainConfig, progress: bool) -> Splits:
     return splits
 
 
+AUTO_BACKBONES = ("resnet_glyph", "mlp")  # what `auto` chooses from (resolve_backbone)
+
+
 def resolve_backbone(cfg: TrainConfig, splits: Splits) -> str:
     """`auto`: the small residual CNN for images of 16 pixels and more a side, else the MLP."""
     if cfg.backbone != "auto":
         return cfg.backbone
     shape = tuple(splits.input_shape)
-    return "resnet_glyph" if len(shape) == 3 and min(shape[1:]) >= 16 else "mlp"
+    return AUTO_BACKBONES[0] if len(shape) == 3 and min(shape[1:]) >= 16 else AUTO_BACKBONES[1]
 
 
 def prepare_run_dir(cfg: "TrainConfig", out: Path, resume: bool, overwrite: bool) -> None:

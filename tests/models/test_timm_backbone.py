@@ -173,6 +173,16 @@ def test_weights_round_trip(fmt, tmp_path):
     _assert_loaded(build_backbone(f"timm:{FAST}", SHAPE, weights=str(path)), state)
 
 
+def test_an_slc_runs_checkpoint_of_a_timm_backbone_loads_into_a_new_run(tmp_path):
+    """A run's checkpoint.pt (SLCNet: backbone.model.*, head.*, mean, std) starts a new timm backbone:
+    its backbone part, every tensor as saved; the old head is dropped."""
+    source = _net(FAST, D=5, seed=4)
+    torch.save(source.state_dict(), tmp_path / "checkpoint.pt")
+    torch.manual_seed(9)
+    body = build_backbone(f"timm:{FAST}", SHAPE, weights=tmp_path / "checkpoint.pt")
+    _assert_loaded(body, source.backbone.model.state_dict())
+
+
 def _one_line_error(match: str, fn, *args, **kwargs) -> str:
     with pytest.raises(ValueError, match=match) as info:
         fn(*args, **kwargs)

@@ -22,7 +22,10 @@ def check_keywords(fn: Callable, params: dict, label: str, skip: tuple[str, ...]
     type of that keyword's default (an int where an int goes; an int or a float where a float goes;
     a bool where a bool goes; a string where a string goes). Other keywords take any value here."""
     known = accepted(fn, skip)
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
     for key, value in params.items():
+        if key not in known and open_ended:  # **kwargs: the constructor names what it takes
+            continue
         if key not in known:
             names = f"it takes: {', '.join(sorted(known))}" if known else "it takes none"
             raise ValueError(f"{label} takes no keyword {key!r}; {names}")

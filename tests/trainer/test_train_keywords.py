@@ -69,6 +69,13 @@ def test_every_backbone_and_loss_takes_its_own_defaults():
                 checked += 1
     assert checked >= 10
 
+    def open_ended(num_classes: int, scale: float = 1.0, **more):
+        return None
+
+    check_keywords(open_ended, {"anything": 1}, "loss x", skip=("num_classes",))  # **more takes it
+    with pytest.raises(ValueError, match="scale must be a number"):
+        check_keywords(open_ended, {"scale": "big"}, "loss x", skip=("num_classes",))
+
 
 @pytest.mark.integration
 def test_a_run_starts_from_an_earlier_runs_weights(tmp_path, capsys):

@@ -118,18 +118,25 @@ def measure(bundle: Path, run: Path, data: Path, name: str, fresh: Path | None, 
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def draw_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of an offline enrollment study on the small folder: the bundle of a run trained
+    without NAME, the full folder, the fresh rendering, and the draws of NAME's examples."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("bundle", type=Path)
     p.add_argument("--run", type=Path, required=True)
-    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--data", type=Path, required=True, help="the full folder: NAME's images under DATA/NAME")
     p.add_argument("--name", default="K")
     p.add_argument("--fresh", type=Path)
     p.add_argument("--shots", type=int, default=5)
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--out", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = draw_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--views", default="0,8,32")
     p.add_argument("--scale-min", type=float, default=0.85)
-    p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     rows = measure(a.bundle, a.run, a.data, a.name, a.fresh, a.shots, [int(s) for s in a.seeds.split(",")],
                    [int(v) for v in a.views.split(",")], a.scale_min)

@@ -62,7 +62,7 @@ def figures(z: np.ndarray, t: np.ndarray, zk: np.ndarray, tk: float, near: np.nd
 
 
 def _sets(bundle: Path, run: Path, data: Path, name: str, fresh: Path | None):
-    """(K's embeddings [m, d] in file order; {set: (embeddings of the other images, their trained ids)})."""
+    """(NAME's embeddings [m, d] in file order; {set: (embeddings, labels: trained ids, -1 for NAME)})."""
     import onnxruntime as ort
 
     from serving.bundle.image import load_image_file

@@ -81,7 +81,14 @@ def enroll(url: str, name: str, images: tuple[Path, ...], add: bool, api_key: st
     how = f"added {len(images)}" if add else ("created" if status == 201 else "replaced")
     click.echo(f"class {got['class_name']}: id {got['class_id']}, {got['examples']} examples ({how}), "
                f"threshold {got['threshold']:.4g}")
+    alike = set(got.get("lookalikes", []))
     for other in got.get("matched_by", []):
-        click.echo(f"warning: class {other['class_name']} (id {other['class_id']}) also says yes to {other['examples']} "
-                   f"of these {len(images)} images at its threshold {other['threshold']:.4g}, so it will match "
-                   f"{got['class_name']}'s images too (docs/api.md, \"Look-alikes\")", err=True)
+        said = (f"warning: class {other['class_name']} (id {other['class_id']}) also says yes to {other['examples']} "
+                f"of these {len(images)} images at its threshold {other['threshold']:.4g}")
+        click.echo(said + ("; stored as a look-alike: of the two, an input matches only the one it passes by more"
+                           if other["class_id"] in alike else f", so it will match {got['class_name']}'s images too")
+                   + " (docs/api.md, \"Look-alikes\")", err=True)
+    if alike:
+        ids = sorted(alike)
+        click.echo(f"look-alikes stored with {got['class_name']}: {len(ids)} trained classes (ids "
+                   f"{', '.join(map(str, ids[:10]))}{', …' if len(ids) > 10 else ''})")

@@ -144,6 +144,29 @@ def _optional_field(per: list, where: tuple[str, ...], num_classes: int) -> np.n
         return None
 
 
+def lookalikes_problem(value, num_classes: int) -> str | None:
+    """What is wrong with calibration.json's optional `lookalikes` {"pairs": [[a, b], ...], "note"}, or None:
+    each pair two different class ids of the bundle, ints 0..D-1 (serving/core/lookalikes.py reads them)."""
+    if not isinstance(value, dict) or not isinstance(value.get("pairs"), list):
+        got = type(value.get("pairs") if isinstance(value, dict) else value).__name__
+        return f"'lookalikes' must be {{'pairs': [[a, b], ...]}} (class ids), got {got}"
+    for i, pair in enumerate(value["pairs"]):
+        if not (isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(c, int) and not isinstance(c, bool) for c in pair)):
+            return f"lookalikes pair {i} is {_shown(pair)}, not two class ids [a, b]"
+        a, b = pair
+        if not (0 <= a < num_classes and 0 <= b < num_classes):
+            return f"lookalikes pair {i} {pair}: class ids must be 0..{num_classes - 1}"
+        if a == b:
+            return f"lookalikes pair {i} {pair}: a class is not its own look-alike"
+    return None
+
+
+def _shown(x, limit: int = 40) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def calibration_limit(num_classes: int) -> int:
     """The most bytes calibration.json may hold: about 200 bytes per class, a bound far above it."""
     return (1 << 20) + 4096 * int(num_classes)
@@ -183,6 +206,8 @@ def parse_calibration(data: bytes, num_classes: int) -> tuple[dict | None, dict 
     except ValueError as e:
         problems.append(f"{name}: {e}")
         arrays = None
+    if "lookalikes" in cal and (problem := lookalikes_problem(cal["lookalikes"], num_classes)):
+        problems.append(f"{name}: {problem}")
     if problems:
         return None, arrays, problems
     cal["per_class"] = PerClassCalibration(arrays)  # the D dicts are freed here

@@ -7,7 +7,9 @@ NEW = BUNDLE with:
                                     (the same as on the server when no enrolled class was ever deleted)
   classes                           the enrolled names appended
   calibration.json                  per_class extended with each enrolled class's threshold and Platt
-                                    a/b (and an `enrolled` note: name, examples, rule, slot); `global` kept
+                                    a/b (and an `enrolled` note: name, examples, rule, slot); `global` kept;
+                                    `lookalikes` {pairs}: BUNDLE's pairs and each enrolled class D + i with
+                                    its trained look-alikes, so detect decides as the server did
   full.onnx / single.onnx,          the new head's (serving/bundle/newhead.py): graphs over it, samples
   samples.npz, heads                recomputed (with a sample column and class id of an enrolled class),
                                     quantized heads when BUNDLE had them
@@ -27,8 +29,11 @@ from serving.bundle.class_row import ClassRow
 from serving.bundle.format import MANIFEST, SELF_HASH_KEY, carry_files, json_load, write_manifest
 from serving.bundle.names import enrolled_class_problem, shown
 from serving.bundle.newhead import write_new_head
+from serving.core.lookalikes import Lookalikes, from_calibration
 
 CALIBRATION = "calibration.json"
+LOOKALIKES_NOTE = ("classes of a pair: an input matches only the one whose logit passes its threshold by more "
+                   "(docs/api.md, Look-alikes)")
 
 
 def fold_bundle(src: Path | str, classes: list[ClassRow], out: Path | str, overwrite: bool = False) -> Path:
@@ -94,7 +99,18 @@ def _write_calibration(src: Path, stage: Path, bundle, classes: list[ClassRow]) 
                                  "enrolled": {"name": c.name, "examples": c.examples, "rule": c.rule, "slot": c.slot}})
     cal["enrolled"] = {"count": len(classes), "note": "enrolled classes' thresholds and Platt a/b come from the "
                        "enrollment rule (docs/api.md), not from the calibration split"}
+    if pairs := folded_pairs(cal, D, classes):
+        cal["lookalikes"] = {"pairs": pairs, "note": LOOKALIKES_NOTE}
+    else:
+        cal.pop("lookalikes", None)
     (stage / CALIBRATION).write_text(json.dumps(cal, allow_nan=False) + "\n")
+
+
+def folded_pairs(cal: dict, D: int, classes: list[ClassRow]) -> list[list[int]]:
+    """The folded bundle's look-alike pairs, each [smaller, larger] once, sorted: the source calibration's
+    (ids 0..D-1, kept) and, for the i-th folded class (id D + i), one with each of its trained look-alikes."""
+    mine = Lookalikes((D + i, t) for i, c in enumerate(classes) for t in c.lookalikes if 0 <= int(t) < D)
+    return from_calibration(cal, D).merged(mine).pairs()
 
 
 def _manifest(src: Path, bundle, classes: list[ClassRow], head: dict) -> dict:

@@ -1,26 +1,35 @@
 """What a bundle's thresholds give on `slc calibrate`'s images (the recipe: recalibrate.py): each image's
-true match and false matches as detect decides them (logit >= threshold, class chunk by class chunk),
-pooled precision and recall over (image, class) pairs with a bootstrap interval over images, on the
-images fitted on and the test images; before and after a recalibration. numpy only.
+true match and false matches as detect decides them (logit >= threshold, class chunk by class chunk,
+and with the bundle's look-alike pairs, the server's exclusion: of two look-alikes an image matches only
+the one whose margin logit - threshold is larger, a tie both: serving/core/lookalikes.py), pooled
+precision and recall over (image, class) pairs with a bootstrap interval over images, on the images
+fitted on and the test images; before and after a recalibration. numpy only.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from serving.calibration.chunks import chunk_classes, head_chunks
+from serving.calibration.chunks import CHUNK_VALUES, chunk_classes, head_chunks
+from serving.core.lookalikes import EMPTY, Lookalikes, outmatched
 
 DRAWS, LEVEL = 1000, 0.95  # bootstrap of the pooled precision and recall
 
 
 def per_image_counts(h: np.ndarray, y: np.ndarray, weight: np.ndarray, bias: np.ndarray,
-                     threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                     threshold: np.ndarray, lookalikes: Lookalikes = EMPTY) -> tuple[np.ndarray, np.ndarray]:
     """(true match [N] 0/1, false matches [N]) of each image at thresholds [D], as detect decides
-    (logit >= threshold), over class chunks."""
+    (logit >= threshold, and with `lookalikes`, no match of a class whose look-alike the image passes
+    by more: outmatched), over class chunks."""
     tp, fp = np.zeros(len(y), np.int64), np.zeros(len(y), np.int64)
     chunk = chunk_classes(len(y), len(weight))
     thr = np.where(np.isfinite(threshold), threshold, np.inf).astype(np.float64)
-    for first, z in head_chunks(np.asarray(h, dtype=np.float64), weight, bias, chunk)():  # z [N, c]
+    h = np.asarray(h, dtype=np.float64)
+    keys, lost = outmatched(h, weight, bias, thr, lookalikes, CHUNK_VALUES)
+    for first, z in head_chunks(h, weight, bias, chunk)():  # z [N, c]
         match = z >= thr[first:first + z.shape[1]]  # [N, c]
+        lo, hi = np.searchsorted(keys, [first, first + z.shape[1]])
+        if hi > lo:
+            match[:, keys[lo:hi] - first] &= ~lost[:, lo:hi]
         local = y - first
         mine = (local >= 0) & (local < z.shape[1])
         own = np.zeros(len(y), bool)
@@ -56,12 +65,13 @@ def previous_thresholds(calibration: dict) -> np.ndarray:
 
 
 def measure(h: np.ndarray, y: np.ndarray, h_test, y_test, weight, bias: np.ndarray, threshold: np.ndarray,
-            rates_only: bool = False) -> dict:
-    """Pooled precision and recall at `threshold` [D] of rows `weight` [D, d], on the fit images and on the
-    test images when there are some: with bootstrap intervals, or (rates_only) the two rates alone, the
-    "before" of each summary line (a recall that fell reads as a regression without the precision it bought)."""
+            rates_only: bool = False, lookalikes: Lookalikes = EMPTY) -> dict:
+    """Pooled precision and recall at `threshold` [D] of rows `weight` [D, d] (with the bundle's
+    `lookalikes` applied, as the server decides), on the fit images and on the test images when there
+    are some: with bootstrap intervals, or (rates_only) the two rates alone, the "before" of each
+    summary line (a recall that fell reads as a regression without the precision it bought)."""
     def one(hh, yy) -> dict:
-        tp, fp = per_image_counts(hh, yy, weight, bias, threshold)
+        tp, fp = per_image_counts(hh, yy, weight, bias, threshold, lookalikes)
         if not rates_only:
             return pooled(tp, fp)
         t, f = int(tp.sum()), int(fp.sum())

@@ -7,8 +7,9 @@ method default to the bundle's own); the images listed, matched to the bundle's 
 embedded (images.py); the rows adapted (--adapt-rows: adapt.py, keep.py); the rule chosen (cv:
 choose.py) and the thresholds fitted by the export's estimator (serving/calibration/estimator.py) on
 logits W·h + b of the head rows, class chunk by class chunk (never [N, D]); classes without an image
-keep their previous entry; what the new and the previous thresholds give on the images (measure.py)
-and what the images can show (support.py); the bundle written with the new calibration
+keep their previous entry (and the bundle's look-alike pairs are kept); what the new and the previous
+thresholds give on the images, as the server decides with those pairs (measure.py), and what the
+images can show (support.py); the bundle written with the new calibration
 (serving/bundle/recalibration.py), verified before it replaces anything.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from serving.calibration.measure import measure, previous_thresholds
 from serving.calibration.options import Options, resolve_options
 from serving.calibration.refit import KEPT_RULE, fit
 from serving.calibration.support import head_support
+from serving.core.lookalikes import from_calibration
 
 
 @dataclass
@@ -55,9 +57,10 @@ def run(bundle: Path, data: str, out: Path | None, in_place: bool, overwrite: bo
     h_fit, y_fit = (h, y) if adapted.kept is None else union(h, y, adapted.kept)  # thresholds hold on the kept too
     cal, threshold = fit(source.calibration, weight, source.bias, h_fit, y_fit, h_test, y_test, opts, adapted.cross,
                          present=np.bincount(y, minlength=len(weight)) > 0)
-    after = measure(h, y, h_test, y_test, weight, source.bias, threshold)
+    pairs = from_calibration(source.calibration, len(weight))  # the server's look-alike exclusion, before and after
+    after = measure(h, y, h_test, y_test, weight, source.bias, threshold, lookalikes=pairs)
     before = measure(h, y, h_test, y_test, source.weight, source.bias, previous_thresholds(source.calibration),
-                     rates_only=True)
+                     rates_only=True, lookalikes=pairs)
     cal.update(recalibration={**note, "kept_rule": KEPT_RULE, "pooled": after, "previous_calibration": PREVIOUS},
                support=head_support(h, y, weight, source.bias, opts.target))
     write_recalibrated(source.path, cal, source.target, note, head=adapted.rows, in_place=in_place, overwrite=overwrite)

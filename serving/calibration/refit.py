@@ -1,6 +1,7 @@
 """The thresholds of `slc calibrate` (the recipe: recalibrate.py): the rule (cv: the one cross-validation
 picks, choose.py), the export's estimator on the logits W·h + b of the rows being calibrated, class chunk
-by class chunk (never [N, D]), and the previous entries of the classes without an image, kept."""
+by class chunk (never [N, D]), and the previous entries of the classes without an image, kept, as are the
+bundle's look-alike pairs (calibration.json `lookalikes`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,6 +34,8 @@ def fit(old: dict, weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, h_tes
     for j in np.flatnonzero(~present):
         cal["per_class"][j] = {**old["per_class"][j], "kept": True}
     cal["split"] = "recalibration"
+    if "lookalikes" in old:  # the classes' look-alike pairs (`slc bundle fold`): thresholds change, pairs do not
+        cal["lookalikes"] = old["lookalikes"]
     if choice is not None:
         cal["method_choice"] = choice
     threshold = np.array([e["threshold"] for e in cal["per_class"]], dtype=np.float32)  # [D] as the server keeps it

@@ -63,6 +63,7 @@ class Job:
     accumulator: Optional[Callable[[int], Any]] = None  # kind "logits": what the pass fills for this job's n rows
     snapshot: Any = None  # the enrolled classes the request started with (passes and index searches read them)
     k: int = 1  # kind "index": how many classes the request asks for
+    embeddings: bool = False  # kinds "logits" / "index": reduce(rows, h) with the inputs' embeddings h [n, d] too
     owner: Any = None  # the model (engine) whose head this job is for, on a backbone lane shared by several
     patience: float = 0.0  # seconds it may wait for batch-mates (beyond max_delay) while others are on their way
     deadline: float = math.inf  # loop.time()
@@ -190,7 +191,8 @@ class Batcher:
 
     # ---- request side
     async def submit(self, x: np.ndarray, kind: str = "embed", reduce=None, timeout: Optional[float] = None,
-                     accumulator=None, patience: float = 0.0, snapshot=None, k: int = 1, owner=None) -> Any:
+                     accumulator=None, patience: float = 0.0, snapshot=None, k: int = 1, owner=None,
+                     embeddings: bool = False) -> Any:
         """Queue x [n, ...]; returns reduce(rows) (or the rows). Raises Overloaded, or DeadlineExceeded
         when the job is still queued `timeout` s from now. The caller bounds its own wait (the
         routes' request deadline): a timer per request here would be paid twice."""
@@ -205,7 +207,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         job = Job(x=x, kind=kind, reduce=reduce, accumulator=accumulator, patience=patience, enqueued=now,
-                  snapshot=snapshot, k=k, owner=owner,
+                  snapshot=snapshot, k=k, owner=owner, embeddings=embeddings,
                   deadline=now + timeout if timeout is not None else math.inf, future=loop.create_future())
         self._jobs.append(job)
         self._note_concurrency(now)

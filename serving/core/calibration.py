@@ -10,6 +10,7 @@ from functools import cached_property
 
 import numpy as np
 
+from serving.core import lookalikes as _lookalikes
 from serving.errors import Conflict
 
 
@@ -58,6 +59,12 @@ class Thresholds:
         finite = self.threshold[np.isfinite(self.threshold)]
         low = float(finite.min()) if finite.size else math.inf
         return low if self.finite else min(low, self.global_threshold)
+
+    @cached_property
+    def lookalikes(self) -> _lookalikes.Lookalikes:
+        """The bundle's look-alike pairs (calibration.json `lookalikes`, written by `slc bundle fold`):
+        of two classes of a pair, an input matches only the one it passes by more (serving/core/lookalikes.py)."""
+        return _lookalikes.from_calibration(self.calibration, len(self.threshold))
 
 
 def reload(bundle, current: Thresholds, expect_sha256: str | None) -> tuple[Thresholds, dict, dict]:

@@ -16,6 +16,8 @@ import numpy as np
 from serving.bundle.names import IdNames, refused_character, shown
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.enrolled import Enrolled, EnrolledClasses, empty_snapshot
+from serving.core.lookalikes import EMPTY, Lookalikes
+from serving.core.open_set import Decider, thresholds_of
 from serving.errors import InvalidInput, NotFound, SlcError
 
 SUGGEST_MAX = 5_000  # names an unknown one is compared with (difflib, on the event loop: bounded)
@@ -109,6 +111,12 @@ class ClassRegistry:
         snap = self.snapshot()
         return [self.resolve_id(r, snap) if type(r) is int else self.resolve_class(r, snap) for r in refs], snap
 
+    def name_of(self, class_id: int, snap: Enrolled) -> str:
+        """The name of a trained id, or of an enrolled id of `snap`."""
+        if class_id < self.num_classes:
+            return str(self.bundle.classes[class_id])
+        return snap.name(snap.position_of_id(class_id))
+
     def threshold_of(self, j: int) -> float:
         return self.calibration.of_class(j)
 
@@ -181,6 +189,35 @@ class ClassRegistry:
         pos = np.array([snap.position_of_id(int(c)) for c in ids[e]], dtype=np.int64)
         rows[e], b[e], thr[e] = snap.weight[pos], snap.bias[pos], snap.values(1)[pos]
         return rows, b, thr
+
+    def lookalikes(self, cal: Thresholds, snap: Enrolled) -> Lookalikes:
+        """The look-alike pairs a request decides with: the bundle's and the enrolled classes' (none under
+        SLC_LOOKALIKES=off)."""
+        if self.settings.lookalikes == "off":
+            return EMPTY
+        return cal.lookalikes.merged(snap.lookalikes)
+
+    def decider(self, snap: Enrolled, cal: Thresholds, threshold: Optional[float]) -> Decider:
+        """detect's rule for a request (its snapshot, calibration and `threshold`, read once)."""
+        return Decider(self.lookalikes(cal, snap), lambda h, ids: self.margins(h, ids, snap, cal, threshold))
+
+    def margins(self, h: np.ndarray, ids: np.ndarray, snap: Enrolled, cal: Thresholds,
+                threshold: Optional[float]) -> np.ndarray:
+        """[n, r] float64 logit - threshold of embeddings h [n, d] against classes ids [r] (trained or
+        enrolled in `snap`): r rows read, never D."""
+        rows, b = self.rows_of_ids(ids, snap)
+        return h.astype(np.float64) @ rows.T + b - thresholds_of(cal, snap, ids, threshold)
+
+    def rows_of_ids(self, ids: np.ndarray, snap: Enrolled) -> tuple[np.ndarray, np.ndarray]:
+        """(rows [r, d], bias [r]) float64 of class ids [r], trained or enrolled in `snap`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        trained = ids < self.num_classes
+        rows, b = np.empty((len(ids), self.bundle.embed_dim)), np.empty(len(ids))
+        rows[trained], b[trained] = self.weight[ids[trained]], self.bias[ids[trained]]
+        e = np.flatnonzero(~trained)
+        pos = np.array([snap.position_of_id(int(c)) for c in ids[e]], dtype=np.int64)
+        rows[e], b[e] = snap.weight[pos], snap.bias[pos]
+        return rows, b
 
     def _enroll_rule(self) -> str:
         try:

@@ -138,7 +138,8 @@ class Engine:
     # ------------------------------------------------------------------ batch compute (worker thread)
     def needs_embedding(self, jobs: list[Job]) -> bool:
         """Whether these jobs read the backbone's embeddings (not when every one is a pass by full.onnx)."""
-        return self.head_pass.needs_embedding or any(j.kind != "logits" or _snapshot_of(j).n for j in jobs)
+        return self.head_pass.needs_embedding or any(j.kind != "logits" or _snapshot_of(j).n or j.embeddings
+                                                      for j in jobs)
 
     def _compute(self, jobs: list[Job], shared: bool = False, h: Optional[np.ndarray] = None) -> list[Any]:
         """The batch's results, one per job. `shared`: a pass computes at the same time (this batch
@@ -163,7 +164,12 @@ class Engine:
             else:
                 rows = h[offsets[i]:offsets[i + 1]]
             try:  # one job's refusal (e.g. non_finite_output) is its own: its batch-mates are answered
-                results.append(job.reduce(rows) if job.reduce is not None else rows)
+                if job.reduce is None:
+                    results.append(rows)
+                elif job.embeddings:
+                    results.append(job.reduce(rows, h[offsets[i]:offsets[i + 1]]))
+                else:
+                    results.append(job.reduce(rows))
             except SlcError as exc:
                 results.append(JobFailed(exc))
         return results
@@ -240,13 +246,16 @@ class Engine:
 
     # ------------------------------------------------------------------ queries
     async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
+        snap, cal = cls.enrolled or self.classes.snapshot(), self.classes.calibration
         w, b, thr, pa, pb = self.classes.row_of(cls)
         thr = thr if threshold is None else float(threshold)
+        decide = self._decider(snap, cal, threshold)
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ w + b)  # [n]
             p = sigmoid(pa * z + pb)
-            return [{"logit": zi, "match": zi >= thr, "probability": pi} for zi, pi in zip(z.tolist(), p.tolist())]
+            m = decide(h, np.full((len(z), 1), cls.id), z[:, None], np.full((len(z), 1), thr))[:, 0]
+            return [{"logit": zi, "match": mi, "probability": pi} for zi, mi, pi in zip(z.tolist(), m.tolist(), p.tolist())]
 
         results = await self._submit(x, "embed", reduce)
         return {"class_id": cls.id, "class_name": cls.name, "threshold": thr, "results": results}
@@ -264,10 +273,11 @@ class Engine:
         rows, b, thr, pa, pb = self.classes.gather(distinct, snap)
         thr = thr if threshold is None else np.full(len(distinct), float(threshold))
         spread = (lambda a: a[..., inverse]) if len(distinct) < len(refs) else (lambda a: a)
+        decide, ids = self._decider(snap, self.classes.calibration, threshold), np.array([r.id for r in distinct])
 
         def reduce(h: np.ndarray) -> list[list[dict]]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ rows.T + b)  # [n, C']
-            p, m = sigmoid(pa * z + pb), z >= thr
+            p, m = sigmoid(pa * z + pb), decide(h, np.broadcast_to(ids, z.shape), z, np.broadcast_to(thr, z.shape))
             return [[{"logit": zi, "match": mi, "probability": pi} for zi, mi, pi in zip(zr, mr, pr)]
                     for zr, mr, pr in zip(spread(z).tolist(), spread(m).tolist(), spread(p).tolist())]
 
@@ -299,45 +309,54 @@ class Engine:
         exact = mode == "exact" or self.index is None or self.index.kind in ("exact", "flat")
         lowest = open_set.lowest_threshold(cal, snap, threshold)
 
-        def finish(logits: np.ndarray, ids: np.ndarray) -> tuple[list, list]:  # in the worker thread
+        decide = self._decider(snap, cal, threshold)
+
+        def finish(logits: np.ndarray, ids: np.ndarray, h: Optional[np.ndarray]) -> tuple[list, list]:  # worker thread
             thr = open_set.thresholds_of(cal, snap, ids, threshold)
             complete = open_set.complete_rows(logits, ids, lowest, k >= total) if exact else [False] * len(ids)
-            return self._topk_entries(snap, ids, logits, thr, matches_only), complete
+            match = decide(h, ids, logits.astype(np.float64), thr)
+            return self._topk_entries(snap, ids, logits, thr, match, matches_only), complete
 
-        results, complete = await self.topk_arrays(x, k, mode, snap, finish)
+        results, complete = await self.topk_arrays(x, k, mode, snap, finish, embeddings=decide.reads_embeddings)
         return {"k": k, "mode": mode, "results": results, "complete": complete}
 
+    def _decider(self, snap: Enrolled, cal, threshold: Optional[float]) -> open_set.Decider:
+        """detect's rule for a request's entries: logit >= threshold, and with look-alikes (serving/core/
+        lookalikes.py) the larger margin of each pair. `snap`, `cal`: the request's, read once."""
+        return self.classes.decider(snap, cal, threshold)
+
     def _topk_entries(self, snap: Enrolled, ids: np.ndarray, logits: np.ndarray, thr: np.ndarray,
-                      matches_only: bool) -> list[list[dict]]:
+                      match: np.ndarray, matches_only: bool) -> list[list[dict]]:
         """Per input the entries {class_id, class_name, logit, match, threshold} (ids: D + slot when
         enrolled; -1: none), only the matching ones with `matches_only`."""
         names, D = self.bundle.classes, self.num_classes
-        match = logits.astype(np.float64) >= thr
         return [[{"class_id": c, "class_name": str(names[c]) if c < D else snap.name(snap.position_of_id(c)),
                   "logit": v, "match": m, "threshold": t}
                  for c, v, m, t in zip(row_ids, row_z, row_m, row_t) if c >= 0 and (m or not matches_only)]
                 for row_ids, row_z, row_m, row_t in zip(ids.tolist(), logits.tolist(), match.tolist(), thr.tolist())]
 
-    async def topk_arrays(self, x: np.ndarray, k: int, mode: str, snap: Enrolled, finish=None):
+    async def topk_arrays(self, x: np.ndarray, k: int, mode: str, snap: Enrolled, finish=None,
+                          embeddings: bool = False):
         """The k best (logits [n, k] float32, class ids [n, k]) per input, best first, by the pass over every
-        row (exact) or the class index; `finish(logits, ids)` runs on them in the worker thread when given."""
-        finish = finish or (lambda logits, ids: (logits, ids))
+        row (exact) or the class index; `finish(logits, ids, h)` runs on them in the worker thread when
+        given, h the inputs' embeddings [n, d] with `embeddings` (else None)."""
+        finish = finish or (lambda logits, ids, h: (logits, ids))
         if mode == "exact" or self.index is None or self.index.reads_every_row:  # exact index: the same pass
-            def reduce(acc: head_scan.TopK):  # streamed over all D + n_e logits
+            def reduce(acc: head_scan.TopK, h: Optional[np.ndarray] = None):  # streamed over all D + n_e logits
                 require_finite(acc.finite)
                 logits, cols = acc.result()
-                return finish(logits[:, :k], _ids_of_columns(snap, cols[:, :k]))
+                return finish(logits[:, :k], _ids_of_columns(snap, cols[:, :k]), h)
 
             result = await self._submit(
-                x, "logits", reduce, patience=self.scan_patience, snapshot=snap,
+                x, "logits", reduce, patience=self.scan_patience, snapshot=snap, embeddings=embeddings,
                 accumulator=lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra))
         else:
-            def reduce(found: tuple[np.ndarray, np.ndarray]):  # this job's (logits, ids) [n, K >= k] of the batch search
+            def reduce(found: tuple[np.ndarray, np.ndarray], h: Optional[np.ndarray] = None):  # this job's (logits, ids) [n, K >= k]
                 logits, ids = found
-                return finish(finite_output(logits[:, :k]), ids[:, :k])
+                return finish(finite_output(logits[:, :k]), ids[:, :k], h)
 
             # _index_search: the whole batch with the largest k, then the enrolled rows of the job's snapshot
-            result = await self._submit(x, "index", reduce, snapshot=snap, k=k)
+            result = await self._submit(x, "index", reduce, snapshot=snap, k=k, embeddings=embeddings)
         return result
 
     async def single_logits(self, x: np.ndarray, ids: np.ndarray, snap: Optional[Enrolled] = None,
@@ -345,18 +364,20 @@ class Engine:
         """KServe `<name>`: input i scored against class ids[i] only -> (logit [N] float32, match [N] bool).
         ids: trained ids, or enrolled ids of `snap` (checked by the caller with class_exists); `threshold`:
         the request's, for every class (as detect's)."""
+        snap = snap if snap is not None else self.classes.snapshot()
+        decide = self._decider(snap, self.classes.calibration, threshold)
         trained = ids < self.num_classes
         if trained.all():
             rows = self.classes.weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
             b = self.classes.bias[ids].astype(np.float64)
             thr = self.classes.calibration.of_classes(ids)  # [N] threshold_of's rule
         else:
-            rows, b, thr = self.classes.mixed_rows(ids, trained, snap if snap is not None else self.classes.snapshot())
-        thr = thr if threshold is None else float(threshold)
+            rows, b, thr = self.classes.mixed_rows(ids, trained, snap)
+        thr = thr if threshold is None else np.full(len(ids), float(threshold))
 
         def reduce(h: np.ndarray):  # h [N, d]
             z = finite_output(np.vecdot(h.astype(np.float64), rows) + b)
-            return z.astype(np.float32), z >= thr
+            return z.astype(np.float32), decide(h, ids[:, None], z[:, None], thr[:, None])[:, 0]
 
         return await self._submit(x, "embed", reduce)
 
@@ -388,36 +409,43 @@ class Engine:
         if len(x) > self.settings.max_class_examples:
             raise InvalidInput(f"{len(x)} examples; a class is made from at most {self.settings.max_class_examples} "
                                "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
-        h = await self._submit(x, "embed", lambda rows: np.array(rows, dtype=np.float32))
+        h, seen, found = await self._resembled(x, name)  # before the write: a refusal writes nothing
         try:
             if add:
-                answer, created = await self._gallery(self.enrolled.add, name, h)
+                answer, created = await self._gallery(self.enrolled.add, name, h, found)
             else:
                 row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
-                answer, created = await self._gallery(self.enrolled.put, name, row, h)
+                answer, created = await self._gallery(self.enrolled.put, name, row, h, None, found)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
-        try:
-            seen = await self._matched_by(x, answer["class_id"])
-        except SlcError as exc:  # the class is committed: answered, with its look-alikes unknown (never a lost write)
-            log.warning("enrolled %r; its look-alikes were not computed: %s", name, exc)
-            seen = {"matched_by": [], "matched_by_complete": False}
         return {**answer, **seen}, created
 
-    async def _matched_by(self, x: np.ndarray, own: int) -> dict:
-        """The other classes whose detect says yes to some of the examples x (an exact top-k of each, as
-        GET top-k with matches_only answers it): a look-alike that will also match the new class's images,
-        said when the class is made rather than found in production (docs/api.md, "Enroll a class")."""
-        found = await self.topk(x, MATCHED_BY_K, "exact", matches_only=True)
+    async def _resembled(self, x: np.ndarray, name: str) -> tuple[np.ndarray, dict, tuple[int, ...]]:
+        """One exact top-k pass over the examples x (their embeddings come with it): (h [n, d], the answer's
+        `matched_by` and `matched_by_complete`, the look-alikes to store). matched_by: the other classes
+        whose own threshold says yes to some example, as they stand before this write. Look-alikes
+        (serving/core/lookalikes.py): the trained ones among them and each example's closest trained class."""
+        snap, cal = self.classes.snapshot(), self.classes.calibration
+        total = self.num_classes + snap.n
+        k, lowest, own = min(MATCHED_BY_K, total), open_set.lowest_threshold(cal, snap), snap.find(name)
+        own = None if own is None else int(snap.ids_of_positions(own))
+
+        def finish(logits: np.ndarray, ids: np.ndarray, h: np.ndarray):  # [n, k] each; h [n, d]
+            thr = open_set.thresholds_of(cal, snap, ids, None)
+            said_yes = (logits.astype(np.float64) >= thr) & (ids >= 0) & (ids != own)  # [n, k]
+            complete = all(open_set.complete_rows(logits, ids, lowest, k >= total))
+            closest = [row[row < self.num_classes][:1] for row in np.where(ids >= 0, ids, total)]  # best trained
+            return np.array(h, dtype=np.float32), ids, thr, said_yes, complete, closest
+
+        h, ids, thr, said_yes, complete, closest = await self.topk_arrays(x, k, "exact", snap, finish, embeddings=True)
         counts: dict[int, dict] = {}
-        for entries in found["results"]:
-            for e in entries:
-                if e["class_id"] != own:
-                    c = counts.setdefault(e["class_id"], {"class_id": e["class_id"], "class_name": e["class_name"],
-                                                          "examples": 0, "threshold": e["threshold"]})
-                    c["examples"] += 1
-        by = sorted(counts.values(), key=lambda c: (-c["examples"], c["class_id"]))
-        return {"matched_by": by, "matched_by_complete": all(found["complete"])}
+        for c, t in zip(ids[said_yes].tolist(), thr[said_yes].tolist()):
+            e = counts.setdefault(c, {"class_id": c, "class_name": self.classes.name_of(c, snap), "examples": 0,
+                                      "threshold": t})
+            e["examples"] += 1
+        by = sorted(counts.values(), key=lambda e: (-e["examples"], e["class_id"]))
+        found = {c for c in counts if c < self.num_classes} | {int(c) for row in closest for c in row}
+        return h, {"matched_by": by, "matched_by_complete": complete}, tuple(sorted(found))
 
     async def unenroll(self, ref: str) -> int:
         """Delete an enrolled class by name or id; its id. Trained classes are part of the bundle: 409."""
@@ -491,13 +519,18 @@ class Engine:
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> bytes:
         """The search's JSON answer, built off the loop from the items' stored metadata texts."""
         j = cls.id
+        snap, cal = cls.enrolled or self.classes.snapshot(), self.classes.calibration
         w64, b, thr, _, _ = self.classes.row_of(cls)
         thr = thr if threshold is None else float(threshold)
         w = w64.astype(np.float32)  # [d]
         gallery = self.gallery
+        rivals = None
+        if len(others := self.classes.lookalikes(cal, snap).of(j)):  # its look-alikes: [W_r, b_r] [r, d + 1], t_r [r]
+            rows, bias = self.classes.rows_of_ids(others, snap)
+            rivals = (np.hstack([rows, bias[:, None]]), open_set.thresholds_of(cal, snap, others, threshold))
 
         def answer() -> bytes:
-            hits = gallery.search_raw(w, b, thr, limit)
+            hits = gallery.search_raw(w, b, thr, limit, rivals)
             head = orjson.dumps({"class_id": j, "class_name": cls.name, "threshold": thr})[:-1]
             results = b",".join(b"".join((b'{"id":', orjson.dumps(i), b',"logit":', orjson.dumps(z),
                                           b',"metadata":', m.encode(), b"}")) for i, z, m in hits)

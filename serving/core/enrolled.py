@@ -27,12 +27,14 @@ import re
 import threading
 from dataclasses import dataclass, field
 from dataclasses import replace
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
 
 from serving.bundle.negatives import read_negatives
 from serving.core import enrollment, enrolled_report
+from serving.core.lookalikes import Lookalikes, from_enrolled
 from serving.errors import Conflict, InvalidInput, NotFound
 from serving.bundle.class_row import ClassRow
 from serving.gallery.enrolled import (Changed, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
@@ -52,6 +54,7 @@ class _Buffers:
         self.slots = np.zeros(capacity, dtype=np.int64)
         self.names: list[str] = []
         self.info: list[dict] = []  # rule, created: per class, for listings
+        self.lookalikes: list[tuple[int, ...]] = []  # per class: trained ids (serving/core/lookalikes.py)
         self.position: dict[str, int] = {}  # name -> position
         self.used = 0
 
@@ -67,6 +70,7 @@ class _Buffers:
         self.slots[i] = rec.slot
         self.names.append(rec.name)
         self.info.append({"rule": rec.rule, "created": rec.created})
+        self.lookalikes.append(tuple(int(t) for t in rec.lookalikes))
         self.position[rec.name] = i
         self.used += 1
 
@@ -105,6 +109,15 @@ class Enrolled:
     def name(self, pos: int) -> str:
         return self._buf.names[pos]
 
+    @cached_property
+    def lookalikes(self) -> Lookalikes:
+        """The pairs (enrolled id, trained id) of these classes' look-alikes (built once per snapshot)."""
+        D = self.num_trained  # a stored id that is no trained class of this model is no pair
+        return from_enrolled(self.ids, [tuple(t for t in ts if 0 <= t < D) for ts in self._buf.lookalikes[:self.n]])
+
+    def lookalikes_of(self, pos: int) -> tuple[int, ...]:
+        return self._buf.lookalikes[pos]
+
     def find(self, name: str) -> Optional[int]:
         """The position of the class `name`, or None."""
         pos = self._buf.position.get(name)
@@ -134,20 +147,21 @@ class Enrolled:
         row, bias, threshold, pa, pb, examples = self.row(pos)
         info = self._buf.info[pos]
         return _description(int(self.num_trained + self.slots[pos]), self.name(pos), row, bias, threshold, pa, pb,
-                            examples, info["rule"], info["created"])
+                            examples, info["rule"], info["created"], self.lookalikes_of(pos))
 
 
 def _description(class_id: int, name: str, row: np.ndarray, bias: float, threshold: float, pa: float, pb: float,
-                 examples: int, rule: str, created: float) -> dict:
+                 examples: int, rule: str, created: float, lookalikes: tuple[int, ...] = ()) -> dict:
     """A class as PUT and GET /v1/classes answer it (the bias as served: float32)."""
     return {"class_id": class_id, "class_name": name, "threshold": float(threshold), "bias": float(np.float32(bias)),
             "norm": float(np.linalg.norm(np.asarray(row, dtype=np.float32).astype(np.float64))),
-            "platt": {"a": float(pa), "b": float(pb)}, "examples": int(examples), "rule": rule, "created": created}
+            "platt": {"a": float(pa), "b": float(pb)}, "examples": int(examples), "rule": rule, "created": created,
+            "lookalikes": [int(t) for t in lookalikes]}
 
 
 def describe_record(num_trained: int, r: ClassRow) -> dict:
     return _description(num_trained + r.slot, r.name, r.row, r.bias, r.threshold, r.platt_a, r.platt_b, r.examples,
-                        r.rule, r.created)
+                        r.rule, r.created, r.lookalikes)
 
 
 def empty_snapshot(num_trained: int, d: int) -> Enrolled:
@@ -310,10 +324,11 @@ class EnrolledClasses:
 
     # ------------------------------------------------------------------ writes (blocking: the gallery's executor)
     def put(self, name: str, row: ClassRow, h: Optional[np.ndarray] = None,
-            expect_seq: Optional[int] = None) -> tuple[dict, bool]:
-        """Store the class with the embeddings h [n, d] its row was made from (kept for adding); (its
-        description, created), from what was committed: never read back, since another replica may
-        have replaced or deleted it by then. `expect_seq`: store.Changed unless the class is still at it."""
+            expect_seq: Optional[int] = None, lookalikes: tuple[int, ...] = ()) -> tuple[dict, bool]:
+        """Store the class with the embeddings h [n, d] its row was made from (kept for adding) and its
+        look-alikes (trained ids); (its description, created), from what was committed: never read back,
+        since another replica may have replaced or deleted it by then. `expect_seq`: store.Changed unless
+        the class is still at it."""
         values = (row.bias, row.threshold, row.platt_a, row.platt_b)
         if not (np.isfinite(row.row).all() and all(math.isfinite(v) for v in values)):
             raise InvalidInput("the class's row, bias, threshold or Platt values are not finite; nothing was written",
@@ -321,18 +336,20 @@ class EnrolledClasses:
         rule = f"{self.rule(row.examples)}+{row.rule}"
         with self._lock:
             written = self.store.put(name, row.row, row.bias, row.threshold, row.platt_a, row.platt_b, row.examples,
-                                     rule, self.settings.max_enrolled_classes, embeddings=h, expect_seq=expect_seq)
+                                     rule, self.settings.max_enrolled_classes, embeddings=h, expect_seq=expect_seq,
+                                     lookalikes=lookalikes)
             own = replace(row, row=np.asarray(row.row, dtype="<f4").astype(np.float32), bias=float(row.bias),
                           threshold=float(row.threshold), platt_a=float(row.platt_a), platt_b=float(row.platt_b),
                           examples=int(row.examples), rule=rule, name=name, slot=written.slot, created=written.at,
-                          seq=written.seq, deleted=False)
+                          seq=written.seq, deleted=False, lookalikes=tuple(lookalikes))
             self._settle(own)
         return describe_record(self.num_trained, own), written.created
 
-    def add(self, name: str, h: np.ndarray, tries: int = 3) -> tuple[dict, bool]:
+    def add(self, name: str, h: np.ndarray, lookalikes: tuple[int, ...] = (), tries: int = 3) -> tuple[dict, bool]:
         """Add the examples h [n, d] to the live class `name`: its row made again by the rule from the
-        kept embeddings and these, so exactly the row of enrolling all of them at once. Written only
-        if no other write reached the class meanwhile (else read again, `tries` times in all)."""
+        kept embeddings and these, so exactly the row of enrolling all of them at once; its look-alikes
+        the kept ones and these examples'. Written only if no other write reached the class meanwhile
+        (else read again, `tries` times in all)."""
         for _ in range(tries):
             kept = self.store.kept(name)
             if kept is None:
@@ -347,7 +364,8 @@ class EnrolledClasses:
                                    "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
             every = np.concatenate([kept.embeddings, np.asarray(h, dtype=np.float32)])
             try:
-                return self.put(name, self.compute(every), every, expect_seq=kept.seq)
+                return self.put(name, self.compute(every), every, expect_seq=kept.seq,
+                                lookalikes=tuple(sorted({*kept.lookalikes, *lookalikes})))
             except Changed:
                 continue
         raise Conflict(f"{name!r} kept changing while examples were added ({tries} tries); retry",

@@ -2,15 +2,17 @@
 gathered for a top-k's entries or a set of named classes, by detect's rule (docs/api.md): the
 class's calibrated threshold (serving/core/calibration.py's `Thresholds`, the object a calibration
 reload swaps, so detect and these answers always decide with the same values), an enrolled class's
-own threshold, or the request's `threshold` for every class. Protocol-free, numpy only."""
+own threshold, or the request's `threshold` for every class; and between look-alikes, the larger margin
+(serving/core/lookalikes.py). Protocol-free, numpy only."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from serving.core.calibration import Thresholds
 from serving.core.enrolled import Enrolled
+from serving.core.lookalikes import Lookalikes, exclude
 
 
 def thresholds_of(cal: Thresholds, snap: Enrolled, ids: np.ndarray, threshold: Optional[float] = None) -> np.ndarray:
@@ -48,3 +50,24 @@ def complete_rows(logits: np.ndarray, ids: np.ndarray, lowest: float, every_clas
     valid = ids >= 0
     last = np.where(valid.any(axis=1), np.where(valid, logits, np.inf).min(axis=1), -np.inf)
     return (last < lowest).tolist()
+
+
+class Decider:
+    """detect's rule for one request's entries: logit >= threshold and, between look-alikes, the larger
+    margin. `margins_of(h, rivals [r]) -> [n, r]`: the inputs' margins against classes (rows read: r, not D)."""
+
+    def __init__(self, pairs: Lookalikes, margins_of: Callable[[np.ndarray, np.ndarray], np.ndarray]):
+        self.pairs, self._margins_of = pairs, margins_of
+
+    @property
+    def reads_embeddings(self) -> bool:
+        """Whether deciding needs the inputs' embeddings (some class has a look-alike)."""
+        return bool(self.pairs)
+
+    def __call__(self, h: Optional[np.ndarray], ids: np.ndarray, z: np.ndarray, thr: np.ndarray) -> np.ndarray:
+        """match [n, k] of entries (class ids, float64 logits, thresholds [n, k]); h [n, d] the inputs'
+        embeddings (read only when an entry's class has a look-alike)."""
+        match = z >= thr
+        if not self.pairs:
+            return match
+        return exclude(match, np.asarray(ids), z - thr, self.pairs, lambda rivals: self._margins_of(h, rivals))

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from serving.codecs import v2_tensors as v2
-from serving.core import open_set
+from serving.core import lookalikes, open_set
 from serving.errors import InvalidInput, NotFound
 
 
@@ -151,8 +151,17 @@ async def _full(engine, x: np.ndarray, threshold: Optional[float], names: list[s
     z = await engine.all_logits(x, snap)
     if names == ["logits"]:
         return {"logits": ("FP32", z)}
-    thr = open_set.thresholds_of(cal, snap, np.concatenate([np.arange(engine.num_classes), snap.ids]), threshold)
-    return {"logits": ("FP32", z), "match": ("BOOL", z >= thr),
+    ids = np.concatenate([np.arange(engine.num_classes), snap.ids])  # [D + n_e]: each column's class id
+    thr = open_set.thresholds_of(cal, snap, ids, threshold)
+    match = z >= thr
+    pairs = engine.classes.lookalikes(cal, snap)
+    if pairs:  # the look-alikes' margins are columns of z already (serving/core/lookalikes.py)
+        def margins_of(rivals: np.ndarray) -> np.ndarray:  # [N, r]
+            cols = np.searchsorted(ids, rivals)  # ids ascend: 0..D-1, then D + slot
+            return z[:, cols] - thr[cols]
+
+        match = lookalikes.exclude(match, np.broadcast_to(ids, z.shape), z - thr, pairs, margins_of)
+    return {"logits": ("FP32", z), "match": ("BOOL", match),
             "threshold": ("FP32", np.broadcast_to(thr.astype(np.float32), z.shape))}
 
 
@@ -165,17 +174,18 @@ async def _classified(engine, x: np.ndarray, k: int, threshold: Optional[float],
     snap, cal = engine.classes.snapshot(), engine.classes.calibration
     k = min(k, engine.num_classes + snap.n)
     names_of = engine.bundle.classes
+    decide = engine.classes.decider(snap, cal, threshold)
 
-    def finish(logits: np.ndarray, ids: np.ndarray) -> dict:  # in the worker thread
+    def finish(logits: np.ndarray, ids: np.ndarray, h: Optional[np.ndarray]) -> dict:  # in the worker thread
         thr = open_set.thresholds_of(cal, snap, ids, threshold)
         labels = [[str(names_of[c]) if c < engine.num_classes else snap.name(snap.position_of_id(c)) for c in row]
                   for row in ids.tolist()]
         strings = np.array([[f"{v:.9f}:{c}:{label}" for v, c, label in zip(zr, cr, lr)]
                             for zr, cr, lr in zip(logits.tolist(), ids.tolist(), labels)], dtype=object)
-        return {"logits": ("BYTES", strings.reshape(len(ids), -1)), "match": ("BOOL", logits.astype(np.float64) >= thr),
+        return {"logits": ("BYTES", strings.reshape(len(ids), -1)), "match": ("BOOL", decide(h, ids, logits.astype(np.float64), thr)),
                 "threshold": ("FP32", thr.astype(np.float32))}
 
-    return await engine.topk_arrays(x, k, "exact", snap, finish)
+    return await engine.topk_arrays(x, k, "exact", snap, finish, embeddings=decide.reads_embeddings)
 
 
 def _input_batch(engine, tensors) -> np.ndarray:

@@ -94,18 +94,21 @@ class GalleryBase:
             self._check_open()
             return self._index.ntotal
 
-    def search(self, w: np.ndarray, b: float, threshold: float, limit: int | None) -> list[tuple[str, float, dict | None]]:
-        """Every item with logit w·h + b >= threshold, best first (ties by insertion order), at most ``limit``.
+    def search(self, w: np.ndarray, b: float, threshold: float, limit: int | None,
+               rivals: tuple[np.ndarray, np.ndarray] | None = None) -> list[tuple[str, float, dict | None]]:
+        """Every item with logit w·h + b >= threshold, best first (ties by insertion order), at most ``limit``;
+        with `rivals` (the class's look-alikes: VectorIndex.search), only those no look-alike passes by more.
 
         Returns [(id, logit, metadata)]; logit is the float64 dot product rounded to float32.
         """
-        return [(i, z, json.loads(m)) for i, z, m in self.search_raw(w, b, threshold, limit)]
+        return [(i, z, json.loads(m)) for i, z, m in self.search_raw(w, b, threshold, limit, rivals)]
 
-    def search_raw(self, w: np.ndarray, b: float, threshold: float, limit: int | None) -> list[tuple[str, float, str]]:
+    def search_raw(self, w: np.ndarray, b: float, threshold: float, limit: int | None,
+                   rivals: tuple[np.ndarray, np.ndarray] | None = None) -> list[tuple[str, float, str]]:
         """`search`, each item's metadata as its stored JSON text (nothing parsed)."""
         with self._lock:
             self._check_open()
-            nums, logits = self._index.search(w, b, threshold, limit)
+            nums, logits = self._index.search(w, b, threshold, limit, rivals)
             meta = self._metadata_rows(nums) if len(nums) else {}
         return [(meta[int(k)][0], float(z), meta[int(k)][1] or "null") for k, z in zip(nums, logits) if int(k) in meta]
 

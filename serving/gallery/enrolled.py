@@ -4,7 +4,11 @@ or the PostgreSQL of `--gallery-url`, shared by every replica.
 One row per slot: (digest, slot, name, row bytes, bias, threshold, Platt a/b, examples, rule,
 created, seq, deleted); beside it, in `enrolled_examples`, the embeddings of the examples the row was
 made from (float32 [n, d]), written in the same transaction: adding examples recomputes the row from
-all of them, exactly as enrolling them at once would (readers that follow changes never read them). A write runs in one transaction that holds the writers' lock (SQLite's
+all of them, exactly as enrolling them at once would (readers that follow changes never read them);
+in `enrolled_lookalikes`, its look-alikes (the trained class ids its examples resembled, a JSON list;
+no row: none), written and deleted in the class's transaction and read with it by `changes` and `kept`.
+A store made by an older slc gains that table when opened (every open runs the CREATE ... IF NOT EXISTS).
+A write runs in one transaction that holds the writers' lock (SQLite's
 BEGIN IMMEDIATE, PostgreSQL's advisory lock), draws the next `seq` of its bundle digest and, for a
 new name, the next slot (slots are never reused: a deleted class keeps its row as a tombstone,
 `deleted = 1`, its bytes dropped). It is answered only after COMMIT, so a kill -9 after the answer
@@ -25,6 +29,7 @@ StoreUnavailable; a full one StorageFull; nothing is written either way.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sqlite3
@@ -33,7 +38,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -47,6 +52,8 @@ log = logging.getLogger(__name__)
 _PG_LOCK_KEY = 0x51C6E2A0  # the advisory lock every enrolled-class writer takes (not the gallery's)
 
 _COLUMNS = "slot, name, row, bias, threshold, platt_a, platt_b, examples, rule, created, seq, deleted"
+_JOINED = ", ".join(f"c.{c}" for c in _COLUMNS.split(", ")) + ", l.ids"  # the class and its look-alikes
+_WITH_LOOKALIKES = "enrolled_classes c LEFT JOIN enrolled_lookalikes l ON l.digest = c.digest AND l.slot = c.slot"
 
 
 class LimitReached(Exception):
@@ -59,12 +66,14 @@ class Changed(Exception):
 
 @dataclass
 class Kept:
-    """What the store keeps of a live class's examples: its slot, the seq of its last write, and the
-    embeddings its row was made from ([n, d] float32; None for a class an older slc stored)."""
+    """What the store keeps of a live class's examples: its slot, the seq of its last write, the
+    embeddings its row was made from ([n, d] float32; None for a class an older slc stored) and its
+    look-alikes (trained class ids, sorted; () when none are stored or they cannot be read)."""
 
     slot: int
     seq: int
     embeddings: Optional[np.ndarray]
+    lookalikes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -86,9 +95,41 @@ def _number(value, what: str, problems: list[str]) -> float:
         return float("nan")
 
 
+def lookalike_ids(ids: Sequence[int]) -> tuple[int, ...]:
+    """Look-alikes as the store keeps them: distinct trained class ids (ints >= 0), sorted; ValueError otherwise."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"look-alikes are a sequence of trained class ids, not {type(ids).__name__}")
+    out = set()
+    for i in ids:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or int(i) < 0:
+            raise ValueError(f"a look-alike is a trained class id (an int >= 0), not {i!r}")
+        out.add(int(i))
+    return tuple(sorted(out))
+
+
+def _stored_lookalikes(value) -> tuple[tuple[int, ...], Optional[str]]:
+    """The stored `ids` of enrolled_lookalikes (NULL: none) as look-alikes, or () and why it cannot be read."""
+    if value is None:
+        return (), None
+    try:
+        ids = json.loads(value)
+        if not isinstance(ids, list):
+            raise ValueError("not a list")
+        return lookalike_ids(ids), None
+    except (TypeError, ValueError, RecursionError):  # bad JSON, bad bytes, not a list, an id that is no id
+        shown = repr(value)
+        return (), f"the stored look-alikes cannot be read: {shown[:80]}{'...' if len(shown) > 80 else ''}"
+
+
 def _record(r: tuple) -> ClassRow:
-    """One row of _COLUMNS as a record, whatever its values: what cannot be read is named in `problem`."""
+    """One row of _COLUMNS (and the look-alikes' `ids`, when given) as a record, whatever its values:
+    what cannot be read is named in `problem`. A tombstone has no look-alikes."""
     problems: list[str] = []
+    lookalikes: tuple[int, ...] = ()
+    if len(r) > 12 and not bool(r[11]):
+        lookalikes, problem = _stored_lookalikes(r[12])
+        if problem:
+            problems.append(problem)
     row = None
     if r[2] is not None:
         blob = bytes(r[2])
@@ -104,7 +145,7 @@ def _record(r: tuple) -> ClassRow:
     return ClassRow(slot=int(r[0]), name=str(r[1]), row=row, bias=bias, threshold=threshold, platt_a=pa,
                           platt_b=pb, examples=int(examples) if math.isfinite(examples) else 0, rule=str(r[8]),
                           created=_number(r[9], "created", problems), seq=int(r[10]), deleted=bool(r[11]),
-                          problem="; ".join(problems) or None)
+                          problem="; ".join(problems) or None, lookalikes=lookalikes)
 
 
 def _schema(blob: str, real: str, integer: str) -> list[str]:
@@ -126,6 +167,10 @@ def _schema(blob: str, real: str, integer: str) -> list[str]:
                digest TEXT NOT NULL, slot {integer} NOT NULL,
                dim {integer} NOT NULL,
                embeddings {blob} NOT NULL,       -- float32 [examples, dim], little-endian: what the row was made from
+               PRIMARY KEY (digest, slot))""",
+        f"""CREATE TABLE IF NOT EXISTS enrolled_lookalikes (
+               digest TEXT NOT NULL, slot {integer} NOT NULL,
+               ids TEXT NOT NULL,                -- JSON list of trained class ids, sorted, distinct; no row: none
                PRIMARY KEY (digest, slot))""",
         f"""CREATE TABLE IF NOT EXISTS enrolled_state (
                digest TEXT PRIMARY KEY, next_slot {integer} NOT NULL, seq {integer} NOT NULL, live {integer} NOT NULL)""",
@@ -169,11 +214,14 @@ class EnrolledStore(ModelTables):
 
     def put(self, name: str, row: np.ndarray, bias: float, threshold: float, platt_a: float, platt_b: float,
             examples: int, rule: str, limit: int, embeddings: Optional[np.ndarray] = None,
-            expect_seq: Optional[int] = None) -> Written:
+            expect_seq: Optional[int] = None, lookalikes: Sequence[int] = ()) -> Written:
         """Create or replace the class `name` (a replaced class keeps its slot), with the examples'
-        `embeddings` [n, d] it was made from (kept so that examples can be added exactly); durable once
-        it returns. LimitReached when creating would pass `limit` live classes; Changed when
-        `expect_seq` is given and the class is no longer at that write (added to meanwhile)."""
+        `embeddings` [n, d] it was made from (kept so that examples can be added exactly) and its
+        `lookalikes` (trained class ids, kept sorted and distinct; they replace the stored ones); durable
+        once it returns. LimitReached when creating would pass `limit` live classes; Changed when
+        `expect_seq` is given and the class is no longer at that write (added to meanwhile); ValueError,
+        before anything is written, when a look-alike is not an int >= 0."""
+        ids = lookalike_ids(lookalikes)
         blob = np.asarray(row, dtype="<f4").tobytes()
         now = time.time()
         values = (blob, float(bias), float(threshold), float(platt_a), float(platt_b), int(examples), rule, now)
@@ -199,6 +247,7 @@ class EnrolledStore(ModelTables):
             db.execute(self._sql("UPDATE enrolled_state SET next_slot = ?, seq = ?, live = ? WHERE digest = ?"),
                        (next_slot, seq, live, self.key))
             self._keep(db, slot, embeddings)
+            self._note(db, slot, ids)
         return Written(slot=slot, created=found is None, seq=seq, at=now)
 
     def _keep(self, db, slot: int, embeddings: Optional[np.ndarray]) -> None:
@@ -209,18 +258,29 @@ class EnrolledStore(ModelTables):
             db.execute(self._sql("INSERT INTO enrolled_examples (digest, slot, dim, embeddings) VALUES (?, ?, ?, ?)"),
                        (self.key, slot, int(h.shape[1]), h.tobytes()))
 
+    def _note(self, db, slot: int, ids: tuple[int, ...]) -> None:
+        """The look-alikes of `slot`, replacing what was stored (none: no row)."""
+        db.execute(self._sql("DELETE FROM enrolled_lookalikes WHERE digest = ? AND slot = ?"), (self.key, slot))
+        if ids:
+            db.execute(self._sql("INSERT INTO enrolled_lookalikes (digest, slot, ids) VALUES (?, ?, ?)"),
+                       (self.key, slot, json.dumps(list(ids), separators=(",", ":"))))
+
     def kept(self, name: str) -> Optional[Kept]:
-        """The live class `name`'s slot, seq and kept embeddings; None when no class is live under it."""
-        rows = self._read(self._sql("""SELECT c.slot, c.seq, e.dim, e.embeddings FROM enrolled_classes c
-                                       LEFT JOIN enrolled_examples e ON e.digest = c.digest AND e.slot = c.slot
-                                       WHERE c.digest = ? AND c.name = ? AND c.deleted = 0"""), (self.key, name))
+        """The live class `name`'s slot, seq, kept embeddings and look-alikes; None when no class is live
+        under it. Look-alikes that cannot be read are () here (the class's record names them)."""
+        rows = self._read(self._sql(f"""SELECT c.slot, c.seq, e.dim, e.embeddings, l.ids FROM {_WITH_LOOKALIKES}
+                                        LEFT JOIN enrolled_examples e ON e.digest = c.digest AND e.slot = c.slot
+                                        WHERE c.digest = ? AND c.name = ? AND c.deleted = 0"""), (self.key, name))
         if not rows:
             return None
-        slot, seq, dim, blob = rows[0]
+        slot, seq, dim, blob, ids = rows[0]
         h = None
         if blob is not None and dim and len(blob) % (4 * int(dim)) == 0:
             h = np.frombuffer(bytes(blob), dtype="<f4").reshape(-1, int(dim)).astype(np.float32)
-        return Kept(int(slot), int(seq), h)
+        lookalikes, problem = _stored_lookalikes(ids)
+        if problem:
+            log.warning("enrolled class %r: %s; taken as none", name, problem)
+        return Kept(int(slot), int(seq), h, lookalikes)
 
     def delete(self, name: str) -> Optional[Written]:
         """Delete the class live under `name` now: its slot (a tombstone now), or None when there is none."""
@@ -243,6 +303,7 @@ class EnrolledStore(ModelTables):
             db.execute(self._sql("UPDATE enrolled_state SET seq = ?, live = ? WHERE digest = ?"),
                        (seq + 1, live - 1, self.key))
             self._keep(db, int(found[0]), None)
+            self._note(db, int(found[0]), ())
         return Written(slot=int(found[0]), created=False, seq=seq + 1, at=time.time())
 
     # ------------------------------------------------------------------ reads
@@ -258,10 +319,11 @@ class EnrolledStore(ModelTables):
         return int(rows[0][0])
 
     def changes(self, since: int = 0) -> list[ClassRow]:
-        """Every slot written after seq `since` (tombstones included), in seq order; a row whose values
-        cannot be read comes with its `problem` (never an exception: one bad row must not stop a reader)."""
-        rows = self._read(self._sql(f"SELECT {_COLUMNS} FROM enrolled_classes WHERE digest = ? AND seq > ? ORDER BY seq"),
-                          (self.key, int(since)))
+        """Every slot written after seq `since` (tombstones included), in seq order, with its look-alikes;
+        a row whose values cannot be read comes with its `problem` (never an exception: one bad row must
+        not stop a reader)."""
+        rows = self._read(self._sql(f"SELECT {_JOINED} FROM {_WITH_LOOKALIKES} WHERE c.digest = ? AND c.seq > ? "
+                                    "ORDER BY c.seq"), (self.key, int(since)))
         return [_record(r) for r in rows]
 
     def close(self) -> None:

@@ -10,10 +10,11 @@ An older slc keyed them by the sha256 of manifest.json, which every recalibratio
 that is not in `enrolled_models` is such a digest. `register` re-keys to the model the classes of
 the digests it is given, the ones known to be of this model: the manifest being served, and the one
 before its last recalibration when that can be rebuilt (serving/bundle/recalibration.py
-`previous_digests`). Into an empty key they move as they are (ids kept); into a key that already
-holds classes they are appended under new slots, and where both hold a live class of one name the
-later enrollment wins, as a PUT would have. Nothing else is ever re-keyed: a digest that cannot be
-tied to the model stays, and is reported.
+`previous_digests`). Into an empty key they move as they are (ids kept), with their kept examples and
+look-alikes; into a key that already holds classes they are appended under new slots with their
+look-alikes (not their examples: the slc that keyed by digest kept none), and where both hold a live
+class of one name the later enrollment wins, as a PUT would have (its look-alikes too). Nothing else
+is ever re-keyed: a digest that cannot be tied to the model stays, and is reported.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ SAMPLE = 100  # classes listed by name per key a server does not serve
 
 _CLASS_COLUMNS = "slot, name, row, bias, threshold, platt_a, platt_b, examples, rule, created"
 _MODEL_COLUMNS = "model_key, name, path, digest, backbone, head, classes, dim, seen"
+_KEYED = ("enrolled_classes", "enrolled_state", "enrolled_examples", "enrolled_lookalikes")  # tables keyed by digest
 
 
 def models_schema(real: str, integer: str) -> list[str]:
@@ -103,7 +105,7 @@ class ModelTables:
         if old is None:
             return None
         if db.execute(one.format(1, "enrolled_state", "digest"), (self.key,)).fetchone() is None:
-            for table in ("enrolled_classes", "enrolled_state", "enrolled_examples"):  # slots, seqs, tombstones as they are
+            for table in _KEYED:  # slots, seqs, tombstones as they are
                 db.execute(self._sql(f"UPDATE {table} SET digest = ? WHERE digest = ?"), (self.key, legacy))
             return Adopted(legacy, moved=int(old[0]), renumbered=False)
         return self._merge(db, legacy)
@@ -113,6 +115,8 @@ class ModelTables:
         name the later enrollment stays, in the slot this key gave it."""
         rows = db.execute(self._sql(f"SELECT {_CLASS_COLUMNS} FROM enrolled_classes WHERE digest = ? AND deleted = 0 "
                                     "ORDER BY slot"), (legacy,)).fetchall()
+        lookalikes = {int(s): ids for s, ids in db.execute(self._sql("SELECT slot, ids FROM enrolled_lookalikes "
+                                                                     "WHERE digest = ?"), (legacy,)).fetchall()}
         next_slot, seq, live = self._state(db)
         done = Adopted(legacy, moved=0, renumbered=True)
         for r in rows:
@@ -120,22 +124,28 @@ class ModelTables:
                                         "AND deleted = 0"), (self.key, r[1])).fetchone()
             seq += 1
             if mine is None:
+                slot = next_slot
                 db.execute(self._sql(f"""INSERT INTO enrolled_classes (digest, {_CLASS_COLUMNS}, seq, deleted)
                                          VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"""),
                            (self.key, next_slot, *r[1:], seq))
                 next_slot, live, done.moved = next_slot + 1, live + 1, done.moved + 1
             elif float(r[9]) > float(mine[1]):
+                slot = int(mine[0])
                 db.execute(self._sql("""UPDATE enrolled_classes SET row = ?, bias = ?, threshold = ?, platt_a = ?,
                                         platt_b = ?, examples = ?, rule = ?, created = ?, seq = ?
-                                        WHERE digest = ? AND slot = ?"""), (*r[2:], seq, self.key, int(mine[0])))
-                db.execute(self._sql("DELETE FROM enrolled_examples WHERE digest = ? AND slot = ?"),
-                           (self.key, int(mine[0])))  # its examples are not the legacy row's
+                                        WHERE digest = ? AND slot = ?"""), (*r[2:], seq, self.key, slot))
+                for table in ("enrolled_examples", "enrolled_lookalikes"):  # this key's, not the legacy row's
+                    db.execute(self._sql(f"DELETE FROM {table} WHERE digest = ? AND slot = ?"), (self.key, slot))
                 done.replaced.append(str(r[1]))
             else:
                 done.dropped.append(str(r[1]))
+                continue
+            if (ids := lookalikes.get(int(r[0]))) is not None:  # the legacy class's look-alikes, to its slot here
+                db.execute(self._sql("INSERT INTO enrolled_lookalikes (digest, slot, ids) VALUES (?, ?, ?)"),
+                           (self.key, slot, ids))
         db.execute(self._sql("UPDATE enrolled_state SET next_slot = ?, seq = ?, live = ? WHERE digest = ?"),
                    (next_slot, seq, live, self.key))
-        for table in ("enrolled_classes", "enrolled_state", "enrolled_examples"):
+        for table in _KEYED:
             db.execute(self._sql(f"DELETE FROM {table} WHERE digest = ?"), (legacy,))
         return done
 

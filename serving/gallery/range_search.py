@@ -68,9 +68,12 @@ class VectorIndex:
         xb = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
         return xb[positions]
 
-    def search(self, w: np.ndarray, b: float, threshold: float, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, w: np.ndarray, b: float, threshold: float, limit: int | None,
+               rivals: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(row numbers, float32 logits) of every item with w·h + b >= threshold, best first (ties by
-        row number), at most `limit`. ValueError on a NaN threshold, a negative limit, a non-finite row."""
+        row number), at most `limit`. `rivals` (rows [r, d + 1] = [W_r, b_r], thresholds [r]): the class's
+        look-alikes (serving/core/lookalikes.py); an item one of them passes by a larger margin is left out.
+        ValueError on a NaN threshold, a negative limit, a non-finite row."""
         threshold = float(threshold)
         if np.isnan(threshold):
             raise ValueError("threshold is NaN")
@@ -98,6 +101,9 @@ class VectorIndex:
             logits[start:start + len(chunk)] = self._vectors_at(chunk).astype(np.float64) @ q64
         keep = logits.astype(np.float64) >= threshold
         positions, logits = positions[keep], logits[keep]
+        if rivals is not None and len(positions):
+            keep = self._not_outscored(positions, logits.astype(np.float64) - threshold, *rivals)
+            positions, logits = positions[keep], logits[keep]
         import faiss
 
         nums = faiss.vector_to_array(self._index.id_map)[positions]
@@ -105,3 +111,14 @@ class VectorIndex:
         if limit is not None:
             order = order[:limit]
         return nums[order], logits[order]
+
+    def _not_outscored(self, positions: np.ndarray, margin: np.ndarray, rows: np.ndarray,
+                       thresholds: np.ndarray) -> np.ndarray:
+        """bool [C]: no look-alike's margin (float64, rows [r, d + 1]) beats the item's own `margin` [C]."""
+        keep = np.empty(len(positions), dtype=bool)
+        q = np.asarray(rows, dtype=np.float64).T  # [d + 1, r]
+        for start in range(0, len(positions), _BATCH):
+            chunk = slice(start, start + _BATCH)
+            theirs = self._vectors_at(positions[chunk]).astype(np.float64) @ q - thresholds  # [c, r]
+            keep[chunk] = (theirs <= margin[chunk, None]).all(axis=1)
+        return keep

@@ -25,14 +25,38 @@ def imprint(offline, x: np.ndarray) -> tuple[np.ndarray, float]:
     return row, float(np.median(offline.b))
 
 
-class Extended:
-    """[W; E], [b; b_e] with the enrolled rows in id order, and their ids."""
+def lookalikes_truth(logits: np.ndarray, thr: np.ndarray) -> set[int]:
+    """The look-alikes an enrollment stores (docs/api.md "Look-alikes"), from the examples' logits over
+    the trained classes [n, D] and their thresholds [D]: every class at or above its threshold on some
+    example, and each example's best-scoring class."""
+    return {int(c) for c in np.flatnonzero((logits >= thr).any(axis=0))} | {int(c) for c in logits.argmax(axis=1)}
 
-    def __init__(self, offline, rows: list[tuple[int, np.ndarray, float]]):
+
+class Extended:
+    """[W; E], [b; b_e] with the enrolled rows in id order, and their ids; `lookalikes`: {enrolled id:
+    trained ids} for detect's rule between look-alikes."""
+
+    def __init__(self, offline, rows: list[tuple[int, np.ndarray, float]], lookalikes: dict | None = None):
         self.offline = offline
         self.ids = np.concatenate([np.arange(D), [i for i, _, _ in rows]]).astype(np.int64)
         self.W = np.vstack([offline.W] + [r[None] for _, r, _ in rows])
         self.b = np.concatenate([offline.b, [b for _, _, b in rows]])
+        self.lookalikes = lookalikes or {}
+
+    def matches(self, z: np.ndarray, thr: np.ndarray) -> np.ndarray:
+        """[N, C] detect's answers, the rule written out: z >= t, and of a look-alike pair, an input
+        matches only the one whose margin z - t is larger (a tie: both)."""
+        m = z - thr
+        out = m >= 0
+        for e, trained in self.lookalikes.items():
+            for t in trained:
+                a, b = self.column(e), self.column(t)
+                for i in range(len(z)):
+                    if m[i, b] > m[i, a]:
+                        out[i, a] = False
+                    if m[i, a] > m[i, b]:
+                        out[i, b] = False
+        return out
 
     def logits(self, x) -> np.ndarray:  # [N, D + n_e] float64, columns in id order
         return self.offline.embed(x).astype(np.float64) @ self.W.T + self.b
@@ -138,16 +162,29 @@ def test_index_top_k_merges_an_exact_scan_of_the_enrolled_rows(client, offline, 
     assert len(top["results"][0]) == D + 2
 
 
-def test_class_search_uses_the_enrolled_row(client, offline):
+def test_class_search_uses_the_enrolled_row(client, offline, bundle):
+    """Every item at or above the threshold, by the enrolled row, best first, less the items one of the
+    class's look-alikes passes by more (at the request's threshold, every class's)."""
+    from tests.serving.test_open_set import calibrated
+
     x = examples(5)
     row, b = imprint(offline, x)
-    enroll(client, "eps", x)
+    got = enroll(client, "eps", x).json()
+    want_alikes = lookalikes_truth(offline.embed(x).astype(np.float64) @ offline.W.T + offline.b, calibrated(bundle))
+    assert got["lookalikes"] == sorted(want_alikes)
+    ext = Extended(offline, [(got["class_id"], row, b)], {got["class_id"]: want_alikes})
     items = [{"id": f"i{i}", "input": v.tolist()} for i, v in enumerate(examples(6, n=6))]
     assert client.post("/v1/gallery/items", json={"items": items}).status_code == 201
-    got = client.post("/v1/classes/eps/search", json={"threshold": -100.0}).json()
-    want = offline.embed(examples(6, n=6)).astype(np.float64) @ row + b
-    assert [h["id"] for h in got["results"]] == [f"i{i}" for i in np.argsort(-want, kind="stable")]
-    np.testing.assert_allclose([h["logit"] for h in got["results"]], np.sort(want)[::-1], rtol=1e-5, atol=1e-5)
+    for threshold in (-100.0, 0.0):
+        found = client.post("/v1/classes/eps/search", json={"threshold": threshold}).json()
+        z = ext.logits(examples(6, n=6))
+        want = z[:, -1]
+        kept = ext.matches(z, np.full(z.shape[1], threshold))[:, -1]
+        order = [i for i in np.argsort(-want, kind="stable") if kept[i]]
+        assert [h["id"] for h in found["results"]] == [f"i{i}" for i in order]
+        np.testing.assert_allclose([h["logit"] for h in found["results"]], want[order], rtol=1e-5, atol=1e-5)
+        if threshold == -100.0:
+            assert 0 < len(order) < 6  # the look-alikes took some items (so the rule is what is checked)
 
 
 def test_replace_delete_and_stable_ids(client, offline, bundle, inputs):

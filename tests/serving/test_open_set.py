@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.serving.helpers import D, INPUT_DIM, assert_envelope
-from tests.serving.test_enroll import Extended, enroll, examples, imprint
+from tests.serving.test_enroll import Extended, enroll, examples, imprint, lookalikes_truth
 
 
 def calibrated(bundle) -> np.ndarray:
@@ -26,12 +26,17 @@ def calibrated(bundle) -> np.ndarray:
 
 @pytest.fixture
 def served(client, offline, bundle):
-    """A server with two enrolled classes; (client, Extended truth, thresholds [D + 2] in id order, names)."""
-    made = []
+    """A server with two enrolled classes; (client, Extended truth, thresholds [D + 2] in id order, names).
+    Each class's look-alikes are checked against the offline rule as it is enrolled."""
+    made, alikes = [], {}
     for seed, name in ((1, "alpha"), (2, "beta")):
         x = examples(seed, n=seed + 1)
-        made.append((enroll(client, name, x).json()["class_id"], *imprint(offline, x)))
-    ext = Extended(offline, made)
+        got = enroll(client, name, x).json()
+        want = lookalikes_truth(offline.embed(x).astype(np.float64) @ offline.W.T + offline.b, calibrated(bundle))
+        assert got["lookalikes"] == sorted(want)
+        made.append((got["class_id"], *imprint(offline, x)))
+        alikes[got["class_id"]] = want
+    ext = Extended(offline, made, alikes)
     thr = np.concatenate([calibrated(bundle), [bundle.global_threshold] * 2])  # enrolled: the global threshold
     names = {**{j: str(bundle.classes[j]) for j in range(D)}, made[0][0]: "alpha", made[1][0]: "beta"}
     return client, ext, thr, names
@@ -54,7 +59,7 @@ def check_entries(top: dict, z: np.ndarray, ext: Extended, thr: np.ndarray, name
         want = ext.ids[np.argsort(-zi, kind="stable")[:k]]
         cols = [ext.column(c) for c in want]
         t = thr[cols] if threshold is None else np.full(k, threshold)
-        m = zi[cols] >= t
+        m = ext.matches(zi[None], thr if threshold is None else np.full(len(thr), threshold))[0, cols]
         keep = m if matches_only else np.ones(k, bool)
         assert [e["class_id"] for e in row] == want[keep].tolist()
         assert [e["class_name"] for e in row] == [names[c] for c in want[keep]]
@@ -141,7 +146,7 @@ def test_set_detect_equals_single_detects(served, bundle, inputs):
             want_thr = thr[col] if threshold is None else threshold
             assert single["threshold"] == pytest.approx(want_thr, rel=1e-7)
             for i, (entry, one) in enumerate(zip((row[c] for row in got["results"]), single["results"])):
-                assert entry["match"] == one["match"] == bool(z[i, col] >= want_thr)
+                assert entry["match"] == one["match"] == bool(ext.matches(z, np.where(threshold is None, thr, want_thr))[i, col])
                 assert entry["logit"] == pytest.approx(one["logit"], rel=1e-12, abs=1e-12)
                 assert entry["probability"] == pytest.approx(one["probability"], rel=1e-12, abs=1e-15)
                 assert entry["logit"] == pytest.approx(z[i, col], rel=1e-5, abs=1e-5)
@@ -269,10 +274,9 @@ def test_an_enrollment_names_the_classes_that_also_match_its_examples(served, of
     assert all("matched_by" not in c for c in listed)  # the answer of a write, not a property of the class
 
 
-def test_an_enrollment_whose_look_alikes_cannot_be_computed_is_still_answered(served, monkeypatch):
-    """The class is committed before its look-alikes are sought: a refusal of that second pass (here
-    an overload) answers the class with `matched_by_complete: false`, never an error for a write that
-    happened."""
+def test_an_enrollment_whose_look_alikes_cannot_be_computed_writes_nothing(served, monkeypatch):
+    """The look-alikes are sought before the write, in the pass that embeds the examples: a refusal of
+    that pass (here an overload) is the answer, and nothing is written (no class without its look-alikes)."""
     from serving.core.engine import Engine
     from serving.errors import Overloaded
 
@@ -281,8 +285,8 @@ def test_an_enrollment_whose_look_alikes_cannot_be_computed_is_still_answered(se
     async def refused(self, *args, **kwargs):
         raise Overloaded("busy")
 
-    monkeypatch.setattr(Engine, "topk", refused)
-    r = enroll(client, "delta", examples(5))
-    assert r.status_code == 201, r.text
-    assert r.json()["matched_by"] == [] and r.json()["matched_by_complete"] is False
-    assert "delta" in [c["class_name"] for c in client.get("/v1/classes").json()["classes"]]
+    monkeypatch.setattr(Engine, "topk_arrays", refused)
+    assert_envelope(enroll(client, "delta", examples(5)), 429, "overloaded")
+    assert "delta" not in [c["class_name"] for c in client.get("/v1/classes").json()["classes"]]
+    monkeypatch.undo()
+    assert enroll(client, "delta", examples(5)).status_code == 201

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests.serving.helpers import D, assert_envelope, free_port
-from tests.serving.test_enroll import examples, imprint
+from tests.serving.test_enroll import Extended, examples, imprint, lookalikes_truth
+from tests.serving.test_open_set import calibrated
 
 httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http,grpc]'")
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[http,grpc]'")
@@ -87,15 +88,16 @@ def test_match_and_threshold_of_every_logit_without_classification(served, bundl
     url, port = served
     x = _probe()
     row, b = imprint(offline, examples(3))
-    z = np.concatenate([offline.logits(x), (offline.embed(x).astype(np.float64) @ row + b)[:, None]], axis=1)
-    thr = np.concatenate([np.asarray(bundle.thresholds, np.float64), [bundle.global_threshold]])
+    ext = Extended(offline, [(D, row, b)], {D: lookalikes_truth(offline.logits(examples(3)), calibrated(bundle))})
+    z = ext.logits(x)
+    thr = np.concatenate([calibrated(bundle), [bundle.global_threshold]])
     client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}")
     inp = grpcclient.InferInput("input", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
     names = ("logits", "match", "threshold")
     result = client.infer(bundle.name + "-full", [inp], outputs=[grpcclient.InferRequestedOutput(n) for n in names])
     np.testing.assert_allclose(result.as_numpy("logits"), z, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(result.as_numpy("match"), z >= thr)
+    np.testing.assert_array_equal(result.as_numpy("match"), ext.matches(z, thr))  # with gamma's look-alikes
     np.testing.assert_allclose(result.as_numpy("threshold"), np.broadcast_to(thr, z.shape), rtol=1e-7)
     default = client.infer(bundle.name + "-full", [inp])  # no outputs named: the logits alone, as before
     assert [o.name for o in default.get_response().outputs] == ["logits"]

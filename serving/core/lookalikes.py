@@ -1,0 +1,124 @@
+"""Look-alikes: pairs of classes of which an input matches only the one it passes by more (docs/api.md,
+"Look-alikes"). Protocol-free, numpy only.
+
+A class enrolled from a few examples is stored with its look-alikes: the trained classes whose detect
+said yes to one of its examples, and each example's closest trained class (serving/core/engine.py,
+`enroll`). Without more, such a trained class goes on saying yes to the new class's images. With the
+pair named, detect decides by margins m = z - t (logit minus the threshold in effect): class j
+matches x when
+
+    m_j(x) >= 0  and  m_j(x) >= m_r(x) for every look-alike r of j
+
+(a tie matches both). A detect then reads 1 + |L(j)| rows, never D. Pairs come from the enrolled
+classes of a snapshot (each enrolled id with its trained look-alikes) and from a folded bundle's
+calibration.json (`lookalikes`: the same pairs, written by `slc bundle fold`); the relation is symmetric.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+NONE = np.zeros(0, dtype=np.int64)
+
+
+class Lookalikes:
+    """A symmetric relation over class ids: id -> its look-alikes' ids (sorted int64)."""
+
+    def __init__(self, pairs: Iterable[tuple[int, int]] = ()):
+        of: dict[int, set[int]] = {}
+        for a, b in pairs:
+            a, b = int(a), int(b)
+            if a != b:
+                of.setdefault(a, set()).add(b)
+                of.setdefault(b, set()).add(a)
+        self._of = {k: np.array(sorted(v), dtype=np.int64) for k, v in of.items()}
+        self.keys = np.array(sorted(self._of), dtype=np.int64)  # every class that has a look-alike
+
+    def __bool__(self) -> bool:
+        return bool(self._of)
+
+    def of(self, j: int) -> np.ndarray:
+        """The look-alikes of class j (none: empty)."""
+        return self._of.get(int(j), NONE)
+
+    def has(self, ids: np.ndarray) -> np.ndarray:
+        """bool mask of ids (any shape) that have a look-alike."""
+        return np.isin(ids, self.keys)
+
+    def pairs(self) -> list[list[int]]:
+        """Each pair once, [smaller, larger], sorted."""
+        return [[a, int(b)] for a in sorted(self._of) for b in self._of[a] if a < b]
+
+    def merged(self, other: "Lookalikes") -> "Lookalikes":
+        if not other:
+            return self
+        if not self:
+            return other
+        return Lookalikes([*map(tuple, self.pairs()), *map(tuple, other.pairs())])
+
+
+EMPTY = Lookalikes()
+
+
+def exclude(match: np.ndarray, ids: np.ndarray, margin: np.ndarray, lookalikes: Lookalikes,
+            margins_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The entries' matches with look-alikes applied.
+
+    match, ids, margin [n, k]: entry (i, c) of input i (bool, class id, logit - threshold);
+    margins_of(rivals [r]) -> [n, r] float64: every input's margin against those classes.
+    An entry keeps its match unless one of its class's look-alikes has a larger margin for that input.
+    Only the rows of look-alikes of matching entries are read (margins_of is called once, or never).
+    """
+    if not lookalikes:
+        return match
+    candidates = match & lookalikes.has(ids)  # [n, k]
+    if not candidates.any():
+        return match
+    classes = np.unique(ids[candidates])
+    rivals = np.unique(np.concatenate([lookalikes.of(c) for c in classes]))  # [r]
+    rival_margin = np.asarray(margins_of(rivals), dtype=np.float64)  # [n, r]
+    out = np.array(match, dtype=bool, copy=True)
+    for i, e in zip(*np.nonzero(candidates)):
+        cols = np.searchsorted(rivals, lookalikes.of(ids[i, e]))
+        if (rival_margin[i, cols] > margin[i, e]).any():
+            out[i, e] = False
+    return out
+
+
+def outmatched(h: np.ndarray, weight, bias: np.ndarray, thr: np.ndarray,
+               lookalikes: Lookalikes, block_values: int = 1 << 21) -> tuple[np.ndarray, np.ndarray]:
+    """`exclude` for every class of a head at once (slc calibrate's figures): (keys [K]: the classes
+    0..D-1 with a look-alike, lost [N, K] bool: embedding h[i]'s margin z - t on class keys[k] is below
+    that of one of its look-alikes). Only the K rows of classes in a pair are read (the relation is
+    symmetric: every look-alike is a key too), their margins in blocks of about `block_values` numbers."""
+    D = len(thr)
+    keys = lookalikes.keys[lookalikes.keys < D]
+    n = len(h)
+    if not len(keys):
+        return keys, np.zeros((n, 0), dtype=bool)
+    rivals = [lookalikes.of(c) for c in keys]
+    rivals = [np.searchsorted(keys, r[r < D]) for r in rivals]  # each key's look-alikes as columns of keys
+    has = np.array([len(r) > 0 for r in rivals])
+    flat = np.concatenate([r for r in rivals if len(r)])
+    starts = np.cumsum([0] + [len(r) for r in rivals if len(r)])[:-1]
+    w = np.concatenate([np.asarray(weight[k:k + 1], dtype=np.float64) for k in keys.tolist()])  # [K, d]
+    b = np.asarray(bias, dtype=np.float64)[keys] - thr[keys]  # [K]
+    lost = np.zeros((n, len(keys)), dtype=bool)
+    step = max(1, block_values // max(len(keys) + len(flat), 1))
+    for i in range(0, n, step):
+        m = np.asarray(h[i:i + step], dtype=np.float64) @ w.T + b  # [n_i, K] margins
+        best = np.maximum.reduceat(m[:, flat], starts, axis=1)  # [n_i, K'] each key's highest look-alike margin
+        lost[i:i + step, has] = best > m[:, has]
+    return keys, lost
+
+
+def from_enrolled(enrolled_ids: np.ndarray, lists: list[tuple[int, ...]]) -> Lookalikes:
+    """The pairs of a snapshot's enrolled classes: enrolled_ids[p] with each id of lists[p]."""
+    return Lookalikes((int(e), int(t)) for e, ts in zip(enrolled_ids.tolist(), lists) for t in ts)
+
+
+def from_calibration(calibration: dict, num_classes: int) -> Lookalikes:
+    """A bundle's pairs (calibration.json `lookalikes.pairs`, checked: serving/bundle/calibration.py)."""
+    pairs = ((calibration or {}).get("lookalikes") or {}).get("pairs") or []
+    return Lookalikes((a, b) for a, b in pairs if 0 <= a < num_classes and 0 <= b < num_classes)

@@ -1,0 +1,169 @@
+"""Look-alikes (docs/api.md "Look-alikes") in every route that answers `match`, against the rule written
+out offline (tests/serving/test_enroll.py `Extended.matches`: float64 logits of an independent
+onnxruntime session, the enrolled row by the documented imprinting rule, the look-alikes by the
+documented enrollment rule):
+
+detect, set detect, top-k (exact and index), KServe `<name>`, `<name>-full` (every logit's match and
+Triton's classification), gallery class search; a second server on the same store (a replica) answers
+the same; SLC_LOOKALIKES=off answers the plain rule. The probes are chosen so that the rule changes
+answers: every check fails under the plain rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.serving.helpers import D, INPUT_DIM
+from tests.serving.test_enroll import Extended, enroll, imprint, lookalikes_truth
+from tests.serving.test_open_set import calibrated
+
+
+@pytest.fixture
+def claimed(offline, bundle):
+    """(examples, probes): 4 inputs a trained class claims (the new class's examples), and 24 probes:
+    the inputs the trained classes claim most (where a new class from those examples matches too), and
+    unclaimed ones."""
+    pool = np.random.default_rng(23).standard_normal((4000, INPUT_DIM)).astype(np.float32)
+    margin = (offline.logits(pool) - calibrated(bundle)).max(axis=1)
+    order = np.argsort(margin)
+    return pool[order[-4:]], np.concatenate([pool[order[-20:]], pool[order[:4]]])
+
+
+def made(client, offline, bundle, x: np.ndarray) -> tuple[Extended, np.ndarray, int]:
+    """Enroll 'kappa' from x: (the offline truth with its look-alikes, thresholds [D + 1], its id)."""
+    got = enroll(client, "kappa", x)
+    assert got.status_code == 201, got.text
+    got = got.json()
+    thr = calibrated(bundle)
+    want = lookalikes_truth(offline.embed(x).astype(np.float64) @ offline.W.T + offline.b, thr)
+    assert got["lookalikes"] == sorted(want) and want
+    ext = Extended(offline, [(got["class_id"], *imprint(offline, x))], {got["class_id"]: want})
+    return ext, np.concatenate([thr, [bundle.global_threshold]]), got["class_id"]
+
+
+def answers(client, bundle, x: np.ndarray, ids: list[int], threshold=None) -> dict[str, np.ndarray]:
+    """Each route's `match` for inputs x [n] and classes ids, as [n, len(ids)] bool."""
+    extra = {} if threshold is None else {"threshold": threshold}
+    n, k = len(x), D + 1
+    out = {"detect": np.array([[r["match"] for r in client.post(f"/v1/classes/{j}/detect", json={
+        "inputs": x.tolist(), **extra}).json()["results"]] for j in ids]).T}
+    got = client.post("/v1/detect", json={"inputs": x.tolist(), "classes": ids, **extra}).json()
+    out["set detect"] = np.array([[e["match"] for e in row] for row in got["results"]])
+    for mode in ("exact", "index"):
+        rows = client.post("/v1/topk", json={"inputs": x.tolist(), "k": k, "mode": mode, **extra}).json()["results"]
+        out[f"topk {mode}"] = np.array([[{e["class_id"]: e["match"] for e in row}[j] for j in ids] for row in rows])
+    params = {"parameters": extra} if extra else {}
+    single = np.zeros((n, len(ids)), bool)
+    for c, j in enumerate(ids):
+        body = {"inputs": [{"name": "input", "shape": [n, INPUT_DIM], "datatype": "FP32", "data": x.ravel().tolist()},
+                           {"name": "class_id", "shape": [n], "datatype": "INT64", "data": [j] * n}], **params}
+        r = client.post(f"/v2/models/{bundle.name}/infer", json=body).json()
+        single[:, c] = {o["name"]: o for o in r["outputs"]}["match"]["data"]
+    out["kserve single"] = single
+    body = {"inputs": [{"name": "input", "shape": [n, INPUT_DIM], "datatype": "FP32", "data": x.ravel().tolist()}],
+            "outputs": [{"name": "match"}], **params}
+    r = client.post(f"/v2/models/{bundle.name}-full/infer", json=body).json()
+    full = np.array(r["outputs"][0]["data"], dtype=bool).reshape(n, k)
+    out["kserve full"] = full[:, [j if j < D else D for j in ids]]
+    body["outputs"] = [{"name": "logits", "parameters": {"classification": k}}, {"name": "match"}]
+    r = {o["name"]: o for o in client.post(f"/v2/models/{bundle.name}-full/infer", json=body).json()["outputs"]}
+    labels = np.array(r["logits"]["data"]).reshape(n, k)
+    matches = np.array(r["match"]["data"], dtype=bool).reshape(n, k)
+    out["kserve classification"] = np.array([[dict(zip((int(s.split(":")[1]) for s in lr), mr))[j] for j in ids]
+                                             for lr, mr in zip(labels, matches)])
+    return out
+
+
+def searched(client, x: np.ndarray, ids: list[int], threshold=None) -> np.ndarray:
+    """[n, len(ids)]: whether each gallery item x[i] is found by the class search of ids[c]."""
+    items = [{"id": f"p{i}", "input": v.tolist()} for i, v in enumerate(x)]
+    assert client.post("/v1/gallery/items", json={"items": items}).status_code == 201
+    extra = {} if threshold is None else {"threshold": threshold}
+    found = np.zeros((len(x), len(ids)), bool)
+    for c, j in enumerate(ids):
+        for hit in client.post(f"/v1/classes/{j}/search", json=extra).json()["results"]:
+            found[int(hit["id"][1:]), c] = True
+    return found
+
+
+def test_every_route_decides_between_look_alikes_by_margin(client_factory, offline, bundle, claimed):
+    """Each route equals the rule; the plain rule (z >= t alone) differs on these probes."""
+    x, probes = claimed
+    client = client_factory()
+    ext, thr, kappa = made(client, offline, bundle, x)
+    ids = [*sorted(ext.lookalikes[kappa]), kappa]
+    cols = [ext.column(j) for j in ids]
+    z = ext.logits(probes)
+    for threshold in (None, float(np.median(z[:, cols]))):
+        t = thr if threshold is None else np.full(len(thr), threshold)
+        want, plain = ext.matches(z, t)[:, cols], (z >= t)[:, cols]
+        assert (want != plain).any(), "the probes must be ones the rule decides differently"
+        for route, got in answers(client, bundle, probes, ids, threshold).items():
+            np.testing.assert_array_equal(got, want, err_msg=f"{route} (threshold {threshold})")
+    np.testing.assert_array_equal(searched(client, probes, ids), ext.matches(z, thr)[:, cols], err_msg="search")
+
+    replica = client_factory()  # a second server on the same store: the same look-alikes, the same answers
+    listed = {c["class_name"]: c for c in replica.get("/v1/classes").json()["classes"]}
+    assert listed["kappa"]["lookalikes"] == sorted(ext.lookalikes[kappa])
+    for route, got in answers(replica, bundle, probes, ids).items():
+        np.testing.assert_array_equal(got, ext.matches(z, thr)[:, cols], err_msg=f"replica: {route}")
+
+
+def test_off_answers_the_plain_rule(client_factory, offline, bundle, claimed):
+    """SLC_LOOKALIKES=off: the look-alikes are stored and listed, every route answers z >= t alone."""
+    x, probes = claimed
+    client = client_factory(lookalikes="off")
+    ext, thr, kappa = made(client, offline, bundle, x)
+    ids = [*sorted(ext.lookalikes[kappa]), kappa]
+    cols = [ext.column(j) for j in ids]
+    z = ext.logits(probes)
+    plain = (z >= thr)[:, cols]
+    assert (ext.matches(z, thr)[:, cols] != plain).any()
+    for route, got in answers(client, bundle, probes, ids).items():
+        np.testing.assert_array_equal(got, plain, err_msg=route)
+    np.testing.assert_array_equal(searched(client, probes, ids), plain, err_msg="search")
+
+
+def test_adding_examples_keeps_the_look_alikes_and_adds_the_new_ones(client, offline, bundle, claimed):
+    """POST .../examples: the stored look-alikes are the union of the first examples' and the added ones'."""
+    x, probes = claimed
+    ext, _, kappa = made(client, offline, bundle, x[:2])
+    more = probes[-4:]  # unclaimed inputs: their closest trained classes are look-alikes all the same
+    r = client.post("/v1/classes/kappa/examples", json={"inputs": more.tolist()})
+    assert r.status_code == 200, r.text
+    added = lookalikes_truth(offline.embed(more).astype(np.float64) @ offline.W.T + offline.b, calibrated(bundle))
+    assert r.json()["lookalikes"] == sorted(ext.lookalikes[kappa] | added)
+    assert added - ext.lookalikes[kappa], "the added examples must bring a look-alike of their own"
+
+
+@pytest.mark.integration
+def test_a_folded_bundle_answers_as_the_server_did(bundle_path, tmp_path, offline, bundle, claimed):
+    """`slc bundle fold` carries the look-alikes into calibration.json: the folded bundle, where kappa is
+    trained class D, answers every route as the server with the enrolled kappa did (and a fold that
+    dropped the pairs would not: the probes are decided differently by the plain rule)."""
+    from tests.serving.helpers import slc
+    from tests.serving.test_enroll_fold import _client
+
+    x, probes = claimed
+    server = _client(bundle_path, tmp_path / "served")
+    try:
+        ext, thr, kappa = made(server, offline, bundle, x)
+        ids = [*sorted(ext.lookalikes[kappa]), kappa]
+        before = answers(server, bundle, probes, ids)
+    finally:
+        server.__exit__(None, None, None)
+    z, cols = ext.logits(probes), [ext.column(j) for j in ids]
+    assert (ext.matches(z, thr)[:, cols] != (z >= thr)[:, cols]).any()
+    out = tmp_path / "folded"
+    assert slc("bundle", "fold", bundle_path, "--from", tmp_path / "served" / "data", "--out", out) == 0
+    from serving.bundle import load_bundle
+
+    folded = load_bundle(out)
+    assert folded.calibration["lookalikes"]["pairs"] == [[t, D] for t in sorted(ext.lookalikes[kappa])]
+    client = _client(out, tmp_path / "fresh")
+    try:
+        after = answers(client, folded, probes, [*sorted(ext.lookalikes[kappa]), D])
+    finally:
+        client.__exit__(None, None, None)
+    assert after.keys() == before.keys()
+    for route in before:  # D + 1 classes either way: kappa enrolled as D there, trained as D here
+        np.testing.assert_array_equal(after[route], before[route], err_msg=route)

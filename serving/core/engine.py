@@ -250,12 +250,16 @@ class Engine:
         w, b, thr, pa, pb = self.classes.row_of(cls)
         thr = thr if threshold is None else float(threshold)
         decide = self._decider(snap, cal, threshold)
+        paired = decide.touches(cls.id)  # else the plain rule: no array beyond z
 
         def reduce(h: np.ndarray) -> list[dict]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ w + b)  # [n]
             p = sigmoid(pa * z + pb)
-            m = decide(h, np.full((len(z), 1), cls.id), z[:, None], np.full((len(z), 1), thr))[:, 0]
-            return [{"logit": zi, "match": mi, "probability": pi} for zi, mi, pi in zip(z.tolist(), m.tolist(), p.tolist())]
+            m = z >= thr
+            if paired:
+                m = decide(h, np.full((len(z), 1), cls.id), z[:, None], np.full((len(z), 1), thr))[:, 0]
+            return [{"logit": zi, "match": mi, "probability": pi}
+                    for zi, mi, pi in zip(z.tolist(), m.tolist(), p.tolist())]
 
         results = await self._submit(x, "embed", reduce)
         return {"class_id": cls.id, "class_name": cls.name, "threshold": thr, "results": results}
@@ -351,7 +355,7 @@ class Engine:
                 x, "logits", reduce, patience=self.scan_patience, snapshot=snap, embeddings=embeddings,
                 accumulator=lambda n: head_scan.TopK(n, k + self.head_pass.topk_extra))
         else:
-            def reduce(found: tuple[np.ndarray, np.ndarray], h: Optional[np.ndarray] = None):  # this job's (logits, ids) [n, K >= k]
+            def reduce(found: tuple[np.ndarray, np.ndarray], h: Optional[np.ndarray] = None):  # (logits, ids) [n, K >= k]
                 logits, ids = found
                 return finish(finite_output(logits[:, :k]), ids[:, :k], h)
 

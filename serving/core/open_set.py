@@ -64,6 +64,10 @@ class Decider:
         """Whether deciding needs the inputs' embeddings (some class has a look-alike)."""
         return bool(self.pairs)
 
+    def touches(self, class_id: int) -> bool:
+        """Whether the class has a look-alike (else its matches are logit >= threshold alone)."""
+        return len(self.pairs.of(class_id)) > 0
+
     def __call__(self, h: Optional[np.ndarray], ids: np.ndarray, z: np.ndarray, thr: np.ndarray) -> np.ndarray:
         """match [n, k] of entries (class ids, float64 logits, thresholds [n, k]); h [n, d] the inputs'
         embeddings (read only when an entry's class has a look-alike)."""

@@ -182,7 +182,8 @@ async def _classified(engine, x: np.ndarray, k: int, threshold: Optional[float],
                   for row in ids.tolist()]
         strings = np.array([[f"{v:.9f}:{c}:{label}" for v, c, label in zip(zr, cr, lr)]
                             for zr, cr, lr in zip(logits.tolist(), ids.tolist(), labels)], dtype=object)
-        return {"logits": ("BYTES", strings.reshape(len(ids), -1)), "match": ("BOOL", decide(h, ids, logits.astype(np.float64), thr)),
+        return {"logits": ("BYTES", strings.reshape(len(ids), -1)),
+                "match": ("BOOL", decide(h, ids, logits.astype(np.float64), thr)),
                 "threshold": ("FP32", thr.astype(np.float32))}
 
     return await engine.topk_arrays(x, k, "exact", snap, finish, embeddings=decide.reads_embeddings)

@@ -68,8 +68,8 @@ def _error_line(status: int, body: bytes) -> str:
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="seconds")
 def enroll(url: str, name: str, images: tuple[Path, ...], add: bool, api_key: str | None, timeout: float) -> None:
     """Enroll class NAME on the server at URL from IMAGE files (one multipart request), e.g.
-    `slc enroll http://127.0.0.1:8000 cat a.png b.png`; prints the class, its id and its examples, and a
-    warning for each other class that says yes to the images (a look-alike)."""
+    `slc enroll http://127.0.0.1:8000 cat a.png b.png`; prints the class, its id and its examples, a
+    warning for each other class that says yes to the images, and the look-alikes stored with it."""
     base = url if "://" in url else f"http://{url}"
     target = f"{base.rstrip('/')}/v1/classes/{quote(name, safe='')}" + ("/examples" if add else "")
     body, content_type = form_body(list(images))

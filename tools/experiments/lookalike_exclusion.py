@@ -1,6 +1,6 @@
 """Would excluding an enrolled class's look-alikes stop trained classes from claiming its images?
-Offline, on issue 50's small folder (docs/results/small-folder-aims.md, "Look-alikes excluded:
-measured offline, not shipped").
+Offline, on issue 50's small folder (docs/results/small-folder-aims.md, "look-alikes excluded
+(offline)"; the rule the server now applies: serving/core/lookalikes.py).
 
 What is left of the enrolled aim there: a trained class (A, or C) whose detect says yes to many
 images of the letter K enrolled later, so pooled precision falls below 0.98 while K itself is

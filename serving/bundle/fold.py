@@ -109,8 +109,8 @@ def _write_calibration(src: Path, stage: Path, bundle, classes: list[ClassRow]) 
 def folded_pairs(cal: dict, D: int, classes: list[ClassRow]) -> list[list[int]]:
     """The folded bundle's look-alike pairs, each [smaller, larger] once, sorted: the source calibration's
     (ids 0..D-1, kept) and, for the i-th folded class (id D + i), one with each of its trained look-alikes."""
-    mine = Lookalikes((D + i, t) for i, c in enumerate(classes) for t in c.lookalikes if 0 <= int(t) < D)
-    return from_calibration(cal, D).merged(mine).pairs()
+    mine = [(D + i, int(t)) for i, c in enumerate(classes) for t in c.lookalikes if 0 <= int(t) < D]
+    return Lookalikes([*map(tuple, from_calibration(cal, D).pairs()), *mine]).pairs()
 
 
 def _manifest(src: Path, bundle, classes: list[ClassRow], head: dict) -> dict:

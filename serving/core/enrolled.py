@@ -34,7 +34,7 @@ import numpy as np
 
 from serving.bundle.negatives import read_negatives
 from serving.core import enrollment, enrolled_report
-from serving.core.lookalikes import Lookalikes, from_enrolled
+from serving.core.lookalikes import EnrolledPairs, PairIndex
 from serving.errors import Conflict, InvalidInput, NotFound
 from serving.bundle.class_row import ClassRow
 from serving.gallery.enrolled import (Changed, EnrolledStore, LimitReached,  # noqa: F401 (LimitReached: re-exported)
@@ -48,13 +48,13 @@ _ID = re.compile(r"-?[0-9]{1,18}")  # a reference that reads as a class id (enro
 class _Buffers:
     """Append-only storage several snapshots share; each reads only its first n entries."""
 
-    def __init__(self, d: int, capacity: int = 16):
+    def __init__(self, d: int, num_trained: int, capacity: int = 16):
         self.rows = np.zeros((capacity, d), dtype=np.float32)
         self.values = np.zeros((capacity, 5), dtype=np.float64)  # bias, threshold, platt_a, platt_b, examples
         self.slots = np.zeros(capacity, dtype=np.int64)
         self.names: list[str] = []
         self.info: list[dict] = []  # rule, created: per class, for listings
-        self.lookalikes: list[tuple[int, ...]] = []  # per class: trained ids (serving/core/lookalikes.py)
+        self.pairs = PairIndex(num_trained)  # per class: its trained look-alikes (serving/core/lookalikes.py)
         self.position: dict[str, int] = {}  # name -> position
         self.used = 0
 
@@ -70,7 +70,7 @@ class _Buffers:
         self.slots[i] = rec.slot
         self.names.append(rec.name)
         self.info.append({"rule": rec.rule, "created": rec.created})
-        self.lookalikes.append(tuple(int(t) for t in rec.lookalikes))
+        self.pairs.append(rec.lookalikes)
         self.position[rec.name] = i
         self.used += 1
 
@@ -110,13 +110,13 @@ class Enrolled:
         return self._buf.names[pos]
 
     @cached_property
-    def lookalikes(self) -> Lookalikes:
-        """The pairs (enrolled id, trained id) of these classes' look-alikes (built once per snapshot)."""
-        D = self.num_trained  # a stored id that is no trained class of this model is no pair
-        return from_enrolled(self.ids, [tuple(t for t in ts if 0 <= t < D) for ts in self._buf.lookalikes[:self.n]])
+    def lookalikes(self) -> EnrolledPairs:
+        """These classes' look-alike pairs (enrolled id, trained id): a view, O(1) to make."""
+        return EnrolledPairs(self._buf.pairs, self.n, self.slots)
 
-    def lookalikes_of(self, pos: int) -> tuple[int, ...]:
-        return self._buf.lookalikes[pos]
+    def lookalikes_of(self, pos: int) -> list[int]:
+        """The trained look-alikes of the class at `pos` (ids of this model only)."""
+        return self._buf.pairs.lists[pos].tolist()
 
     def find(self, name: str) -> Optional[int]:
         """The position of the class `name`, or None."""
@@ -165,12 +165,12 @@ def describe_record(num_trained: int, r: ClassRow) -> dict:
 
 
 def empty_snapshot(num_trained: int, d: int) -> Enrolled:
-    return Enrolled(num_trained, 0, 0, _Buffers(d))
+    return Enrolled(num_trained, 0, 0, _Buffers(d, num_trained))
 
 
 def _snapshot(num_trained: int, d: int, live: dict[int, ClassRow], seq: int) -> Enrolled:
     """A fresh snapshot (new buffers) of the live records {slot: record}."""
-    buf = _Buffers(d, max(16, len(live)))
+    buf = _Buffers(d, num_trained, max(16, len(live)))
     for slot in sorted(live):
         buf.append(live[slot])
     return Enrolled(num_trained, buf.used, seq, buf)

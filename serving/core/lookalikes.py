@@ -10,11 +10,13 @@ matches x when
     m_j(x) >= 0  and  m_j(x) >= m_r(x) for every look-alike r of j
 
 (a tie matches both). A detect then reads 1 + |L(j)| rows, never D. Pairs come from the enrolled
-classes of a snapshot (each enrolled id with its trained look-alikes) and from a folded bundle's
-calibration.json (`lookalikes`: the same pairs, written by `slc bundle fold`); the relation is symmetric.
+classes of a snapshot (each enrolled id with its trained look-alikes: `PairIndex`, appended to as
+classes are enrolled) and from a folded bundle's calibration.json (`lookalikes`: the same pairs,
+written by `slc bundle fold`); the relation is symmetric.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Callable, Iterable
 
 import numpy as np
@@ -50,15 +52,101 @@ class Lookalikes:
         """Each pair once, [smaller, larger], sorted."""
         return [[a, int(b)] for a in sorted(self._of) for b in self._of[a] if a < b]
 
-    def merged(self, other: "Lookalikes") -> "Lookalikes":
+    def merged(self, other):
+        """This relation and another (a snapshot's `EnrolledPairs`) as one, built from neither."""
         if not other:
             return self
         if not self:
             return other
-        return Lookalikes([*map(tuple, self.pairs()), *map(tuple, other.pairs())])
+        return Union(self, other)
 
 
 EMPTY = Lookalikes()
+
+
+class Union:
+    """Two relations read as one (a folded bundle's pairs and the enrolled classes')."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __bool__(self) -> bool:
+        return bool(self.a) or bool(self.b)
+
+    def of(self, j: int) -> np.ndarray:
+        return np.union1d(self.a.of(j), self.b.of(j))
+
+    def has(self, ids: np.ndarray) -> np.ndarray:
+        return self.a.has(ids) | self.b.has(ids)
+
+
+class PairIndex:
+    """The enrolled classes' look-alikes, append-only like the snapshot buffers that hold it
+    (serving/core/enrolled.py): position p (an enrolled class, in slot order) with its trained ids,
+    and each trained id's positions. An enrollment appends in O(its look-alikes), never O(n_e);
+    each snapshot reads it through `EnrolledPairs`, its first n positions only."""
+
+    def __init__(self, num_trained: int):
+        self.num_trained = int(num_trained)
+        self.lists: list[np.ndarray] = []  # per position: trained ids, sorted
+        self.count = np.zeros(16, dtype=np.int32)  # per position: how many
+        self.by_trained: dict[int, list[int]] = {}  # trained id -> positions, ascending
+        self.flag: np.ndarray | None = None  # [D] bool: some position names this trained id (made at the first)
+
+    def append(self, trained: Iterable[int]) -> None:
+        ids = np.array(sorted({int(t) for t in trained if 0 <= int(t) < self.num_trained}), dtype=np.int64)
+        p = len(self.lists)
+        if p == len(self.count):  # a new array, the old one copied first: readers see one or the other
+            grown = np.zeros(2 * p, dtype=np.int32)
+            grown[:p] = self.count
+            self.count = grown
+        self.count[p] = len(ids)
+        for t in ids.tolist():
+            self.by_trained.setdefault(t, []).append(p)
+        if len(ids):
+            if self.flag is None:
+                self.flag = np.zeros(self.num_trained, dtype=bool)
+            self.flag[ids] = True
+        self.lists.append(ids)
+
+
+class EnrolledPairs:
+    """A snapshot's look-alike relation: the PairIndex's first n positions, slots [n] ascending."""
+
+    def __init__(self, index: PairIndex, n: int, slots: np.ndarray):
+        self.index, self.n, self.slots, self.D = index, n, slots, index.num_trained
+        self._any = bool(index.count[:n].any()) if n else False
+
+    def __bool__(self) -> bool:
+        return self._any
+
+    def of(self, j: int) -> np.ndarray:
+        j = int(j)
+        if j >= self.D:  # an enrolled class: its trained look-alikes
+            pos = int(np.searchsorted(self.slots, j - self.D))
+            return self.index.lists[pos] if pos < self.n and self.slots[pos] == j - self.D else NONE
+        positions = self.index.by_trained.get(j)
+        if not positions:
+            return NONE
+        seen = positions[:bisect.bisect_left(positions, self.n)]  # those of this snapshot
+        return self.D + self.slots[seen] if seen else NONE
+
+    def has(self, ids: np.ndarray) -> np.ndarray:
+        """bool mask of ids (any shape): a trained id some enrolled class names (possibly one of a later
+        snapshot: `of` then gives none), an enrolled id of this snapshot with look-alikes."""
+        ids = np.asarray(ids)
+        out = np.zeros(ids.shape, dtype=bool)
+        if not self._any:
+            return out
+        trained = (ids >= 0) & (ids < self.D)
+        if self.index.flag is not None:
+            out[trained] = self.index.flag[ids[trained]]
+        enrolled = ids >= self.D
+        if enrolled.any():
+            slot = ids[enrolled] - self.D
+            pos = np.minimum(np.searchsorted(self.slots, slot), self.n - 1)
+            out[enrolled] = (self.slots[pos] == slot) & (self.index.count[pos] > 0)
+        return out
 
 
 def exclude(match: np.ndarray, ids: np.ndarray, margin: np.ndarray, lookalikes: Lookalikes,
@@ -77,6 +165,8 @@ def exclude(match: np.ndarray, ids: np.ndarray, margin: np.ndarray, lookalikes: 
         return match
     classes = np.unique(ids[candidates])
     rivals = np.unique(np.concatenate([lookalikes.of(c) for c in classes]))  # [r]
+    if not len(rivals):
+        return match
     rival_margin = np.asarray(margins_of(rivals), dtype=np.float64)  # [n, r]
     out = np.array(match, dtype=bool, copy=True)
     for i, e in zip(*np.nonzero(candidates)):
@@ -111,11 +201,6 @@ def outmatched(h: np.ndarray, weight, bias: np.ndarray, thr: np.ndarray,
         best = np.maximum.reduceat(m[:, flat], starts, axis=1)  # [n_i, K'] each key's highest look-alike margin
         lost[i:i + step, has] = best > m[:, has]
     return keys, lost
-
-
-def from_enrolled(enrolled_ids: np.ndarray, lists: list[tuple[int, ...]]) -> Lookalikes:
-    """The pairs of a snapshot's enrolled classes: enrolled_ids[p] with each id of lists[p]."""
-    return Lookalikes((int(e), int(t)) for e, ts in zip(enrolled_ids.tolist(), lists) for t in ts)
 
 
 def from_calibration(calibration: dict, num_classes: int) -> Lookalikes:

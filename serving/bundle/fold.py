@@ -29,7 +29,7 @@ from serving.bundle.class_row import ClassRow
 from serving.bundle.format import MANIFEST, SELF_HASH_KEY, carry_files, json_load, write_manifest
 from serving.bundle.names import enrolled_class_problem, shown
 from serving.bundle.newhead import write_new_head
-from serving.core.lookalikes import Lookalikes, from_calibration
+from serving.core.lookalikes import DECISION_WITH_PAIRS, Lookalikes, from_calibration
 
 CALIBRATION = "calibration.json"
 LOOKALIKES_NOTE = ("classes of a pair: an input matches only the one whose logit passes its threshold by more "
@@ -101,6 +101,7 @@ def _write_calibration(src: Path, stage: Path, bundle, classes: list[ClassRow]) 
                        "enrollment rule (docs/api.md), not from the calibration split"}
     if pairs := folded_pairs(cal, D, classes):
         cal["lookalikes"] = {"pairs": pairs, "note": LOOKALIKES_NOTE}
+        cal["decision"] = DECISION_WITH_PAIRS
     else:
         cal.pop("lookalikes", None)
     (stage / CALIBRATION).write_text(json.dumps(cal, allow_nan=False) + "\n")

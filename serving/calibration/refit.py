@@ -10,6 +10,7 @@ from serving.calibration.choose import choose_rule
 from serving.calibration.chunks import chunk_classes, head_chunks
 from serving.calibration.estimator import calibrate_chunks
 from serving.calibration.options import Options
+from serving.core.lookalikes import DECISION_WITH_PAIRS
 
 KEPT_RULE = ("a class with no image in the recalibration data keeps its entry of the calibration this one "
              "replaced (threshold, Platt parameters, rates), marked kept: true")
@@ -35,7 +36,7 @@ def fit(old: dict, weight, bias: np.ndarray, h: np.ndarray, y: np.ndarray, h_tes
         cal["per_class"][j] = {**old["per_class"][j], "kept": True}
     cal["split"] = "recalibration"
     if "lookalikes" in old:  # the classes' look-alike pairs (`slc bundle fold`): thresholds change, pairs do not
-        cal["lookalikes"] = old["lookalikes"]
+        cal["lookalikes"], cal["decision"] = old["lookalikes"], DECISION_WITH_PAIRS
     if choice is not None:
         cal["method_choice"] = choice
     threshold = np.array([e["threshold"] for e in cal["per_class"]], dtype=np.float32)  # [D] as the server keeps it

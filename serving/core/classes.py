@@ -141,12 +141,12 @@ class ClassRegistry:
         b.calibration, b.thresholds, b.platt_a, b.platt_b = new.calibration, new.threshold, new.platt_a, new.platt_b
         b.global_threshold, b.digest = new.global_threshold, new.digest
 
-    def row_of(self, cls: ClassRef) -> tuple[np.ndarray, float, float, float, float]:
+    def row_of(self, cls: ClassRef, cal: Optional[Thresholds] = None) -> tuple[np.ndarray, float, float, float, float]:
         """(row [d] float64, bias, threshold, platt a, platt b) of a trained or enrolled class."""
         if cls.enrolled is not None:
             w, b, thr, pa, pb, _ = cls.enrolled.row(cls.pos)
             return np.array(w, dtype=np.float64), b, thr, pa, pb
-        j, cal = cls.id, self.calibration  # one calibration for the whole request
+        j, cal = cls.id, cal or self.calibration  # one calibration for the whole request (the caller's)
         # [d] one row of the mmap head, as a plain float64 array: nothing of size D is touched
         return (np.array(self.weight[j], dtype=np.float64), float(self.bias[j]), cal.of_class(j),
                 float(cal.platt_a[j]), float(cal.platt_b[j]))
@@ -155,10 +155,10 @@ class ClassRegistry:
         """The class's column in a pass: its id when trained, D + its position among the enrolled ones."""
         return cls.id if cls.enrolled is None else self.num_classes + cls.pos
 
-    def gather(self, refs: list[ClassRef], snap: Enrolled) -> tuple[np.ndarray, ...]:
+    def gather(self, refs: list[ClassRef], snap: Enrolled, cal: Optional[Thresholds] = None) -> tuple[np.ndarray, ...]:
         """(rows [C, d], bias, threshold, platt a, platt b [C]) float64 of C classes: trained rows from the
         mapped head (C of them read, never D), enrolled ones from `snap`; the values detect reads."""
-        cal = self.calibration
+        cal = cal or self.calibration
         trained = [i for i, r in enumerate(refs) if r.enrolled is None]
         if len(trained) == len(refs):  # the usual request: one fancy index per array
             j = np.array([r.id for r in refs], dtype=np.int64)
@@ -179,12 +179,13 @@ class ClassRegistry:
         """Whether `class_id` names a trained class or an enrolled one of `snap`."""
         return 0 <= class_id < self.num_classes or (class_id >= self.num_classes and snap.position_of_id(class_id) is not None)
 
-    def mixed_rows(self, ids: np.ndarray, trained: np.ndarray, snap: Enrolled) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def mixed_rows(self, ids: np.ndarray, trained: np.ndarray, snap: Enrolled,
+                   cal: Optional[Thresholds] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows [N, d], bias [N], threshold [N]) float64 for ids of trained and enrolled classes."""
         rows = np.empty((len(ids), self.bundle.embed_dim))
         b, thr = np.empty(len(ids)), np.empty(len(ids))
         t = np.flatnonzero(trained)
-        rows[t], b[t], thr[t] = self.weight[ids[t]], self.bias[ids[t]], self.calibration.of_classes(ids[t])
+        rows[t], b[t], thr[t] = self.weight[ids[t]], self.bias[ids[t]], (cal or self.calibration).of_classes(ids[t])
         e = np.flatnonzero(~trained)
         pos = np.array([snap.position_of_id(int(c)) for c in ids[e]], dtype=np.int64)
         rows[e], b[e], thr[e] = snap.weight[pos], snap.bias[pos], snap.values(1)[pos]

@@ -246,8 +246,8 @@ class Engine:
 
     # ------------------------------------------------------------------ queries
     async def detect(self, cls: ClassRef, x: np.ndarray, threshold: Optional[float]) -> dict:
-        snap, cal = cls.enrolled or self.classes.snapshot(), self.classes.calibration
-        w, b, thr, pa, pb = self.classes.row_of(cls)
+        snap, cal = cls.enrolled or self.classes.snapshot(), self.classes.calibration  # read once
+        w, b, thr, pa, pb = self.classes.row_of(cls, cal)
         thr = thr if threshold is None else float(threshold)
         decide = self._decider(snap, cal, threshold)
         paired = decide.touches(cls.id)  # else the plain rule: no array beyond z
@@ -274,10 +274,11 @@ class Engine:
                 column[r.id] = len(distinct)
                 distinct.append(r)
             inverse.append(column[r.id])
-        rows, b, thr, pa, pb = self.classes.gather(distinct, snap)
+        cal = self.classes.calibration  # read once
+        rows, b, thr, pa, pb = self.classes.gather(distinct, snap, cal)
         thr = thr if threshold is None else np.full(len(distinct), float(threshold))
         spread = (lambda a: a[..., inverse]) if len(distinct) < len(refs) else (lambda a: a)
-        decide, ids = self._decider(snap, self.classes.calibration, threshold), np.array([r.id for r in distinct])
+        decide, ids = self._decider(snap, cal, threshold), np.array([r.id for r in distinct])
 
         def reduce(h: np.ndarray) -> list[list[dict]]:  # h [n, d]
             z = finite_output(h.astype(np.float64) @ rows.T + b)  # [n, C']
@@ -369,14 +370,15 @@ class Engine:
         ids: trained ids, or enrolled ids of `snap` (checked by the caller with class_exists); `threshold`:
         the request's, for every class (as detect's)."""
         snap = snap if snap is not None else self.classes.snapshot()
-        decide = self._decider(snap, self.classes.calibration, threshold)
+        cal = self.classes.calibration  # read once
+        decide = self._decider(snap, cal, threshold)
         trained = ids < self.num_classes
         if trained.all():
             rows = self.classes.weight[ids].astype(np.float64)  # [N, d]: N rows of the head, not D
             b = self.classes.bias[ids].astype(np.float64)
-            thr = self.classes.calibration.of_classes(ids)  # [N] threshold_of's rule
+            thr = cal.of_classes(ids)  # [N] threshold_of's rule
         else:
-            rows, b, thr = self.classes.mixed_rows(ids, trained, snap)
+            rows, b, thr = self.classes.mixed_rows(ids, trained, snap, cal)
         thr = thr if threshold is None else np.full(len(ids), float(threshold))
 
         def reduce(h: np.ndarray):  # h [N, d]
@@ -385,16 +387,18 @@ class Engine:
 
         return await self._submit(x, "embed", reduce)
 
-    async def all_logits(self, x: np.ndarray, snap: Optional[Enrolled] = None) -> np.ndarray:
-        """KServe `<name>-full`: logits [N, D + n_e] float32 (the enrolled classes' columns after the D
-        trained ones, in id order), written chunk by chunk into the answer. `snap`: the request's."""
+    async def all_logits(self, x: np.ndarray, snap: Optional[Enrolled] = None,
+                         embeddings: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """KServe `<name>-full`: (logits [N, D + n_e] float32, the enrolled classes' columns after the D
+        trained ones, in id order, written chunk by chunk into the answer; with `embeddings` the inputs'
+        h [N, d] too, else None). `snap`: the request's."""
         snap = snap if snap is not None else self.classes.snapshot()
 
-        def reduce(acc: head_scan.AllLogits) -> np.ndarray:
+        def reduce(acc: head_scan.AllLogits, h: Optional[np.ndarray] = None):
             require_finite(acc.finite)
-            return acc.result()
+            return acc.result(), None if h is None else np.array(h)
 
-        return await self._submit(x, "logits", reduce, patience=self.scan_patience, snapshot=snap,
+        return await self._submit(x, "logits", reduce, patience=self.scan_patience, snapshot=snap, embeddings=embeddings,
                                   accumulator=lambda n: head_scan.AllLogits(n, self.num_classes + snap.n))
 
     # ------------------------------------------------------------------ enrolled classes
@@ -523,8 +527,8 @@ class Engine:
     async def gallery_search(self, cls: ClassRef, threshold: Optional[float], limit: Optional[int]) -> bytes:
         """The search's JSON answer, built off the loop from the items' stored metadata texts."""
         j = cls.id
-        snap, cal = cls.enrolled or self.classes.snapshot(), self.classes.calibration
-        w64, b, thr, _, _ = self.classes.row_of(cls)
+        snap, cal = cls.enrolled or self.classes.snapshot(), self.classes.calibration  # read once
+        w64, b, thr, _, _ = self.classes.row_of(cls, cal)
         thr = thr if threshold is None else float(threshold)
         w = w64.astype(np.float32)  # [d]
         gallery = self.gallery

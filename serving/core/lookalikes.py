@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 NONE = np.zeros(0, dtype=np.int64)
+DECISION_WITH_PAIRS = "match = logit >= threshold; of a lookalikes pair, the larger logit - threshold"  # calibration.json
 
 
 class Lookalikes:
@@ -149,14 +150,14 @@ class EnrolledPairs:
         return out
 
 
-def exclude(match: np.ndarray, ids: np.ndarray, margin: np.ndarray, lookalikes: Lookalikes,
-            margins_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def exclude(match: np.ndarray, ids: np.ndarray, lookalikes, margins_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """The entries' matches with look-alikes applied.
 
-    match, ids, margin [n, k]: entry (i, c) of input i (bool, class id, logit - threshold);
-    margins_of(rivals [r]) -> [n, r] float64: every input's margin against those classes.
-    An entry keeps its match unless one of its class's look-alikes has a larger margin for that input.
-    Only the rows of look-alikes of matching entries are read (margins_of is called once, or never).
+    match, ids [n, k]: entry (i, c) of input i (bool, class id); margins_of(classes [r]) -> [n, r]
+    float64: every input's margin z - t against those classes, all from one computation (the entries'
+    own margins too: a pass's float32 logit beside a float64 rival would split a tie). An entry keeps
+    its match unless one of its class's look-alikes has a margin above both its own and 0 (a look-alike
+    that matches by more). Only the rows of matching entries' classes and their look-alikes are read.
     """
     if not lookalikes:
         return match
@@ -164,14 +165,16 @@ def exclude(match: np.ndarray, ids: np.ndarray, margin: np.ndarray, lookalikes: 
     if not candidates.any():
         return match
     classes = np.unique(ids[candidates])
-    rivals = np.unique(np.concatenate([lookalikes.of(c) for c in classes]))  # [r]
-    if not len(rivals):
+    rivals = {int(c): lookalikes.of(c) for c in classes}
+    if not any(len(r) for r in rivals.values()):
         return match
-    rival_margin = np.asarray(margins_of(rivals), dtype=np.float64)  # [n, r]
+    every = np.unique(np.concatenate([classes, *rivals.values()]))  # [r]: the classes and their look-alikes
+    margin = np.asarray(margins_of(every), dtype=np.float64)  # [n, r]
     out = np.array(match, dtype=bool, copy=True)
     for i, e in zip(*np.nonzero(candidates)):
-        cols = np.searchsorted(rivals, lookalikes.of(ids[i, e]))
-        if (rival_margin[i, cols] > margin[i, e]).any():
+        c = int(ids[i, e])
+        own = max(float(margin[i, np.searchsorted(every, c)]), 0.0)
+        if (margin[i, np.searchsorted(every, rivals[c])] > own).any():
             out[i, e] = False
     return out
 

@@ -64,6 +64,10 @@ class Decider:
         """Whether deciding needs the inputs' embeddings (some class has a look-alike)."""
         return bool(self.pairs)
 
+    def margins_of(self, h: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        """classes [r] -> [n, r]: the margins of the inputs' embeddings h [n, d] (what `exclude` reads)."""
+        return lambda classes: self._margins_of(h, classes)
+
     def touches(self, class_id: int) -> bool:
         """Whether the class has a look-alike (else its matches are logit >= threshold alone)."""
         return len(self.pairs.of(class_id)) > 0
@@ -74,4 +78,4 @@ class Decider:
         match = z >= thr
         if not self.pairs:
             return match
-        return exclude(match, np.asarray(ids), z - thr, self.pairs, lambda rivals: self._margins_of(h, rivals))
+        return exclude(match, np.asarray(ids), self.pairs, self.margins_of(h))

@@ -146,21 +146,20 @@ async def run_model(engine, kind: str, tensors: dict[str, tuple[np.ndarray, str]
 
 
 async def _full(engine, x: np.ndarray, threshold: Optional[float], names: list[str]) -> dict:
-    """All D + n_e logits, and each against its class's threshold when `match` / `threshold` are asked."""
+    """All D + n_e logits, and each against its class's threshold when `match` / `threshold` are asked
+    (between look-alikes, by detect's margins: only the columns of classes that have one)."""
     snap, cal = engine.classes.snapshot(), engine.classes.calibration
-    z = await engine.all_logits(x, snap)
+    pairs = engine.classes.lookalikes(cal, snap) if names != ["logits"] else lookalikes.EMPTY
+    z, h = await engine.all_logits(x, snap, embeddings=bool(pairs))
     if names == ["logits"]:
         return {"logits": ("FP32", z)}
     ids = np.concatenate([np.arange(engine.num_classes), snap.ids])  # [D + n_e]: each column's class id
     thr = open_set.thresholds_of(cal, snap, ids, threshold)
     match = z >= thr
-    pairs = engine.classes.lookalikes(cal, snap)
-    if pairs:  # the look-alikes' margins are columns of z already (serving/core/lookalikes.py)
-        def margins_of(rivals: np.ndarray) -> np.ndarray:  # [N, r]
-            cols = np.searchsorted(ids, rivals)  # ids ascend: 0..D-1, then D + slot
-            return z[:, cols] - thr[cols]
-
-        match = lookalikes.exclude(match, np.broadcast_to(ids, z.shape), z - thr, pairs, margins_of)
+    if pairs and len(cols := np.flatnonzero(pairs.has(ids))):  # [c] columns of classes with a look-alike
+        margins_of = engine.classes.decider(snap, cal, threshold).margins_of(h)
+        match[:, cols] = lookalikes.exclude(match[:, cols], np.broadcast_to(ids[cols], (len(z), len(cols))), pairs,
+                                            margins_of)
     return {"logits": ("FP32", z), "match": ("BOOL", match),
             "threshold": ("FP32", np.broadcast_to(thr.astype(np.float32), z.shape))}
 

@@ -95,14 +95,15 @@ class VectorIndex:
         radius = float(np.nextafter(radius, np.float32(-np.inf)))
         lims, _, positions = self._index.index.range_search(q[None, :], radius)
         positions = positions[lims[0]:lims[1]].astype(np.int64)
-        logits = np.empty(len(positions), dtype=np.float32)  # [C] candidates, re-scored in chunks
+        exact = np.empty(len(positions), dtype=np.float64)  # [C] candidates, re-scored in chunks
         for start in range(0, len(positions), _BATCH):
             chunk = positions[start:start + _BATCH]
-            logits[start:start + len(chunk)] = self._vectors_at(chunk).astype(np.float64) @ q64
+            exact[start:start + len(chunk)] = self._vectors_at(chunk).astype(np.float64) @ q64
+        logits = exact.astype(np.float32)  # the value reported and decided on
         keep = logits.astype(np.float64) >= threshold
-        positions, logits = positions[keep], logits[keep]
-        if rivals is not None and len(positions):
-            keep = self._not_outscored(positions, logits.astype(np.float64) - threshold, *rivals)
+        positions, logits, exact = positions[keep], logits[keep], exact[keep]
+        if rivals is not None and len(positions):  # margins in float64, as detect's
+            keep = self._not_outscored(positions, np.maximum(exact - threshold, 0.0), *rivals)
             positions, logits = positions[keep], logits[keep]
         import faiss
 
@@ -114,7 +115,8 @@ class VectorIndex:
 
     def _not_outscored(self, positions: np.ndarray, margin: np.ndarray, rows: np.ndarray,
                        thresholds: np.ndarray) -> np.ndarray:
-        """bool [C]: no look-alike's margin (float64, rows [r, d + 1]) beats the item's own `margin` [C]."""
+        """bool [C]: no look-alike's margin (float64, rows [r, d + 1]) is above the item's own `margin` [C]
+        (float64, at least 0: a look-alike that does not match takes nothing)."""
         keep = np.empty(len(positions), dtype=bool)
         q = np.asarray(rows, dtype=np.float64).T  # [d + 1, r]
         for start in range(0, len(positions), _BATCH):

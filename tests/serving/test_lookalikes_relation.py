@@ -72,8 +72,8 @@ def test_exclude_is_the_rule_entry_by_entry(seed):
     entries[0, -1] = -1
     zz = np.array([[z[i, col[c]] if c >= 0 else -np.inf for c in row] for i, row in enumerate(entries)])
     tt = np.array([[t[col[c]] if c >= 0 else np.inf for c in row] for row in entries])
-    got = exclude(zz >= tt, entries, zz - tt, view,
-                  lambda rivals: np.stack([z[:, col[int(r)]] - t[col[int(r)]] for r in rivals], axis=1))
+    got = exclude(zz >= tt, entries, view,
+                  lambda classes: np.stack([z[:, col[int(r)]] - t[col[int(r)]] for r in classes], axis=1))
     for i, row in enumerate(entries):
         for e, c in enumerate(row.tolist()):
             if c < 0:

@@ -100,6 +100,12 @@ def test_every_route_decides_between_look_alikes_by_margin(client_factory, offli
         for route, got in answers(client, bundle, probes, ids, threshold).items():
             np.testing.assert_array_equal(got, want, err_msg=f"{route} (threshold {threshold})")
     np.testing.assert_array_equal(searched(client, probes, ids), ext.matches(z, thr)[:, cols], err_msg="search")
+    every = ext.matches(z, thr)  # [n, D + 1]
+    for mode in ("exact", "index"):  # a partial top-k with matches_only: the k best that match, as the rule says
+        got = client.post("/v1/topk", json={"inputs": probes.tolist(), "k": 3, "mode": mode, "matches_only": True})
+        for row, zi, mi in zip(got.json()["results"], z, every):
+            best = ext.ids[np.argsort(-zi, kind="stable")[:3]]
+            assert [e["class_id"] for e in row] == [int(c) for c in best if mi[ext.column(c)]], mode
 
     replica = client_factory()  # a second server on the same store: the same look-alikes, the same answers
     listed = {c["class_name"]: c for c in replica.get("/v1/classes").json()["classes"]}
@@ -167,3 +173,39 @@ def test_a_folded_bundle_answers_as_the_server_did(bundle_path, tmp_path, offlin
     assert after.keys() == before.keys()
     for route in before:  # D + 1 classes either way: kappa enrolled as D there, trained as D here
         np.testing.assert_array_equal(after[route], before[route], err_msg=route)
+
+
+@pytest.mark.integration
+def test_a_near_tie_is_decided_alike_by_every_route(bundle_path, tmp_path, offline, bundle):
+    """A pair whose rows differ by one float32 step in each value (a folded class D beside trained class
+    3, one threshold for all): their logits tie in float32, not in float64. Every route decides the pair
+    as the float64 margins say (the pass's float32 logits never decide it), the gallery search too."""
+    from dataclasses import replace as replaced
+
+    from serving.bundle import load_bundle
+    from serving.bundle.class_row import ClassRow
+    from serving.bundle.fold import fold_bundle
+    from tests.serving.test_enroll_fold import _client
+
+    c = 3
+    w = np.asarray(bundle.weight[c], dtype=np.float32)
+    up = np.arange(len(w)) % 2 == 0  # one step up on half the values, down on the others: either may lead
+    twin = np.where(up, np.nextafter(w, np.float32(np.inf)), np.nextafter(w, np.float32(-np.inf))).astype(np.float32)
+    row = ClassRow(row=twin, bias=float(bundle.bias[c]), threshold=float(bundle.thresholds[c]),
+                   platt_a=1.0, platt_b=0.0, examples=1, rule="test", name="twin", slot=0, lookalikes=(c,))
+    folded = load_bundle(fold_bundle(bundle_path, [replaced(row)], tmp_path / "twin"))
+    probes = np.random.default_rng(3).standard_normal((40, INPUT_DIM)).astype(np.float32)
+    h = offline.embed(probes).astype(np.float64)
+    z = h @ np.stack([w, row.row]).astype(np.float64).T + float(bundle.bias[c])  # [n, 2]: c, D
+    threshold = float(np.median(z))
+    m = z - threshold
+    want = np.stack([(m[:, 0] >= 0) & (m[:, 0] >= m[:, 1]), (m[:, 1] >= 0) & (m[:, 1] >= m[:, 0])], axis=1)
+    assert want[:, 0].any() and want[:, 1].any() and (m[:, 0] >= 0).sum() > want[:, 0].sum()  # both sides occur
+    assert (z[:, 0].astype(np.float32) == z[:, 1].astype(np.float32)).any()  # float32 ties where float64 does not
+    client = _client(folded.path, tmp_path / "served")
+    try:
+        for route, got in answers(client, folded, probes, [c, D], threshold).items():
+            np.testing.assert_array_equal(got, want, err_msg=route)
+        np.testing.assert_array_equal(searched(client, probes, [c, D], threshold), want, err_msg="search")
+    finally:
+        client.__exit__(None, None, None)

@@ -87,14 +87,14 @@ def bundle_curl_hint(bundle, host: str, port: int) -> str:
     name = str(bundle.classes[0])
     url = f"http://{shown}:{port}/v1/classes/{quote(name, safe='')}/detect"
     if bundle.image is not None:
-        return (f"is this image a {name}?  curl -s -X POST {url} -H 'Content-Type: image/png' "
+        return (f"is this image of class {name}?  curl -s -X POST {url} -H 'Content-Type: image/png' "
                 f"--data-binary @IMAGE.png")
     size = math.prod(bundle.input_shape)
     if size <= INLINE_VALUES:
         body = "'" + json.dumps({"inputs": [_sample(bundle, size)]}) + "'"
     else:
         body = f"\"$(python3 -c 'import json; print(json.dumps({{\"inputs\": [[0.0] * {size}]}}))')\""
-    return f"is this input a {name}?  curl -s -X POST {url} -H 'Content-Type: application/json' -d {body}"
+    return f"is this input of class {name}?  curl -s -X POST {url} -H 'Content-Type: application/json' -d {body}"
 
 
 def _sample(bundle, size: int) -> list:

@@ -207,12 +207,16 @@ def support_line(sup: dict, choose: str) -> str | None:
     mine = next(e for e in sup["tradeoff"] if e["precision"] == target)
     why = (f"shown only at recall {mine['recall']:.2f}" if mine["shown"] else
            f"that takes {mine['matches_needed']:,} matches with no false one")
-    rows = "; ".join(f"{e['precision']:g} at recall {e['recall']:.2f} [{e['recall_interval'][0]:.2f}, "
-                     f"{e['recall_interval'][1]:.2f}]" if e["shown"] else f"{e['precision']:g} not shown"
-                     for e in sup["tradeoff"])
+    shown = "; ".join(f"{e['precision']:g} at recall {e['recall']:.2f} [{e['recall_interval'][0]:.2f}, "
+                      f"{e['recall_interval'][1]:.2f}]" for e in sup["tradeoff"] if e["shown"])
+    unshown = [f"{e['precision']:g}" for e in sup["tradeoff"] if not e["shown"]]
+    rows = (f"one threshold shows {shown}" + (f"; {', '.join(unshown)} not shown" if unshown else "") if shown
+            else f"no threshold shows {', '.join(unshown[:-1])} or {unshown[-1]}" if len(unshown) > 1
+            else f"no threshold shows {unshown[0]}")
     best = sup["suggested_precision"]
     pick = (f"to choose: {choose.format(p=f'{best:g}')}" if best else
-            f"none at recall {sup['useful_recall']:g} or more: more calibration images would show more")
+            f"none at recall {sup['useful_recall']:g} or more: more calibration images would show more" if shown
+            else "more calibration images would show more")
     return (f"warning: precision {target:g} is not shown by {sup['images']:,} calibration images at "
             f"{sup['confidence']:.0%} confidence ({why}; they show at most {sup['most_shown_precision']:.3f}); "
-            f"one threshold shows {rows} (docs/calibration.md); {pick}")
+            f"{rows} (docs/calibration.md); {pick}")

@@ -147,7 +147,7 @@ def test_every_bundle_logs_a_ready_to_paste_curl(tmp_path, caplog, image):
     assert len(hints) == 1, hints
     url = "curl -s -X POST http://127.0.0.1:8123/v1/classes/0/detect"
     if image:
-        assert hints[0] == f"is this image a 0?  {url} -H 'Content-Type: image/png' --data-binary @IMAGE.png"
+        assert hints[0] == f"is this image of class 0?  {url} -H 'Content-Type: image/png' --data-binary @IMAGE.png"
     else:
         import json
 

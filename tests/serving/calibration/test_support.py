@@ -120,10 +120,25 @@ def test_sixty_images_cannot_show_0_99_and_the_line_says_what_they_can():
     assert sup["suggested_precision"] in (0.9, 0.95) and not sup["target_supported"]
     line = S.support_line(sup, "slc export RUN --out B --overwrite --target-precision {p}")
     assert line.startswith("warning: precision 0.99 is not shown by 60 calibration images at 95% confidence")
-    assert "that takes 299 matches with no false one" in line and "0.98 not shown" in line
-    assert f"0.9 at recall {by[0.9]['recall']:.2f} [" in line
+    assert "that takes 299 matches with no false one" in line
+    unshown = ", ".join(f"{p:g}" for p in S.PRECISIONS if not by[p]["shown"])
+    assert f"; {unshown} not shown (docs/calibration.md)" in line and unshown.endswith("0.98, 0.99")
+    assert f"one threshold shows 0.9 at recall {by[0.9]['recall']:.2f} [" in line
     assert line.endswith(f"to choose: slc export RUN --out B --overwrite --target-precision {sup['suggested_precision']:g}")
     assert "\n" not in line
+
+
+def test_images_that_show_no_target_say_so_once():
+    """Too few images for any of the precisions: one clause naming them all, and no command to choose."""
+    z, y = _column(5, n=12, d=10, sep=0.5)
+    sup = S.support(dense_chunks(z, 10), y, 10, {"precision": 0.99})
+    assert not any(e["shown"] for e in sup["tradeoff"]) and sup["suggested_precision"] is None
+    line = S.support_line(sup, "x {p}")
+    names = [f"{p:g}" for p in S.PRECISIONS]
+    assert f"no threshold shows {', '.join(names[:-1])} or {names[-1]} (docs/calibration.md)" in line
+    tail = line.split("; they show at most", 1)[1]
+    assert "one threshold shows" not in tail and "not shown" not in tail and "x " not in tail
+    assert line.endswith("more calibration images would show more")
 
 
 def test_a_recall_target_is_recorded_without_a_line():

@@ -152,7 +152,7 @@ def test_every_bundle_logs_a_ready_to_paste_curl(tmp_path, caplog, image):
         import json
 
         head, body = hints[0].split(" -d ", 1)
-        assert head == f"is this input a 0?  {url} -H 'Content-Type: application/json'"
+        assert head == f"is this input of class 0?  {url} -H 'Content-Type: application/json'"
         with np.load(bundle / "samples.npz") as s:
             np.testing.assert_allclose(json.loads(body.strip("'"))["inputs"][0], s["input"][0], atol=1e-6)
 

@@ -91,5 +91,5 @@ def enroll(url: str, name: str, images: tuple[Path, ...], add: bool, api_key: st
     if alike:
         ids, named = sorted(alike), {o["class_id"]: o["class_name"] for o in got.get("matched_by", [])}
         shown = [f"{named[i]} (id {i})" if i in named else f"id {i}" for i in ids[:10]]
-        click.echo(f"look-alikes stored with {got['class_name']}: {len(ids)} trained class{'es' if len(ids) > 1 else ''}"
+        click.echo(f"look-alikes stored with {got['class_name']}: {len(ids)} class{'es' if len(ids) > 1 else ''}"
                    f" ({', '.join(shown)}{', …' if len(ids) > 10 else ''})")

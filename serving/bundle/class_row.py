@@ -29,7 +29,7 @@ class ClassRow:
     seq: int = 0  # the store's write sequence number
     deleted: bool = False
     problem: Optional[str] = None  # why the stored values cannot be served (the reader skips the record)
-    lookalikes: tuple[int, ...] = ()  # trained class ids its examples resembled (serving/core/lookalikes.py)
+    lookalikes: tuple[int, ...] = ()  # class ids its examples resembled (serving/core/lookalikes.py)
 
     def unservable(self, d: int, trained: Callable[[str], bool]) -> Optional[str]:
         """Why this live stored class cannot be served (None: it can): a value the store could not give, a

@@ -9,7 +9,8 @@ NEW = BUNDLE with:
   calibration.json                  per_class extended with each enrolled class's threshold and Platt
                                     a/b (and an `enrolled` note: name, examples, rule, slot); `global` kept;
                                     `lookalikes` {pairs}: BUNDLE's pairs and each enrolled class D + i with
-                                    its trained look-alikes, so detect decides as the server did
+                                    its look-alikes (enrolled ones at their folded ids), so detect decides
+                                    as the server did
   full.onnx / single.onnx,          the new head's (serving/bundle/newhead.py): graphs over it, samples
   samples.npz, heads                recomputed (with a sample column and class id of an enrolled class),
                                     quantized heads when BUNDLE had them
@@ -109,8 +110,11 @@ def _write_calibration(src: Path, stage: Path, bundle, classes: list[ClassRow]) 
 
 def folded_pairs(cal: dict, D: int, classes: list[ClassRow]) -> list[list[int]]:
     """The folded bundle's look-alike pairs, each [smaller, larger] once, sorted: the source calibration's
-    (ids 0..D-1, kept) and, for the i-th folded class (id D + i), one with each of its trained look-alikes."""
-    mine = [(D + i, int(t)) for i, c in enumerate(classes) for t in c.lookalikes if 0 <= int(t) < D]
+    (ids 0..D-1, kept) and, for the i-th folded class (id D + i), one with each of its look-alikes: a
+    trained id as it is, an enrolled id D + slot as the id its class is folded to (none: left out)."""
+    folded = {D + c.slot: D + i for i, c in enumerate(classes)}
+    mine = [(D + i, int(t) if int(t) < D else folded[int(t)]) for i, c in enumerate(classes) for t in c.lookalikes
+            if 0 <= int(t) < D or int(t) in folded]
     return Lookalikes([*map(tuple, from_calibration(cal, D).pairs()), *mine]).pairs()
 
 

@@ -432,7 +432,8 @@ class Engine:
         """One exact top-k pass over the examples x (their embeddings come with it): (h [n, d], the answer's
         `matched_by` and `matched_by_complete`, the look-alikes to store). matched_by: the other classes
         whose own threshold says yes to some example, as they stand before this write. Look-alikes
-        (serving/core/lookalikes.py): the trained ones among them and each example's closest trained class."""
+        (serving/core/lookalikes.py): all of them, and each example's closest trained class and closest
+        other enrolled class."""
         snap, cal = self.classes.snapshot(), self.classes.calibration
         total = self.num_classes + snap.n
         k, lowest, own = min(MATCHED_BY_K, total), open_set.lowest_threshold(cal, snap), snap.find(name)
@@ -442,7 +443,9 @@ class Engine:
             thr = open_set.thresholds_of(cal, snap, ids, None)
             said_yes = (logits.astype(np.float64) >= thr) & (ids >= 0) & (ids != own)  # [n, k]
             complete = all(open_set.complete_rows(logits, ids, lowest, k >= total))
-            closest = [row[row < self.num_classes][:1] for row in np.where(ids >= 0, ids, total)]  # best trained
+            D = self.num_classes
+            closest = [[*row[(row >= 0) & (row < D)][:1], *row[(row >= D) & (row != own)][:1]]  # best trained, enrolled
+                       for row in ids]  # ids [n, k] best first (-1: none)
             return np.array(h, dtype=np.float32), ids, thr, said_yes, complete, closest
 
         h, ids, thr, said_yes, complete, closest = await self.topk_arrays(x, k, "exact", snap, finish, embeddings=True)
@@ -452,7 +455,7 @@ class Engine:
                                       "threshold": t})
             e["examples"] += 1
         by = sorted(counts.values(), key=lambda e: (-e["examples"], e["class_id"]))
-        found = {c for c in counts if c < self.num_classes} | {int(c) for row in closest for c in row}
+        found = set(counts) | {int(c) for row in closest for c in row}
         return h, {"matched_by": by, "matched_by_complete": complete}, tuple(sorted(found))
 
     async def unenroll(self, ref: str) -> int:

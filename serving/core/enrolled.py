@@ -54,9 +54,15 @@ class _Buffers:
         self.slots = np.zeros(capacity, dtype=np.int64)
         self.names: list[str] = []
         self.info: list[dict] = []  # rule, created: per class, for listings
-        self.pairs = PairIndex(num_trained)  # per class: its trained look-alikes (serving/core/lookalikes.py)
+        self.pairs = PairIndex(num_trained)  # per class: the ids it names as look-alikes (serving/core/lookalikes.py)
         self.position: dict[str, int] = {}  # name -> position
+        self.at_slot: dict[int, int] = {}  # slot -> position: these buffers' classes, and those about to be appended
         self.used = 0
+
+    def expect(self, slots: list[int]) -> None:
+        """Positions for the slots about to be appended in this order (a rebuild: a class may name one
+        whose slot comes after its own, e.g. one replaced since)."""
+        self.at_slot.update((int(s), self.used + i) for i, s in enumerate(slots))
 
     def append(self, rec: ClassRow) -> None:
         if self.used == len(self.slots):  # grow: a new array; older snapshots keep their views of the old one
@@ -70,7 +76,8 @@ class _Buffers:
         self.slots[i] = rec.slot
         self.names.append(rec.name)
         self.info.append({"rule": rec.rule, "created": rec.created})
-        self.pairs.append(rec.lookalikes)
+        self.at_slot.setdefault(int(rec.slot), i)
+        self.pairs.append(rec.lookalikes, lambda c: self.at_slot.get(c - self.pairs.num_trained))
         self.position[rec.name] = i
         self.used += 1
 
@@ -111,11 +118,12 @@ class Enrolled:
 
     @cached_property
     def lookalikes(self) -> EnrolledPairs:
-        """These classes' look-alike pairs (enrolled id, trained id): a view, O(1) to make."""
+        """These classes' look-alike pairs (an enrolled id, the trained or enrolled id it names): a view,
+        O(1) to make."""
         return EnrolledPairs(self._buf.pairs, self.n, self.slots)
 
     def lookalikes_of(self, pos: int) -> list[int]:
-        """The trained look-alikes of the class at `pos` (ids of this model only)."""
+        """The look-alikes the class at `pos` names: trained ids, and enrolled ids of classes served beside it."""
         return self._buf.pairs.lists[pos].tolist()
 
     def find(self, name: str) -> Optional[int]:
@@ -171,6 +179,7 @@ def empty_snapshot(num_trained: int, d: int) -> Enrolled:
 def _snapshot(num_trained: int, d: int, live: dict[int, ClassRow], seq: int) -> Enrolled:
     """A fresh snapshot (new buffers) of the live records {slot: record}."""
     buf = _Buffers(d, num_trained, max(16, len(live)))
+    buf.expect(sorted(live))
     for slot in sorted(live):
         buf.append(live[slot])
     return Enrolled(num_trained, buf.used, seq, buf)
@@ -326,7 +335,7 @@ class EnrolledClasses:
     def put(self, name: str, row: ClassRow, h: Optional[np.ndarray] = None,
             expect_seq: Optional[int] = None, lookalikes: tuple[int, ...] = ()) -> tuple[dict, bool]:
         """Store the class with the embeddings h [n, d] its row was made from (kept for adding) and its
-        look-alikes (trained ids); (its description, created), from what was committed: never read back,
+        look-alikes (class ids); (its description, created), from what was committed: never read back,
         since another replica may have replaced or deleted it by then. `expect_seq`: store.Changed unless
         the class is still at it."""
         values = (row.bias, row.threshold, row.platt_a, row.platt_b)

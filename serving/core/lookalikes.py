@@ -83,32 +83,53 @@ class Union:
 
 class PairIndex:
     """The enrolled classes' look-alikes, append-only like the snapshot buffers that hold it
-    (serving/core/enrolled.py): position p (an enrolled class, in slot order) with its trained ids,
-    and each trained id's positions. An enrollment appends in O(its look-alikes), never O(n_e);
-    each snapshot reads it through `EnrolledPairs`, its first n positions only."""
+    (serving/core/enrolled.py): position p (an enrolled class, in slot order) with the ids it names
+    (trained ids, and enrolled ids of classes in the same buffers), and each named id's positions. An
+    enrollment appends in O(its look-alikes), never O(n_e); each snapshot reads it through
+    `EnrolledPairs`, its first n positions only."""
 
     def __init__(self, num_trained: int):
         self.num_trained = int(num_trained)
-        self.lists: list[np.ndarray] = []  # per position: trained ids, sorted
+        self.lists: list[np.ndarray] = []  # per position: the ids it names, sorted
         self.count = np.zeros(16, dtype=np.int32)  # per position: how many
-        self.by_trained: dict[int, list[int]] = {}  # trained id -> positions, ascending
+        self.named = np.zeros(16, dtype=bool)  # per position: some position names this enrolled class
+        self.by_id: dict[int, list[int]] = {}  # named id -> the positions naming it, ascending
         self.flag: np.ndarray | None = None  # [D] bool: some position names this trained id (made at the first)
 
-    def append(self, trained: Iterable[int]) -> None:
-        ids = np.array(sorted({int(t) for t in trained if 0 <= int(t) < self.num_trained}), dtype=np.int64)
-        p = len(self.lists)
-        if p == len(self.count):  # a new array, the old one copied first: readers see one or the other
-            grown = np.zeros(2 * p, dtype=np.int32)
-            grown[:p] = self.count
-            self.count = grown
-        self.count[p] = len(ids)
-        for t in ids.tolist():
-            self.by_trained.setdefault(t, []).append(p)
-        if len(ids):
+    def append(self, ids: Iterable[int], position_of: Callable[[int], int | None] = lambda _: None) -> None:
+        """The next position, naming `ids`: trained ids of this model, and enrolled ids that
+        `position_of` places in these buffers (an enrolled class deleted meanwhile, or of no snapshot of
+        them, is left out; so is the class itself)."""
+        p, D = len(self.lists), self.num_trained
+        named = {}
+        for i in ids:
+            i = int(i)
+            q = None if i < D else position_of(i)
+            if 0 <= i < D or (q is not None and q != p):
+                named[i] = q
+        kept = np.array(sorted(named), dtype=np.int64)
+        self.count, self.named = _room(self.count, p + 1), _room(self.named, 1 + max([p, *[q for q in named.values()
+                                                                                          if q is not None]]))
+        self.count[p] = len(kept)
+        for i, q in named.items():
+            self.by_id.setdefault(i, []).append(p)
+            if q is not None:
+                self.named[q] = True
+        if (trained := kept[kept < D]).size:
             if self.flag is None:
-                self.flag = np.zeros(self.num_trained, dtype=bool)
-            self.flag[ids] = True
-        self.lists.append(ids)
+                self.flag = np.zeros(D, dtype=bool)
+            self.flag[trained] = True
+        self.lists.append(kept)
+
+
+def _room(a: np.ndarray, size: int) -> np.ndarray:
+    """`a`, or a new array twice as long with it copied first when it is shorter than `size`: readers of
+    the old one see one or the other, never a half-written array."""
+    if size <= len(a):
+        return a
+    grown = np.zeros(max(size, 2 * len(a)), dtype=a.dtype)
+    grown[:len(a)] = a
+    return grown
 
 
 class EnrolledPairs:
@@ -122,19 +143,26 @@ class EnrolledPairs:
         return self._any
 
     def of(self, j: int) -> np.ndarray:
+        """The look-alikes of class j in this snapshot: those its enrolled class names, and the
+        enrolled classes of this snapshot that name it."""
         j = int(j)
-        if j >= self.D:  # an enrolled class: its trained look-alikes
+        own = NONE
+        if j >= self.D:
             pos = int(np.searchsorted(self.slots, j - self.D))
-            return self.index.lists[pos] if pos < self.n and self.slots[pos] == j - self.D else NONE
-        positions = self.index.by_trained.get(j)
-        if not positions:
-            return NONE
-        seen = positions[:bisect.bisect_left(positions, self.n)]  # those of this snapshot
-        return self.D + self.slots[seen] if seen else NONE
+            if pos >= self.n or self.slots[pos] != j - self.D:
+                return NONE
+            own = self.index.lists[pos]
+        positions = self.index.by_id.get(j)
+        seen = positions[:bisect.bisect_left(positions, self.n)] if positions else ()  # those of this snapshot
+        if not len(seen):
+            return own
+        naming = self.D + self.slots[seen]
+        return naming if not len(own) else np.union1d(own, naming)
 
     def has(self, ids: np.ndarray) -> np.ndarray:
-        """bool mask of ids (any shape): a trained id some enrolled class names (possibly one of a later
-        snapshot: `of` then gives none), an enrolled id of this snapshot with look-alikes."""
+        """bool mask of ids (any shape) that may have a look-alike here: a trained or enrolled id that some
+        enrolled class names (possibly one of a later snapshot: `of` then gives none), an enrolled id of
+        this snapshot that names one."""
         ids = np.asarray(ids)
         out = np.zeros(ids.shape, dtype=bool)
         if not self._any:
@@ -146,7 +174,8 @@ class EnrolledPairs:
         if enrolled.any():
             slot = ids[enrolled] - self.D
             pos = np.minimum(np.searchsorted(self.slots, slot), self.n - 1)
-            out[enrolled] = (self.slots[pos] == slot) & (self.index.count[pos] > 0)
+            count, named = self.index.count, self.index.named
+            out[enrolled] = (self.slots[pos] == slot) & ((count[pos] > 0) | named[pos])
         return out
 
 

@@ -5,7 +5,8 @@ One row per slot: (digest, slot, name, row bytes, bias, threshold, Platt a/b, ex
 created, seq, deleted); beside it, in `enrolled_examples`, the embeddings of the examples the row was
 made from (float32 [n, d]), written in the same transaction: adding examples recomputes the row from
 all of them, exactly as enrolling them at once would (readers that follow changes never read them);
-in `enrolled_lookalikes`, its look-alikes (the trained class ids its examples resembled, a JSON list;
+in `enrolled_lookalikes`, its look-alikes (the class ids its examples resembled: trained ids, and
+enrolled ids D + slot of this key's classes; a JSON list;
 no row: none), written and deleted in the class's transaction and read with it by `changes` and `kept`.
 A store made by an older slc gains that table when opened (every open runs the CREATE ... IF NOT EXISTS).
 A write runs in one transaction that holds the writers' lock (SQLite's
@@ -68,7 +69,7 @@ class Changed(Exception):
 class Kept:
     """What the store keeps of a live class's examples: its slot, the seq of its last write, the
     embeddings its row was made from ([n, d] float32; None for a class an older slc stored) and its
-    look-alikes (trained class ids, sorted; () when none are stored or they cannot be read)."""
+    look-alikes (class ids, sorted; () when none are stored or they cannot be read)."""
 
     slot: int
     seq: int
@@ -96,13 +97,13 @@ def _number(value, what: str, problems: list[str]) -> float:
 
 
 def lookalike_ids(ids: Sequence[int]) -> tuple[int, ...]:
-    """Look-alikes as the store keeps them: distinct trained class ids (ints >= 0), sorted; ValueError otherwise."""
+    """Look-alikes as the store keeps them: distinct class ids (ints >= 0), sorted; ValueError otherwise."""
     if isinstance(ids, (str, bytes)):
-        raise ValueError(f"look-alikes are a sequence of trained class ids, not {type(ids).__name__}")
+        raise ValueError(f"look-alikes are a sequence of class ids, not {type(ids).__name__}")
     out = set()
     for i in ids:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or int(i) < 0:
-            raise ValueError(f"a look-alike is a trained class id (an int >= 0), not {i!r}")
+            raise ValueError(f"a look-alike is a class id (an int >= 0), not {i!r}")
         out.add(int(i))
     return tuple(sorted(out))
 
@@ -170,7 +171,7 @@ def _schema(blob: str, real: str, integer: str) -> list[str]:
                PRIMARY KEY (digest, slot))""",
         f"""CREATE TABLE IF NOT EXISTS enrolled_lookalikes (
                digest TEXT NOT NULL, slot {integer} NOT NULL,
-               ids TEXT NOT NULL,                -- JSON list of trained class ids, sorted, distinct; no row: none
+               ids TEXT NOT NULL,                -- JSON list of class ids, sorted, distinct; no row: none
                PRIMARY KEY (digest, slot))""",
         f"""CREATE TABLE IF NOT EXISTS enrolled_state (
                digest TEXT PRIMARY KEY, next_slot {integer} NOT NULL, seq {integer} NOT NULL, live {integer} NOT NULL)""",
@@ -217,7 +218,7 @@ class EnrolledStore(ModelTables):
             expect_seq: Optional[int] = None, lookalikes: Sequence[int] = ()) -> Written:
         """Create or replace the class `name` (a replaced class keeps its slot), with the examples'
         `embeddings` [n, d] it was made from (kept so that examples can be added exactly) and its
-        `lookalikes` (trained class ids, kept sorted and distinct; they replace the stored ones); durable
+        `lookalikes` (class ids, kept sorted and distinct; they replace the stored ones); durable
         once it returns. LimitReached when creating would pass `limit` live classes; Changed when
         `expect_seq` is given and the class is no longer at that write (added to meanwhile); ValueError,
         before anything is written, when a look-alike is not an int >= 0."""

@@ -18,6 +18,7 @@ is ever re-keyed: a digest that cannot be tied to the model stays, and is report
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -95,9 +96,9 @@ class ModelTables:
                                      digest = excluded.digest, seen = excluded.seen"""),
                        (model.key, model.name, model.path, model.digest, model.backbone, model.head, model.classes,
                         model.dim, model.seen))
-            return [a for d in dict.fromkeys(legacy) if (a := self._adopt(db, d)) is not None]
+            return [a for d in dict.fromkeys(legacy) if (a := self._adopt(db, d, model.classes)) is not None]
 
-    def _adopt(self, db, legacy: str) -> Optional[Adopted]:
+    def _adopt(self, db, legacy: str, num_trained: int) -> Optional[Adopted]:
         one = self._sql("SELECT {} FROM {} WHERE {} = ?")
         if legacy == self.key or db.execute(one.format(1, "enrolled_models", "model_key"), (legacy,)).fetchone():
             return None  # a model key, never a legacy digest
@@ -108,17 +109,19 @@ class ModelTables:
             for table in _KEYED:  # slots, seqs, tombstones as they are
                 db.execute(self._sql(f"UPDATE {table} SET digest = ? WHERE digest = ?"), (self.key, legacy))
             return Adopted(legacy, moved=int(old[0]), renumbered=False)
-        return self._merge(db, legacy)
+        return self._merge(db, legacy, num_trained)
 
-    def _merge(self, db, legacy: str) -> Adopted:
+    def _merge(self, db, legacy: str, num_trained: int) -> Adopted:
         """The live classes of `legacy` appended to this key's (new slots); of two live classes of one
-        name the later enrollment stays, in the slot this key gave it."""
+        name the later enrollment stays, in the slot this key gave it. Look-alikes move with their
+        classes: an enrolled one (id D + slot) to its class's slot here, or left out with it."""
         rows = db.execute(self._sql(f"SELECT {_CLASS_COLUMNS} FROM enrolled_classes WHERE digest = ? AND deleted = 0 "
                                     "ORDER BY slot"), (legacy,)).fetchall()
         lookalikes = {int(s): ids for s, ids in db.execute(self._sql("SELECT slot, ids FROM enrolled_lookalikes "
                                                                      "WHERE digest = ?"), (legacy,)).fetchall()}
         next_slot, seq, live = self._state(db)
         done = Adopted(legacy, moved=0, renumbered=True)
+        moved: dict[int, int] = {}  # legacy slot -> slot here, of the classes carried over
         for r in rows:
             mine = db.execute(self._sql("SELECT slot, created FROM enrolled_classes WHERE digest = ? AND name = ? "
                                         "AND deleted = 0"), (self.key, r[1])).fetchone()
@@ -140,7 +143,9 @@ class ModelTables:
             else:
                 done.dropped.append(str(r[1]))
                 continue
-            if (ids := lookalikes.get(int(r[0]))) is not None:  # the legacy class's look-alikes, to its slot here
+            moved[int(r[0])] = slot
+        for old, slot in moved.items():  # the legacy class's look-alikes, to its slot here
+            if (ids := _moved_lookalikes(lookalikes.get(old), moved, num_trained)) is not None:
                 db.execute(self._sql("INSERT INTO enrolled_lookalikes (digest, slot, ids) VALUES (?, ?, ?)"),
                            (self.key, slot, ids))
         db.execute(self._sql("UPDATE enrolled_state SET next_slot = ?, seq = ?, live = ? WHERE digest = ?"),
@@ -175,3 +180,18 @@ class ModelTables:
             out[str(key)][1].append((int(slot), str(name), float(created)))
         return out
 
+
+def _moved_lookalikes(stored, moved: dict[int, int], D: int) -> Optional[str]:
+    """A legacy class's stored look-alikes (a JSON list) with each enrolled id D + slot renumbered to its
+    class's slot here (left out when its class was not carried over); as stored (unreadable ones too,
+    for the reader to report) when there is nothing to renumber; None: no row."""
+    if stored is None:
+        return None
+    try:
+        ids = json.loads(stored)
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return stored
+    except (TypeError, ValueError, RecursionError):
+        return stored
+    out = sorted({i if i < D else D + moved[i - D] for i in ids if i < D or i - D in moved})
+    return json.dumps(out, separators=(",", ":")) if out else None

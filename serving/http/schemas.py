@@ -241,16 +241,17 @@ class EnrolledClass(BaseModel):
     examples: int = Field(description="examples the row was computed from")
     rule: str = Field(description="the rule and the threshold's rule, e.g. imprint+global")
     created: float = Field(description="seconds since the epoch when this version was written")
-    lookalikes: list[int] = Field(description="trained class ids its examples resembled: each one said yes to an "
-                                  "example, or was an example's best-scoring trained class. Of the class and a "
-                                  "look-alike, an input matches only the one it passes by more (docs/api.md, Look-alikes)")
+    lookalikes: list[int] = Field(description="class ids its examples resembled: each one said yes to an example, or "
+                                  "was an example's best-scoring trained class or best-scoring other enrolled class "
+                                  "(enrolled ones: while they are served). Of the class and a look-alike, an input "
+                                  "matches only the one it passes by more (docs/api.md, Look-alikes)")
 
 
 class EnrollAnswer(EnrolledClass):
     """PUT /v1/classes/{name} and POST .../examples: the class, and who else says yes to its examples."""
 
     matched_by: list[MatchedBy] = Field(description="other classes whose own threshold says yes to some of this "
-                                        "request's examples, before this write (the trained ones are among `lookalikes`)")
+                                        "request's examples, before this write (all of them are among `lookalikes`)")
     matched_by_complete: bool = Field(description="every example's matches were among its 16 best classes")
 
 

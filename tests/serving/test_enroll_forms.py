@@ -204,7 +204,7 @@ def test_slc_enroll_against_a_running_server(image_bundle, tmp_path, capsys):
         names = json.loads((bundle / "manifest.json").read_text())["classes"]
         shown = [f"{names[i]} (id {i})" if str(names[i]) in others else f"id {i}" for i in stored[:10]]
         plural = "es" if len(stored) > 1 else ""
-        assert 3 in stored and f"look-alikes stored with cat: {len(stored)} trained class{plural} " \
+        assert 3 in stored and f"look-alikes stored with cat: {len(stored)} class{plural} " \
             f"({', '.join(shown)}" in out.out
         assert slc("enroll", f"127.0.0.1:{port}", "cat", paths[2], "--add") == 0
         assert capsys.readouterr().out.strip().startswith("class cat: id 20, 3 examples (added 1)")

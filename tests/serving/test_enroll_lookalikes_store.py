@@ -1,10 +1,11 @@
-"""The enrolled store keeps each class's look-alikes (the trained class ids its examples resembled) in
+"""The enrolled store keeps each class's look-alikes (the class ids its examples resembled) in
 `enrolled_lookalikes`, in the class's own transaction: `changes()` gives them to every replica (and to
 `slc bundle fold`), a replacement replaces them, a delete clears them, `kept()` returns them for adding;
 a store made by an older slc gains the table when opened; a stored value that cannot be read is the
 record's `problem`, never an exception; re-keying an older slc's classes carries them to the class's
-slot. On SQLite and, where a throwaway server can be started, on PostgreSQL. Truth: what was put, and
-the table read with the database's own driver, not through the store."""
+slot (an enrolled look-alike renumbered with its class). On SQLite and, where a throwaway server
+can be started, on PostgreSQL. Truth: what was put, and the table read with the database's own
+driver, not through the store."""
 from __future__ import annotations
 
 import json
@@ -330,3 +331,25 @@ def test_rekeying_into_a_key_with_classes_maps_the_lookalikes_to_the_new_slots(p
     assert mine.kept("dup").lookalikes == (2, 3) and mine.kept("new").lookalikes == (4,)
     assert place.lookalike_rows(key) == {0: [2, 3], 1: [8], 2: [5], 3: [4]}
     assert place.lookalike_rows(legacy_key) == {}
+
+
+def test_rekeying_renumbers_enrolled_lookalikes_with_their_classes(place):
+    """A look-alike that is an enrolled class (id D + slot, D = 10 here) follows its class to the slot
+    this key gives it, and is left out with a class that is not carried over; trained ids stay."""
+    legacy_key, key, D = "c" * 64, "model-key", 10
+    legacy, mine = place.store(legacy_key), place.store(key)
+    pause = lambda: time.sleep(0.01)  # noqa: E731  (created times strictly ordered)
+    _put(legacy, "keepmine", (1,))  # legacy slot 0, older than this key's: dropped
+    pause()
+    _put(mine, "dup", (9,))  # slot 0
+    _put(mine, "keepmine", (8,))  # slot 1
+    pause()
+    _put(legacy, "dup", (2, D + 0))  # legacy slot 1: replaces slot 0 here; names the dropped keepmine
+    _put(legacy, "new", (4, D + 1, D + 0))  # legacy slot 2 -> slot 2 here; names legacy dup (-> slot 0)
+    _put(legacy, "bare", (D + 2,))  # legacy slot 3 -> slot 3 here; names legacy new (-> slot 2)
+    [adopted] = mine.register(_model(key), [legacy_key])
+    assert (adopted.replaced, adopted.dropped) == (["dup"], ["keepmine"])
+    assert _live(mine) == {"dup": (0, False, (2,), None), "keepmine": (1, False, (8,), None),
+                           "new": (2, False, (4, D + 0), None), "bare": (3, False, (D + 2,), None)}
+    assert place.lookalike_rows(key) == {0: [2], 1: [8], 2: [4, D + 0], 3: [D + 2]}
+    assert _live(place.store(key)) == _live(mine)  # another replica reads the same

@@ -83,3 +83,49 @@ def test_exclude_is_the_rule_entry_by_entry(seed):
             beaten = any(z[i, col[int(r)]] - t[col[int(r)]] > m for r in truth.of(c))
             assert got[i, e] == (m >= 0 and not beaten), (i, c)
     assert (got != (zz >= tt)).any() or not truth  # the rule changed something on these draws
+
+
+def _record(slot: int, names: tuple[int, ...]):
+    from serving.bundle.class_row import ClassRow
+
+    return ClassRow(row=np.zeros(2, np.float32), bias=0.0, threshold=0.0, platt_a=1.0, platt_b=0.0, examples=1,
+                    rule="test", name=f"c{slot}", slot=slot, lookalikes=names)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_enrolled_classes_that_name_each_other_through_a_rebuild_and_appends(seed):
+    """Buffers as the server makes them (serving/core/enrolled.py): a rebuild of the live classes, where
+    a class may name one of a later slot (it was replaced since), a deleted one, or itself; then
+    appended classes naming earlier ones. Every snapshot from the rebuild on answers the relation of
+    its own pairs: each class with the trained ids and the live enrolled ids of that snapshot it names."""
+    from serving.core.enrolled import Enrolled, _snapshot
+
+    rng = np.random.default_rng(seed)
+    slots = np.sort(rng.choice(60, size=14, replace=False)).astype(np.int64)
+    dead = [s for s in range(60) if s not in set(slots.tolist())]
+    m = int(rng.integers(0, 9))  # the rebuild's classes; the others are appended one at a time
+
+    def names(p: int) -> tuple[int, ...]:
+        live = slots[:m] if p < m else slots[:p]  # a rebuild's class may name any of it; an appended one, earlier ones
+        picks = [*rng.integers(-2, D + 2, size=rng.integers(0, 3)).tolist(),
+                 *(D + rng.choice(live, size=min(len(live), rng.integers(0, 3)), replace=False)).tolist(),
+                 D + int(rng.choice(dead)), D + int(slots[p])]  # a deleted class, and itself
+        return tuple(int(i) for i in picks)
+
+    records = [_record(int(s), names(p)) for p, s in enumerate(slots)]
+    snap = _snapshot(D, 2, {r.slot: r for r in records[:m]}, 0)
+    buf = snap._buf
+    for r in records[m:]:
+        buf.append(r)
+    every = np.arange(-1, D + 62)
+    for n in range(m, len(slots) + 1):
+        view = Enrolled(D, n, 0, buf).lookalikes
+        ids = set((D + slots[:n]).tolist())
+        truth = Lookalikes((D + int(slots[p]), t) for p in range(n) for t in records[p].lookalikes
+                           if 0 <= t < D or (t in ids and t != D + int(slots[p])))
+        assert bool(view) == bool(truth), n
+        for j in every.tolist():
+            assert view.of(j).tolist() == truth.of(j).tolist(), (n, j)
+        has = view.has(every)
+        assert (has | ~np.array([len(truth.of(j)) > 0 for j in every.tolist()])).all(), n  # every one flagged
+        assert not has[(every >= D) & ~np.isin(every, list(ids))].any(), n  # never a class not in the snapshot

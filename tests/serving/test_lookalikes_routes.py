@@ -43,7 +43,9 @@ def made(client, offline, bundle, x: np.ndarray) -> tuple[Extended, np.ndarray, 
 def answers(client, bundle, x: np.ndarray, ids: list[int], threshold=None) -> dict[str, np.ndarray]:
     """Each route's `match` for inputs x [n] and classes ids, as [n, len(ids)] bool."""
     extra = {} if threshold is None else {"threshold": threshold}
-    n, k = len(x), D + 1
+    enrolled = sorted(c["class_id"] for c in client.get("/v1/classes").json()["classes"])  # served, in id order
+    n, k, trained = len(x), bundle.num_classes + len(enrolled), bundle.num_classes
+    column = [j if j < trained else trained + enrolled.index(j) for j in ids]  # <name>-full's: trained, then enrolled
     out = {"detect": np.array([[r["match"] for r in client.post(f"/v1/classes/{j}/detect", json={
         "inputs": x.tolist(), **extra}).json()["results"]] for j in ids]).T}
     got = client.post("/v1/detect", json={"inputs": x.tolist(), "classes": ids, **extra}).json()
@@ -63,7 +65,7 @@ def answers(client, bundle, x: np.ndarray, ids: list[int], threshold=None) -> di
             "outputs": [{"name": "match"}], **params}
     r = client.post(f"/v2/models/{bundle.name}-full/infer", json=body).json()
     full = np.array(r["outputs"][0]["data"], dtype=bool).reshape(n, k)
-    out["kserve full"] = full[:, [j if j < D else D for j in ids]]
+    out["kserve full"] = full[:, column]
     body["outputs"] = [{"name": "logits", "parameters": {"classification": k}}, {"name": "match"}]
     r = {o["name"]: o for o in client.post(f"/v2/models/{bundle.name}-full/infer", json=body).json()["outputs"]}
     labels = np.array(r["logits"]["data"]).reshape(n, k)
@@ -112,6 +114,60 @@ def test_every_route_decides_between_look_alikes_by_margin(client_factory, offli
     assert listed["kappa"]["lookalikes"] == sorted(ext.lookalikes[kappa])
     for route, got in answers(replica, bundle, probes, ids).items():
         np.testing.assert_array_equal(got, ext.matches(z, thr)[:, cols], err_msg=f"replica: {route}")
+
+
+def enrolled_lookalikes_truth(z: np.ndarray, thr: np.ndarray, ids: np.ndarray, own: int | None = None) -> set[int]:
+    """The look-alikes an enrollment stores (docs/api.md "Look-alikes"), from the examples' float64 logits
+    z [n, C] over the served classes `ids` [C] (trained first) and their thresholds [C]: among each
+    example's 16 best classes (the enrollment's top-k), every one at or above its threshold, the best
+    trained one and the best other enrolled one."""
+    out: set[int] = set()
+    for zi in z:
+        best = np.argsort(-zi, kind="stable")[:16]
+        row = ids[best]
+        out |= {int(c) for c in row[(zi[best] >= thr[best]) & (row != own)]}
+        out |= {int(c) for c in row[row < D][:1]} | {int(c) for c in row[(row >= D) & (row != own)][:1]}
+    return out
+
+
+def test_enrolled_classes_are_look_alikes_of_each_other(client_factory, offline, bundle, claimed):
+    """A second class enrolled from inputs close to the first's examples names the first (and its
+    closest trained classes); between the two, every route answers by margin, a replica too. Deleting
+    the first leaves the second with its trained look-alikes only."""
+    x, probes = claimed
+    client = client_factory()
+    ext, thr, kappa = made(client, offline, bundle, x)
+    y = x + 0.25 * np.random.default_rng(5).standard_normal(x.shape).astype(np.float32)
+    got = enroll(client, "lam", y)
+    assert got.status_code == 201, got.text
+    got = got.json()
+    lam = got["class_id"]
+    want = enrolled_lookalikes_truth(ext.logits(y), thr, ext.ids, own=lam)
+    assert kappa in want and got["lookalikes"] == sorted(want)
+    assert kappa in {e["class_id"] for e in got["matched_by"]}  # kappa says yes to some of lam's examples
+    both = Extended(offline, [(kappa, *imprint(offline, x)), (lam, *imprint(offline, y))],
+                    {kappa: ext.lookalikes[kappa], lam: want})
+    thr2 = np.concatenate([thr, [bundle.global_threshold]])
+    near = np.concatenate([x, y, x + 0.25 * np.random.default_rng(6).standard_normal(x.shape).astype(np.float32),
+                           probes])
+    z = both.logits(near)
+    ids = sorted({*want, *ext.lookalikes[kappa], kappa, lam})
+    cols = [both.column(j) for j in ids]
+    pair = [both.column(kappa), both.column(lam)]
+    assert (both.matches(z, thr2)[:, pair] != (z >= thr2)[:, pair]).any(), "the pair must change answers"
+    for server in (client, client_factory()):  # the second: a replica on the same store
+        for route, answer in answers(server, bundle, near, ids).items():
+            np.testing.assert_array_equal(answer, both.matches(z, thr2)[:, cols], err_msg=route)
+        np.testing.assert_array_equal(searched(server, near, ids), both.matches(z, thr2)[:, cols], err_msg="search")
+        server.delete("/v1/gallery/items")  # the next search starts empty
+    assert client.delete(f"/v1/classes/{kappa}").status_code == 204
+    listed = {c["class_name"]: c for c in client.get("/v1/classes").json()["classes"]}
+    assert listed["lam"]["lookalikes"] == sorted(want - {kappa})
+    alone = Extended(offline, [(lam, *imprint(offline, y))], {lam: want - {kappa}})
+    ids = sorted({*want - {kappa}, lam})
+    truth = alone.matches(alone.logits(near), thr)[:, [alone.column(j) for j in ids]]  # thr [D + 1]: lam's last
+    for route, answer in answers(client, bundle, near, ids).items():
+        np.testing.assert_array_equal(answer, truth, err_msg=f"after the delete: {route}")
 
 
 def test_off_answers_the_plain_rule(client_factory, offline, bundle, claimed):

@@ -1,5 +1,5 @@
 """A bundle's look-alike pairs (calibration.json `lookalikes`, serving/core/lookalikes.py) through
-`slc bundle fold` (each folded class with its trained look-alikes, a source bundle's pairs kept), the
+`slc bundle fold` (each folded class with its look-alikes, a source bundle's pairs kept), the
 checks of a loading bundle (malformed pairs refused in one line), `slc calibrate` (the pairs kept) and
 its measured figures (serving/calibration/measure.py: the server's exclusion, checked against the rule
 written out per image and class on the full logit matrix)."""
@@ -52,17 +52,18 @@ def with_pairs(source: Path, out: Path, pairs) -> Path:
 # ------------------------------------------------------------------------------ fold
 @pytest.fixture(scope="module")
 def folded(source, tmp_path_factory) -> Path:
-    """Three enrolled classes (slots 0, 2, 5: ids D, D + 1, D + 2 once folded) with trained look-alikes;
-    an id of the served snapshot's enrolled classes (>= D) is no trained class, so it is not carried."""
+    """Three enrolled classes (slots 0, 2, 5: ids D, D + 1, D + 2 once folded) with their look-alikes: fc
+    names fa and fb (enrolled ids D + slot, carried to their folded ids) and itself (no pair); fb names
+    slot 7, a class not folded, so that one is not carried."""
     from serving.bundle.fold import fold_bundle
 
-    rows = [row(1, 0, "fa", (3, 1)), row(2, 2, "fb", (5, D + 7)), row(3, 5, "fc", ())]
+    rows = [row(1, 0, "fa", (3, 1)), row(2, 2, "fb", (5, D + 7)), row(3, 5, "fc", (D + 0, D + 2, D + 5))]
     return fold_bundle(source, rows, tmp_path_factory.mktemp("fold") / "once")
 
 
-def test_fold_writes_each_folded_class_with_its_trained_lookalikes(folded):
+def test_fold_writes_each_folded_class_with_its_lookalikes(folded):
     lk = cal_of(folded)["lookalikes"]
-    assert lk["pairs"] == [[1, D], [3, D], [5, D + 1]]
+    assert lk["pairs"] == [[1, D], [3, D], [5, D + 1], [D, D + 2], [D + 1, D + 2]]
     assert "passes its threshold by more" in lk["note"]
 
 
@@ -73,9 +74,9 @@ def test_the_folded_bundle_loads_and_decides_with_the_pairs(folded):
 
     assert verify_bundle(folded) == []
     bundle = load_bundle(folded)
-    assert bundle.calibration["lookalikes"]["pairs"] == [[1, D], [3, D], [5, D + 1]]  # kept when parsed
+    assert bundle.calibration["lookalikes"]["pairs"] == [[1, D], [3, D], [5, D + 1], [D, D + 2], [D + 1, D + 2]]
     pairs = Thresholds.of_bundle(bundle).lookalikes
-    want = {D: [1, 3], D + 1: [5], D + 2: [], 1: [D], 3: [D], 5: [D + 1], 0: [], D - 1: []}
+    want = {D: [1, 3, D + 2], D + 1: [5, D + 2], D + 2: [D, D + 1], 1: [D], 3: [D], 5: [D + 1], 0: [], D - 1: []}
     for j, of in want.items():
         assert pairs.of(j).tolist() == of, j
 
@@ -85,7 +86,7 @@ def test_folding_a_folded_bundle_merges_its_pairs(folded, tmp_path):
 
     D1 = D + 3  # the folded bundle's classes: fa, fb, fc are trained ones now
     out = fold_bundle(folded, [row(4, 0, "fd", (D, 0, 3)), row(5, 1, "fe", (1,))], tmp_path / "twice")
-    want = sorted({(1, D), (3, D), (5, D + 1), (D, D1), (0, D1), (3, D1), (1, D1 + 1)})
+    want = sorted({(1, D), (3, D), (5, D + 1), (D, D + 2), (D + 1, D + 2), (D, D1), (0, D1), (3, D1), (1, D1 + 1)})
     assert cal_of(out)["lookalikes"]["pairs"] == [list(p) for p in want]
 
 

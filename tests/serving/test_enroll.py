@@ -32,6 +32,20 @@ def lookalikes_truth(logits: np.ndarray, thr: np.ndarray) -> set[int]:
     return {int(c) for c in np.flatnonzero((logits >= thr).any(axis=0))} | {int(c) for c in logits.argmax(axis=1)}
 
 
+def enrolled_lookalikes_truth(z: np.ndarray, thr: np.ndarray, ids: np.ndarray, own: int | None = None) -> set[int]:
+    """The look-alikes an enrollment stores (docs/api.md "Look-alikes"), from the examples' float64 logits
+    z [n, C] over the served classes `ids` [C] (trained first) and their thresholds [C]: among each
+    example's 16 best classes (the enrollment's top-k), every one at or above its threshold, the best
+    trained one and the best other enrolled one."""
+    out: set[int] = set()
+    for zi in z:
+        best = np.argsort(-zi, kind="stable")[:16]
+        row = ids[best]
+        out |= {int(c) for c in row[(zi[best] >= thr[best]) & (row != own)]}
+        out |= {int(c) for c in row[row < D][:1]} | {int(c) for c in row[(row >= D) & (row != own)][:1]}
+    return out
+
+
 class Extended:
     """[W; E], [b; b_e] with the enrolled rows in id order, and their ids; `lookalikes`: {enrolled id:
     trained ids} for detect's rule between look-alikes."""

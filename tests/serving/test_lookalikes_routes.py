@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.serving.helpers import D, INPUT_DIM
-from tests.serving.test_enroll import Extended, enroll, imprint, lookalikes_truth
+from tests.serving.test_enroll import Extended, enroll, enrolled_lookalikes_truth, imprint, lookalikes_truth
 from tests.serving.test_open_set import calibrated
 
 
@@ -114,20 +114,6 @@ def test_every_route_decides_between_look_alikes_by_margin(client_factory, offli
     assert listed["kappa"]["lookalikes"] == sorted(ext.lookalikes[kappa])
     for route, got in answers(replica, bundle, probes, ids).items():
         np.testing.assert_array_equal(got, ext.matches(z, thr)[:, cols], err_msg=f"replica: {route}")
-
-
-def enrolled_lookalikes_truth(z: np.ndarray, thr: np.ndarray, ids: np.ndarray, own: int | None = None) -> set[int]:
-    """The look-alikes an enrollment stores (docs/api.md "Look-alikes"), from the examples' float64 logits
-    z [n, C] over the served classes `ids` [C] (trained first) and their thresholds [C]: among each
-    example's 16 best classes (the enrollment's top-k), every one at or above its threshold, the best
-    trained one and the best other enrolled one."""
-    out: set[int] = set()
-    for zi in z:
-        best = np.argsort(-zi, kind="stable")[:16]
-        row = ids[best]
-        out |= {int(c) for c in row[(zi[best] >= thr[best]) & (row != own)]}
-        out |= {int(c) for c in row[row < D][:1]} | {int(c) for c in row[(row >= D) & (row != own)][:1]}
-    return out
 
 
 def test_enrolled_classes_are_look_alikes_of_each_other(client_factory, offline, bundle, claimed):

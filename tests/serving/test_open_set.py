@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.serving.helpers import D, INPUT_DIM, assert_envelope
-from tests.serving.test_enroll import Extended, enroll, examples, imprint, lookalikes_truth
+from tests.serving.test_enroll import Extended, enroll, enrolled_lookalikes_truth, examples, imprint
 
 
 def calibrated(bundle) -> np.ndarray:
@@ -32,7 +32,9 @@ def served(client, offline, bundle):
     for seed, name in ((1, "alpha"), (2, "beta")):
         x = examples(seed, n=seed + 1)
         got = enroll(client, name, x).json()
-        want = lookalikes_truth(offline.embed(x).astype(np.float64) @ offline.W.T + offline.b, calibrated(bundle))
+        so_far = Extended(offline, made)  # the classes served when it is enrolled
+        thr = np.concatenate([calibrated(bundle), [bundle.global_threshold] * len(made)])
+        want = enrolled_lookalikes_truth(so_far.logits(x), thr, so_far.ids)
         assert got["lookalikes"] == sorted(want)
         made.append((got["class_id"], *imprint(offline, x)))
         alikes[got["class_id"]] = want

@@ -1,18 +1,18 @@
 """Look-alikes: pairs of classes of which an input matches only the one it passes by more (docs/api.md,
 "Look-alikes"). Protocol-free, numpy only.
 
-A class enrolled from a few examples is stored with its look-alikes: the trained classes whose detect
-said yes to one of its examples, and each example's closest trained class (serving/core/engine.py,
-`enroll`). Without more, such a trained class goes on saying yes to the new class's images. With the
-pair named, detect decides by margins m = z - t (logit minus the threshold in effect): class j
-matches x when
+A class enrolled from a few examples is stored with its look-alikes: the classes whose detect said
+yes to one of its examples, and each example's closest trained class and closest other enrolled
+class (serving/core/engine.py, `enroll`). Without more, such a class goes on saying yes to the new
+class's images. With the pair named, detect decides by margins m = z - t (logit minus the threshold
+in effect): class j matches x when
 
     m_j(x) >= 0  and  m_j(x) >= m_r(x) for every look-alike r of j
 
 (a tie matches both). A detect then reads 1 + |L(j)| rows, never D. Pairs come from the enrolled
-classes of a snapshot (each enrolled id with its trained look-alikes: `PairIndex`, appended to as
-classes are enrolled) and from a folded bundle's calibration.json (`lookalikes`: the same pairs,
-written by `slc bundle fold`); the relation is symmetric.
+classes of a snapshot (each enrolled id with the trained and served enrolled ids it names:
+`PairIndex`, appended to as classes are enrolled) and from a folded bundle's calibration.json
+(`lookalikes`: the same pairs, written by `slc bundle fold`); the relation is symmetric.
 """
 from __future__ import annotations
 

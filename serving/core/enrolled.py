@@ -123,8 +123,9 @@ class Enrolled:
         return EnrolledPairs(self._buf.pairs, self.n, self.slots)
 
     def lookalikes_of(self, pos: int) -> list[int]:
-        """The look-alikes the class at `pos` names: trained ids, and enrolled ids of classes served beside it."""
-        return self._buf.pairs.lists[pos].tolist()
+        """The look-alikes of the class at `pos` in this snapshot: the trained ids and served enrolled ids
+        it names, and the enrolled classes that name it (the relation is symmetric)."""
+        return self.lookalikes.of(int(self.num_trained + self.slots[pos])).tolist()
 
     def find(self, name: str) -> Optional[int]:
         """The position of the class `name`, or None."""

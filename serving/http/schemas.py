@@ -242,9 +242,10 @@ class EnrolledClass(BaseModel):
     rule: str = Field(description="the rule and the threshold's rule, e.g. imprint+global")
     created: float = Field(description="seconds since the epoch when this version was written")
     lookalikes: list[int] = Field(description="class ids its examples resembled: each one said yes to an example, or "
-                                  "was an example's best-scoring trained class or best-scoring other enrolled class "
-                                  "(enrolled ones: while they are served). Of the class and a look-alike, an input "
-                                  "matches only the one it passes by more (docs/api.md, Look-alikes)")
+                                  "was an example's best-scoring trained class or best-scoring other enrolled class; "
+                                  "GET /v1/classes: those still served, and the classes enrolled later that name it. "
+                                  "Of the class and a look-alike, an input matches only the one it passes by more "
+                                  "(docs/api.md, Look-alikes)")
 
 
 class EnrollAnswer(EnrolledClass):

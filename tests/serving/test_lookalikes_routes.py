@@ -146,6 +146,8 @@ def test_enrolled_classes_are_look_alikes_of_each_other(client_factory, offline,
             np.testing.assert_array_equal(answer, both.matches(z, thr2)[:, cols], err_msg=route)
         np.testing.assert_array_equal(searched(server, near, ids), both.matches(z, thr2)[:, cols], err_msg="search")
         server.delete("/v1/gallery/items")  # the next search starts empty
+    listed = {c["class_name"]: c["lookalikes"] for c in client.get("/v1/classes").json()["classes"]}
+    assert listed == {"kappa": sorted({*ext.lookalikes[kappa], lam}), "lam": sorted(want)}  # symmetric
     assert client.delete(f"/v1/classes/{kappa}").status_code == 204
     listed = {c["class_name"]: c for c in client.get("/v1/classes").json()["classes"]}
     assert listed["lam"]["lookalikes"] == sorted(want - {kappa})

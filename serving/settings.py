@@ -117,11 +117,12 @@ class Settings(BaseSettings):
         "reaches the bundle's target precision against its calibration negatives (calibration_embeddings.npy), "
         "the examples standing in for the positives; bundles without negatives keep the global threshold. Under "
         "global, a class whose global threshold rejects every one of its own examples gets the negatives rule"))
-    lookalikes: Literal["exclusive", "off"] = Field("exclusive", description=(
-        "how detect decides between a class and its look-alikes (the trained classes an enrolled class's examples "
-        "resembled, stored with it; and the pairs a folded bundle's calibration.json carries): exclusive = an input "
-        "matches only the one of a pair whose logit passes its threshold by more (a tie: both); off = every class "
-        "by its own logit and threshold alone, the look-alikes still stored and listed"))
+    lookalikes: Literal["exclusive", "trained", "off"] = Field("exclusive", description=(
+        "how detect decides between a class and its look-alikes (the trained and enrolled classes an enrolled "
+        "class's examples resembled, stored with it; and the pairs a folded bundle's calibration.json carries): "
+        "exclusive = an input matches only the one of a pair whose logit passes its threshold by more (a tie: "
+        "both); trained = the same, but two enrolled classes each decide alone; off = every class by its own "
+        "logit and threshold alone; the look-alikes are stored and listed under every value"))
     max_metadata_bytes: int = Field(1024 * 1024, ge=2, description=(
         "an item's metadata as compact JSON (as the server stores and answers it) at most this long; 422 beyond"))
     max_metadata_values: int = Field(131072, ge=1, description=(

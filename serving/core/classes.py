@@ -193,10 +193,10 @@ class ClassRegistry:
 
     def lookalikes(self, cal: Thresholds, snap: Enrolled) -> Lookalikes:
         """The look-alike pairs a request decides with: the bundle's and the enrolled classes' (none under
-        SLC_LOOKALIKES=off)."""
+        SLC_LOOKALIKES=off; no pair of two enrolled classes under trained)."""
         if self.settings.lookalikes == "off":
             return EMPTY
-        return cal.lookalikes.merged(snap.lookalikes)
+        return cal.lookalikes.merged(snap.trained_lookalikes if self.settings.lookalikes == "trained" else snap.lookalikes)
 
     def decider(self, snap: Enrolled, cal: Thresholds, threshold: Optional[float]) -> Decider:
         """detect's rule for a request (its snapshot, calibration and `threshold`, read once)."""

@@ -117,6 +117,11 @@ class Enrolled:
         return self._buf.names[pos]
 
     @cached_property
+    def trained_lookalikes(self) -> EnrolledPairs:
+        """`lookalikes` without the pairs of two enrolled classes (SLC_LOOKALIKES=trained)."""
+        return EnrolledPairs(self._buf.pairs, self.n, self.slots, enrolled=False)
+
+    @cached_property
     def lookalikes(self) -> EnrolledPairs:
         """These classes' look-alike pairs (an enrolled id, the trained or enrolled id it names): a view,
         O(1) to make."""

@@ -133,10 +133,11 @@ def _room(a: np.ndarray, size: int) -> np.ndarray:
 
 
 class EnrolledPairs:
-    """A snapshot's look-alike relation: the PairIndex's first n positions, slots [n] ascending."""
+    """A snapshot's look-alike relation: the PairIndex's first n positions, slots [n] ascending; with
+    `enrolled` False, its pairs of an enrolled and a trained class only (SLC_LOOKALIKES=trained)."""
 
-    def __init__(self, index: PairIndex, n: int, slots: np.ndarray):
-        self.index, self.n, self.slots, self.D = index, n, slots, index.num_trained
+    def __init__(self, index: PairIndex, n: int, slots: np.ndarray, enrolled: bool = True):
+        self.index, self.n, self.slots, self.D, self.enrolled = index, n, slots, index.num_trained, enrolled
         self._any = bool(index.count[:n].any()) if n else False
 
     def __bool__(self) -> bool:
@@ -152,6 +153,8 @@ class EnrolledPairs:
             if pos >= self.n or self.slots[pos] != j - self.D:
                 return NONE
             own = self.index.lists[pos]
+            if not self.enrolled:
+                return own[own < self.D]
         positions = self.index.by_id.get(j)
         seen = positions[:bisect.bisect_left(positions, self.n)] if positions else ()  # those of this snapshot
         if not len(seen):
@@ -175,7 +178,7 @@ class EnrolledPairs:
             slot = ids[enrolled] - self.D
             pos = np.minimum(np.searchsorted(self.slots, slot), self.n - 1)
             count, named = self.index.count, self.index.named
-            out[enrolled] = (self.slots[pos] == slot) & ((count[pos] > 0) | named[pos])
+            out[enrolled] = (self.slots[pos] == slot) & ((count[pos] > 0) | (named[pos] & self.enrolled))
         return out
 
 

@@ -129,3 +129,8 @@ def test_enrolled_classes_that_name_each_other_through_a_rebuild_and_appends(see
         has = view.has(every)
         assert (has | ~np.array([len(truth.of(j)) > 0 for j in every.tolist()])).all(), n  # every one flagged
         assert not has[(every >= D) & ~np.isin(every, list(ids))].any(), n  # never a class not in the snapshot
+        trained = Enrolled(D, n, 0, buf).trained_lookalikes  # SLC_LOOKALIKES=trained: no pair of two enrolled
+        only = Lookalikes(p for p in map(tuple, truth.pairs()) if min(p) < D)
+        for j in every.tolist():
+            assert trained.of(j).tolist() == only.of(j).tolist(), (n, j)
+        assert (trained.has(every) | ~np.array([len(only.of(j)) > 0 for j in every.tolist()])).all(), n

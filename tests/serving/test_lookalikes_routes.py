@@ -158,6 +158,31 @@ def test_enrolled_classes_are_look_alikes_of_each_other(client_factory, offline,
         np.testing.assert_array_equal(answer, truth, err_msg=f"after the delete: {route}")
 
 
+def test_trained_pairs_only_leave_two_enrolled_classes_to_their_own_thresholds(client_factory, offline, bundle,
+                                                                               claimed):
+    """SLC_LOOKALIKES=trained: the enrolled pair is stored and listed, and every route decides it by each
+    class's own threshold; the pairs with trained classes still decide by margin."""
+    x, probes = claimed
+    client = client_factory(lookalikes="trained")
+    ext, thr, kappa = made(client, offline, bundle, x)
+    y = x + 0.25 * np.random.default_rng(5).standard_normal(x.shape).astype(np.float32)
+    got = enroll(client, "lam", y).json()
+    lam = got["class_id"]
+    want = enrolled_lookalikes_truth(ext.logits(y), thr, ext.ids, own=lam)
+    assert kappa in want and got["lookalikes"] == sorted(want)
+    rows = [(kappa, *imprint(offline, x)), (lam, *imprint(offline, y))]
+    served = Extended(offline, rows, {kappa: ext.lookalikes[kappa], lam: want - {kappa}})
+    paired = Extended(offline, rows, {kappa: ext.lookalikes[kappa], lam: want})
+    thr2 = np.concatenate([thr, [bundle.global_threshold]])
+    near = np.concatenate([x, y, probes])
+    z = served.logits(near)
+    ids = sorted({*want, *ext.lookalikes[kappa], kappa, lam})
+    cols = [served.column(j) for j in ids]
+    assert (served.matches(z, thr2)[:, cols] != paired.matches(z, thr2)[:, cols]).any()
+    for route, answer in answers(client, bundle, near, ids).items():
+        np.testing.assert_array_equal(answer, served.matches(z, thr2)[:, cols], err_msg=route)
+
+
 def test_off_answers_the_plain_rule(client_factory, offline, bundle, claimed):
     """SLC_LOOKALIKES=off: the look-alikes are stored and listed, every route answers z >= t alone."""
     x, probes = claimed

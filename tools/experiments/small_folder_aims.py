@@ -5,7 +5,7 @@ false match on another class's image counts against that class. Recall: the imag
 says match; achieved precision: the matches that are the image's own class, over all matches (pooled).
 
     python -m tools.experiments.small_folder_aims trained BUNDLE --run RUN [--fresh DIR] [--out JSON]
-    python -m tools.experiments.small_folder_aims enrolled BUNDLE --run RUN --data DIR --name K
+    python -m tools.experiments.small_folder_aims enrolled BUNDLE --run RUN --data DIR --name K [--name L ...]
         [--shots 5] [--seed 0] [--fresh DIR] [--server-env SLC_ENROLL_THRESHOLD=negatives] [--out JSON]
 
 `trained`: the run's test split (and, with --fresh, every image of a second rendering of the folder,
@@ -118,23 +118,28 @@ def trained(bundle: Path, run: Path, data: Path | None, fresh: Path | None) -> d
     return out
 
 
-def enrolled(bundle: Path, run: Path, data: Path, name: str, shots: int, seed: int, fresh: Path | None,
+def enrolled(bundle: Path, run: Path, data: Path, names: list[str], shots: int, seed: int, fresh: Path | None,
              env: dict | None = None) -> dict:
-    """Enroll NAME from `shots` of its images (drawn by seed) with `slc enroll`; ask its other images and
-    the run's test split (and every fresh image) against every class, NAME included."""
-    own = sorted((data / name).glob("*.png"))
-    pick = sorted(np.random.default_rng(seed).choice(len(own), size=shots, replace=False).tolist())
-    examples = [own[i] for i in pick]
-    classes = bundle_classes(bundle) + [name]
-    held = [(p, name) for i, p in enumerate(own) if i not in pick] + test_files(run)
-    sets = {"held_out": held} | ({"fresh": folder_files(fresh)} if fresh else {})
-    out = {"bundle": bundle.name, "enrolled": name, "examples": [p.name for p in examples], "draw_seed": seed,
-           "server_env": env or {}}
+    """Enroll each of NAMES, in order, from `shots` of its images (drawn by seed) with `slc enroll`; ask
+    their other images and the run's test split (and every fresh image) against every class, NAMES
+    included."""
+    examples, held = {}, []
+    for name in names:
+        own = sorted((data / name).glob("*.png"))
+        pick = sorted(np.random.default_rng(seed).choice(len(own), size=shots, replace=False).tolist())
+        examples[name] = [own[i] for i in pick]
+        held += [(p, name) for i, p in enumerate(own) if i not in pick]
+    classes = bundle_classes(bundle) + list(names)
+    sets = {"held_out": held + test_files(run)} | ({"fresh": folder_files(fresh)} if fresh else {})
+    out = {"bundle": bundle.name, "enrolled": names[0] if len(names) == 1 else list(names),
+           "examples": {n: [p.name for p in e] for n, e in examples.items()} if len(names) > 1 else
+           [p.name for p in examples[names[0]]], "draw_seed": seed, "server_env": env or {}}
     with tempfile.TemporaryDirectory() as work, Served(bundle, Path(work), env) as srv:
-        enroll = subprocess.run([sys.executable, "-m", "slc", "enroll", srv.url, name, *map(str, examples)],
-                                capture_output=True, text=True, check=True)
-        out["enroll_output"] = enroll.stdout.strip()
-        out["class"] = next(c for c in _get(srv.url, "/v1/classes")["classes"] if c["class_name"] == name)
+        said = [subprocess.run([sys.executable, "-m", "slc", "enroll", srv.url, name, *map(str, examples[name])],
+                               capture_output=True, text=True, check=True).stdout.strip() for name in names]
+        out["enroll_output"] = "\n".join(said)
+        listed = {c["class_name"]: c for c in _get(srv.url, "/v1/classes")["classes"]}
+        out["class"] = listed[names[0]] if len(names) == 1 else {n: listed[n] for n in names}
         for key, images in sets.items():
             out[key] = figures(ask_all(srv.url, images, classes), [lab for _, lab in images], classes)
     return out
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--data", type=Path, help="trained: the run's folder when it has moved; enrolled: the full folder, "
                    "NAME's images under DATA/NAME")
-    p.add_argument("--name", default="K")
+    p.add_argument("--name", action="append", help="enrolled: a class left out of the run, enrolled in the order "
+                   "given (repeat for several) [default: K]")
     p.add_argument("--shots", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", type=Path)
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     env = dict(kv.split("=", 1) for kv in a.server_env)
     r = trained(a.bundle, a.run, a.data, a.fresh) if a.mode == "trained" else \
-        enrolled(a.bundle, a.run, a.data, a.name, a.shots, a.seed, a.fresh, env)
+        enrolled(a.bundle, a.run, a.data, a.name or ["K"], a.shots, a.seed, a.fresh, env)
     text = json.dumps(r, indent=1)
     if a.out:
         a.out.write_text(text + "\n")

@@ -59,10 +59,13 @@ class _Buffers:
         self.at_slot: dict[int, int] = {}  # slot -> position: these buffers' classes, and those about to be appended
         self.used = 0
 
-    def expect(self, slots: list[int]) -> None:
-        """Positions for the slots about to be appended in this order (a rebuild: a class may name one
-        whose slot comes after its own, e.g. one replaced since)."""
-        self.at_slot.update((int(s), self.used + i) for i, s in enumerate(slots))
+    def extend(self, records: list[ClassRow]) -> None:
+        """Append records, in slot order, each placed before any is appended: a class may name one of a
+        later slot (one replaced since it was enrolled, or a replica's catch-up of both at once)."""
+        records = sorted(records, key=lambda r: r.slot)
+        self.at_slot.update((int(r.slot), self.used + i) for i, r in enumerate(records))
+        for r in records:
+            self.append(r)
 
     def append(self, rec: ClassRow) -> None:
         if self.used == len(self.slots):  # grow: a new array; older snapshots keep their views of the old one
@@ -185,9 +188,7 @@ def empty_snapshot(num_trained: int, d: int) -> Enrolled:
 def _snapshot(num_trained: int, d: int, live: dict[int, ClassRow], seq: int) -> Enrolled:
     """A fresh snapshot (new buffers) of the live records {slot: record}."""
     buf = _Buffers(d, num_trained, max(16, len(live)))
-    buf.expect(sorted(live))
-    for slot in sorted(live):
-        buf.append(live[slot])
+    buf.extend(list(live.values()))
     return Enrolled(num_trained, buf.used, seq, buf)
 
 
@@ -243,8 +244,7 @@ class EnrolledClasses:
         self.skipped = skipped
         seq = old.seq if seq is None else max(old.seq, seq)
         if appends_only:
-            for r in sorted(fresh, key=lambda r: r.slot):
-                old._buf.append(r)
+            old._buf.extend(fresh)
             self.snapshot = Enrolled(self.num_trained, old._buf.used, seq, old._buf)
         else:
             self.snapshot = _snapshot(self.num_trained, self.embed_dim, self._live, seq)

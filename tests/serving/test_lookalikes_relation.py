@@ -92,12 +92,13 @@ def _record(slot: int, names: tuple[int, ...]):
                     rule="test", name=f"c{slot}", slot=slot, lookalikes=names)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_enrolled_classes_that_name_each_other_through_a_rebuild_and_appends(seed):
-    """Buffers as the server makes them (serving/core/enrolled.py): a rebuild of the live classes, where
-    a class may name one of a later slot (it was replaced since), a deleted one, or itself; then
-    appended classes naming earlier ones. Every snapshot from the rebuild on answers the relation of
-    its own pairs: each class with the trained ids and the live enrolled ids of that snapshot it names."""
+    """Buffers as the server makes them (serving/core/enrolled.py): a rebuild of the live classes, then
+    catch-ups appended, where a class may name any class of its own batch (one of a later slot: it was
+    replaced since) or an earlier one, a deleted one, or itself. Every snapshot published answers the
+    relation of its own pairs: each class with the trained ids and the live enrolled ids of that
+    snapshot it names."""
     from serving.core.enrolled import Enrolled, _snapshot
 
     rng = np.random.default_rng(seed)
@@ -105,8 +106,12 @@ def test_enrolled_classes_that_name_each_other_through_a_rebuild_and_appends(see
     dead = [s for s in range(60) if s not in set(slots.tolist())]
     m = int(rng.integers(0, 9))  # the rebuild's classes; the others are appended one at a time
 
+    later = np.arange(m, len(slots))
+    batches = np.split(later, np.sort(rng.choice(np.arange(1, len(later)), size=2, replace=False)))  # 3 catch-ups
+
     def names(p: int) -> tuple[int, ...]:
-        live = slots[:m] if p < m else slots[:p]  # a rebuild's class may name any of it; an appended one, earlier ones
+        batch = next(b for b in [np.arange(m), *batches] if p in b)
+        live = slots[:batch[-1] + 1]  # a class may name any class of its own catch-up and any earlier one
         picks = [*rng.integers(-2, D + 2, size=rng.integers(0, 3)).tolist(),
                  *(D + rng.choice(live, size=min(len(live), rng.integers(0, 3)), replace=False)).tolist(),
                  D + int(rng.choice(dead)), D + int(slots[p])]  # a deleted class, and itself
@@ -115,10 +120,10 @@ def test_enrolled_classes_that_name_each_other_through_a_rebuild_and_appends(see
     records = [_record(int(s), names(p)) for p, s in enumerate(slots)]
     snap = _snapshot(D, 2, {r.slot: r for r in records[:m]}, 0)
     buf = snap._buf
-    for r in records[m:]:
-        buf.append(r)
+    for batch in batches:  # as EnrolledClasses._apply appends a catch-up's new classes
+        buf.extend([records[p] for p in batch[::-1]])
     every = np.arange(-1, D + 62)
-    for n in range(m, len(slots) + 1):
+    for n in [m, *[int(b[-1]) + 1 for b in batches if len(b)]]:  # the snapshots a server publishes
         view = Enrolled(D, n, 0, buf).lookalikes
         ids = set((D + slots[:n]).tolist())
         truth = Lookalikes((D + int(slots[p]), t) for p in range(n) for t in records[p].lookalikes

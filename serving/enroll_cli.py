@@ -89,7 +89,9 @@ def enroll(url: str, name: str, images: tuple[Path, ...], add: bool, api_key: st
                            if other["class_id"] in alike else f", so it will match {got['class_name']}'s images too")
                    + " (docs/api.md, \"Look-alikes\")", err=True)
     if alike:
-        ids, named = sorted(alike), {o["class_id"]: o["class_name"] for o in got.get("matched_by", [])}
+        named = {o["class_id"]: o["class_name"] for o in got.get("matched_by", [])}
+        named.update((i, n) for i, n in zip(got["lookalikes"], got.get("lookalike_names", [])) if n is not None)
+        ids = sorted(alike)
         shown = [f"{named[i]} (id {i})" if i in named else f"id {i}" for i in ids[:10]]
         click.echo(f"look-alikes stored with {got['class_name']}: {len(ids)} class{'es' if len(ids) > 1 else ''}"
                    f" ({', '.join(shown)}{', …' if len(ids) > 10 else ''})")

@@ -426,7 +426,13 @@ class Engine:
                 answer, created = await self._gallery(self.enrolled.put, name, row, h, None, found)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None
-        return {**answer, **seen}, created
+        return {**answer, "lookalike_names": self._names(answer["lookalikes"]), **seen}, created
+
+    def _names(self, ids) -> list:
+        """The names of class ids, as this process serves them now (None: an id no longer served)."""
+        snap = self.classes.snapshot()
+        return [self.classes.name_of(c, snap) if c < self.num_classes or snap.position_of_id(c) is not None else None
+                for c in ids]
 
     async def _resembled(self, x: np.ndarray, name: str) -> tuple[np.ndarray, dict, tuple[int, ...]]:
         """One exact top-k pass over the examples x (their embeddings come with it): (h [n, d], the answer's

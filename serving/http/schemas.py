@@ -254,6 +254,8 @@ class EnrollAnswer(EnrolledClass):
     matched_by: list[MatchedBy] = Field(description="other classes whose own threshold says yes to some of this "
                                         "request's examples, before this write (all of them are among `lookalikes`)")
     matched_by_complete: bool = Field(description="every example's matches were among its 16 best classes")
+    lookalike_names: list[Optional[str]] = Field(description="the names of `lookalikes`, in their order, as served "
+                                                 "after this write (null: a class no longer served)")
 
 
 class NotServed(BaseModel):

@@ -124,7 +124,7 @@ def test_enroll_takes_an_image_body(tmp_path):
         r = client.put("/v1/classes/pic", content=png, headers={"Content-Type": "image/png"})
         assert r.status_code == 201, r.text
         by_json = client.put("/v1/classes/pic_json", json={"inputs": [tensor.tolist()]}).json()
-        own = ("class_id", "class_name", "created", "matched_by", "matched_by_complete", "lookalikes")
+        own = ("class_id", "class_name", "created", "matched_by", "matched_by_complete", "lookalikes", "lookalike_names")
         assert {k: v for k, v in r.json().items() if k not in own} == {k: v for k, v in by_json.items() if k not in own}
         # the same example's look-alikes, and the first class: the second's closest enrolled class
         assert by_json["lookalikes"] == sorted({*r.json()["lookalikes"], r.json()["class_id"]})

@@ -131,6 +131,8 @@ def test_enrolled_classes_are_look_alikes_of_each_other(client_factory, offline,
     want = enrolled_lookalikes_truth(ext.logits(y), thr, ext.ids, own=lam)
     assert kappa in want and got["lookalikes"] == sorted(want)
     assert kappa in {e["class_id"] for e in got["matched_by"]}  # kappa says yes to some of lam's examples
+    names = [str(bundle.classes[j]) if j < len(bundle.classes) else "kappa" for j in got["lookalikes"]]
+    assert got["lookalike_names"] == names  # each look-alike by name, trained or enrolled
     both = Extended(offline, [(kappa, *imprint(offline, x)), (lam, *imprint(offline, y))],
                     {kappa: ext.lookalikes[kappa], lam: want})
     thr2 = np.concatenate([thr, [bundle.global_threshold]])
@@ -207,6 +209,7 @@ def test_adding_examples_keeps_the_look_alikes_and_adds_the_new_ones(client, off
     assert r.status_code == 200, r.text
     added = lookalikes_truth(offline.embed(more).astype(np.float64) @ offline.W.T + offline.b, calibrated(bundle))
     assert r.json()["lookalikes"] == sorted(ext.lookalikes[kappa] | added)
+    assert r.json()["lookalike_names"] == [str(bundle.classes[j]) for j in r.json()["lookalikes"]]
     assert added - ext.lookalikes[kappa], "the added examples must bring a look-alike of their own"
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from serving.bundle.names import IdNames, refused_character, shown
 from serving.core.calibration import Thresholds, reload as reload_thresholds
 from serving.core.enrolled import Enrolled, EnrolledClasses, empty_snapshot
+from serving.core.enrollment import Rival, no_rival
 from serving.core.lookalikes import EMPTY, Lookalikes
 from serving.core.open_set import Decider, thresholds_of
 from serving.errors import InvalidInput, NotFound, SlcError
@@ -190,6 +191,17 @@ class ClassRegistry:
         pos = np.array([snap.position_of_id(int(c)) for c in ids[e]], dtype=np.int64)
         rows[e], b[e], thr[e] = snap.weight[pos], snap.bias[pos], snap.values(1)[pos]
         return rows, b, thr
+
+    def rival(self, ids) -> Rival:
+        """What a class enrolled now with the look-alikes `ids` must reach on an input to be its match
+        (serving/core/enrollment.py `Rival`): the largest margin there of those the server will decide it
+        against (served ones; trained ones only under SLC_LOOKALIKES=trained, none under off), floored at 0."""
+        mode, snap, cal = self.settings.lookalikes, self.snapshot(), self.calibration
+        keep = [int(c) for c in ids if self.class_exists(int(c), snap) and (mode == "exclusive" or c < self.num_classes)]
+        if mode == "off" or not keep:
+            return no_rival
+        rivals = np.array(sorted(set(keep)), dtype=np.int64)
+        return lambda h: np.maximum(self.margins(np.asarray(h), rivals, snap, cal, None), 0.0).max(axis=1)
 
     def lookalikes(self, cal: Thresholds, snap: Enrolled) -> Lookalikes:
         """The look-alike pairs a request decides with: the bundle's and the enrolled classes' (none under

@@ -420,9 +420,9 @@ class Engine:
         h, seen, found = await self._resembled(x, name)  # before the write: a refusal writes nothing
         try:
             if add:
-                answer, created = await self._gallery(self.enrolled.add, name, h, found)
-            else:
-                row = await self._gallery(self.enrolled.compute, h)  # the rule (the first call measures the trained rows)
+                answer, created = await self._gallery(self.enrolled.add, name, h, found, 3, self.classes.rival)
+            else:  # the rule (the first call measures the trained rows), its threshold for the pairs it will have
+                row = await self._gallery(self.enrolled.compute, h, self.classes.rival(found))
                 answer, created = await self._gallery(self.enrolled.put, name, row, h, None, found)
         except LimitReached as exc:
             raise InsufficientStorage(f"{exc}; delete an enrolled class or raise the limit", code="enrolled_limit") from None

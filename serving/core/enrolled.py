@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from dataclasses import replace
 from functools import cached_property
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -319,20 +319,22 @@ class EnrolledClasses:
                                                         self._negative_labels)
         return self._neg_stats
 
-    def compute(self, h: np.ndarray) -> ClassRow:
-        """The rule (serving/core/enrollment.py) on the examples' embeddings h [n, d]."""
+    def compute(self, h: np.ndarray, rival: enrollment.Rival = enrollment.no_rival) -> ClassRow:
+        """The rule (serving/core/enrollment.py) on the examples' embeddings h [n, d]; a threshold it
+        chooses is chosen for the decision the server makes with the class's look-alikes (`rival`)."""
         stats = self.stats()
         rule = self.rule(len(h))
         if rule == "fitted":  # a threshold of its own, cross-fitted on the examples against the negatives
-            return enrollment.fitted(h, stats, self.negative_stats(), np.asarray(self.negatives()), self.num_trained)
+            return enrollment.fitted(h, stats, self.negative_stats(), np.asarray(self.negatives()), self.num_trained,
+                                     rival=rival)
         if rule == "standardised":
             row = enrollment.standardised(h, stats, self.negative_stats(), np.asarray(self.negatives()))
         else:
             row = enrollment.imprint(h, stats)
-        wanted = self.settings.enroll_threshold == "negatives" or enrollment.rejects_all(row, h)
+        wanted = self.settings.enroll_threshold == "negatives" or enrollment.rejects_all(row, h, rival)
         if wanted and (neg := self.negatives()) is not None:
             t = enrollment.negatives_threshold(row, h, np.asarray(neg, dtype=np.float32), self.num_trained,
-                                               stats.target_precision)
+                                               stats.target_precision, rival)
             if t is not None:
                 row = replace(row, threshold=t, rule="negatives")
         return row
@@ -360,11 +362,12 @@ class EnrolledClasses:
             self._settle(own)
         return describe_record(self.num_trained, own), written.created
 
-    def add(self, name: str, h: np.ndarray, lookalikes: tuple[int, ...] = (), tries: int = 3) -> tuple[dict, bool]:
+    def add(self, name: str, h: np.ndarray, lookalikes: tuple[int, ...] = (), tries: int = 3,
+            rival_of: Callable[[tuple[int, ...]], enrollment.Rival] = lambda ids: enrollment.no_rival) -> tuple[dict, bool]:
         """Add the examples h [n, d] to the live class `name`: its row made again by the rule from the
         kept embeddings and these, so exactly the row of enrolling all of them at once; its look-alikes
-        the kept ones and these examples'. Written only if no other write reached the class meanwhile
-        (else read again, `tries` times in all)."""
+        the kept ones and these examples' (`rival_of(ids)`: what they ask of it, for its threshold).
+        Written only if no other write reached the class meanwhile (else read again, `tries` times in all)."""
         for _ in range(tries):
             kept = self.store.kept(name)
             if kept is None:
@@ -378,9 +381,10 @@ class EnrolledClasses:
                 raise InvalidInput(f"{name!r} would have {total} examples; the limit is {self.settings.max_class_examples} "
                                    "(SLC_MAX_CLASS_EXAMPLES)", code="too_many_examples")
             every = np.concatenate([kept.embeddings, np.asarray(h, dtype=np.float32)])
+            alike = tuple(sorted({*kept.lookalikes, *lookalikes}))
             try:
-                return self.put(name, self.compute(every), every, expect_seq=kept.seq,
-                                lookalikes=tuple(sorted({*kept.lookalikes, *lookalikes})))
+                return self.put(name, self.compute(every, rival_of(alike)), every, expect_seq=kept.seq,
+                                lookalikes=alike)
             except Changed:
                 continue
         raise Conflict(f"{name!r} kept changing while examples were added ({tries} tries); retry",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -37,6 +37,18 @@ from serving.bundle.names import class_name_problem, shown
 from serving.errors import InvalidInput
 
 RULE = "imprint"  # the name the answers and the store carry
+
+# h [m, d] -> [m] float64 >= 0: on each input, the margin (logit - threshold) the new class must reach to be
+# its match as the server decides: the largest margin of the look-alikes it is decided against, floored at 0
+# (serving/core/lookalikes.py `exclude`: a match is kept unless a look-alike passes by more). The rules that
+# choose a threshold on examples and negatives choose it on logit - rival(h), so that the precision they aim
+# at is that of the decision the server makes, not of logit >= threshold alone.
+Rival = Callable[[np.ndarray], np.ndarray]
+
+
+def no_rival(h: np.ndarray) -> np.ndarray:
+    """A class with no look-alike: logit >= threshold alone."""
+    return np.zeros(len(h))
 THRESHOLD_RULES = ("global", "negatives")
 NORM_CHUNK = 65_536  # rows per chunk when the trained norms are measured (the head stays mapped)
 
@@ -101,16 +113,16 @@ def imprint(h: np.ndarray, stats: HeadStats) -> ClassRow:
                     platt_b=stats.platt_b, examples=int(h.shape[0]), rule="global")
 
 
-def rejects_all(row: ClassRow, h: np.ndarray) -> bool:
-    """Whether the row's threshold says no to every example h [n, d] the row was made from: then it is no
-    threshold for this class (a small model's global threshold can sit above a new class's logits), and
-    the negatives rule takes over where the bundle carries negatives."""
+def rejects_all(row: ClassRow, h: np.ndarray, rival: Rival = no_rival) -> bool:
+    """Whether the row's threshold says no to every example h [n, d] the row was made from, as the server
+    decides (`rival`): then it is no threshold for this class (a small model's global threshold can sit
+    above a new class's logits), and the negatives rule takes over where the bundle carries negatives."""
     z = np.asarray(h, dtype=np.float64) @ np.asarray(row.row, dtype=np.float64) + float(row.bias)  # [n]
-    return bool(len(z)) and bool((z < row.threshold).all())
+    return bool(len(z)) and bool((z - rival(h) < row.threshold).all())
 
 
 def negatives_threshold(row: ClassRow, h_pos: np.ndarray, h_neg: np.ndarray, num_trained: int,
-                        target_precision: float) -> Optional[float]:
+                        target_precision: float, rival: Rival = no_rival) -> Optional[float]:
     """A per-class threshold from the bundle's calibration negatives h_neg [N, d] (embeddings of the
     calibration split, none of them of the new class) and the examples h_pos [n, d].
 
@@ -118,10 +130,11 @@ def negatives_threshold(row: ClassRow, h_pos: np.ndarray, h_neg: np.ndarray, num
     average class's share of the sample (N / D, the number of positives a trained class has there);
     the threshold is the lowest logit t at which the weighted precision TP(t) / (TP(t) + FP(t)) reaches
     the target. None when no t does (the caller keeps the global threshold). The examples built the
-    row, so this precision is optimistic: a measurement, not this rule, says how far."""
+    row, so this precision is optimistic: a measurement, not this rule, says how far. Logits are read
+    as the server decides: less `rival`, what the class's look-alikes ask of it on each input."""
     w, b = row.row.astype(np.float64), float(row.bias)
-    z_pos = np.asarray(h_pos, dtype=np.float64) @ w + b  # [n]
-    z_neg = np.asarray(h_neg, dtype=np.float64) @ w + b  # [N]
+    z_pos = np.asarray(h_pos, dtype=np.float64) @ w + b - rival(h_pos)  # [n]
+    z_neg = np.asarray(h_neg, dtype=np.float64) @ w + b - rival(h_neg)  # [N]
     weight = max(len(z_neg) / max(num_trained, 1), 1.0) / len(z_pos)  # each example's share of a class
     candidates = np.unique(np.concatenate([z_pos, z_neg]))  # ascending
     neg_sorted = np.sort(z_neg)
@@ -271,7 +284,7 @@ def precision_threshold(z_pos: np.ndarray, z_neg: np.ndarray, num_trained: int,
 
 
 def fitted(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.ndarray, num_trained: int,
-           c: float = FIT_C, max_negatives: int = FIT_NEGATIVES, seed: int = 0) -> ClassRow:
+           c: float = FIT_C, max_negatives: int = FIT_NEGATIVES, seed: int = 0, rival: Rival = no_rival) -> ClassRow:
     """A row fitted to the examples h [n, d] (n >= FIT_MIN_EXAMPLES) against the bundle's calibration
     negatives h_neg [N, d], with a threshold of its own (docs/api.md "Enroll a class"):
 
@@ -284,7 +297,8 @@ def fitted(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.ndarra
        folds, negatives never fitted on by the full regression; the score threshold is
        `precision_threshold` on those scores at the bundle's target precision (a threshold judged on
        examples the row was not fitted on), or, when none reaches it (no out-of-fold example scores
-       above every negative), just above the highest negative score;
+       above every negative), just above the highest negative score; each score less what `rival`
+       asks there (in score units), so that the precision is that of the server's decision;
     3. scale: the full regression's scores mapped linearly so that its logits on all N negatives have
        a typical trained class's mean and spread there (`NegativeStats`), like `standardised`'s; the
        threshold mapped with them.
@@ -321,16 +335,18 @@ def fitted(h: np.ndarray, stats: HeadStats, neg: NegativeStats, h_neg: np.ndarra
         z_neg[neg_fold == k] = xn[neg_fold == k] @ theta[:-1] + theta[-1]
     if rest_idx.size:
         z_neg = np.concatenate([z_neg, h_neg[rest_idx] / scale @ full[:-1] + full[-1]])
-    t = precision_threshold(z_pos, z_neg, num_trained, stats.target_precision)
-    if t is None:  # no out-of-fold example clears every negative: the threshold just above them all
-        t = float(np.nextafter(z_neg.max(), np.inf))
     p = h_neg / scale @ full[:-1] + full[-1]  # [N] the full regression's scores of every negative
     spread = float(p.std())
     if not spread > 0:
         raise InvalidInput("the examples' direction does not separate anything in the model's space",
                            code="degenerate_examples")
-    a = neg.logit_std / spread
+    a = neg.logit_std / spread  # logit = a * score + b0, a > 0: a margin m in logits is m / a in scores
     b0 = neg.logit_mean - a * float(p.mean())
+    z_pos = z_pos - rival(h) / a
+    z_neg = z_neg - rival(h_neg[np.concatenate([fit_idx, rest_idx])]) / a  # z_neg's order: fitted, then the rest
+    t = precision_threshold(z_pos, z_neg, num_trained, stats.target_precision)
+    if t is None:  # no out-of-fold example clears every negative: the threshold just above them all
+        t = float(np.nextafter(z_neg.max(), np.inf))
     row = (a / scale) * full[:-1]  # logit = a * score + b0 = row . h + bias
     bias = a * full[-1] + b0
     return ClassRow(row=row.astype(np.float32), bias=float(bias), threshold=float(a * t + b0),

@@ -227,7 +227,8 @@ def test_slc_enroll_against_a_running_server(image_bundle, tmp_path, capsys):
 def test_adding_is_exact_under_the_rules_that_need_every_example(tmp_path, rule):
     """The rules that need every example (centred directions and each example's logit for the
     threshold; the fitted regression and its cross-fitted threshold) give the same class whether its
-    examples came in one PUT or a PUT and two adds."""
+    examples came in one PUT or a PUT and two adds (the first class deleted before the second is made:
+    a served look-alike changes the threshold, which is chosen for the decision made with it)."""
     from fastapi.testclient import TestClient
 
     from serving.bundle.synthetic import build_synthetic_bundle
@@ -239,13 +240,14 @@ def test_adding_is_exact_under_the_rules_that_need_every_example(tmp_path, rule)
     with TestClient(create_app(make_settings(path, tmp_path, enroll_threshold="negatives", enroll_rule=rule))) as client:
         wait_ready(client.get)
         once = client.put("/v1/classes/once", json={"inputs": x.tolist()}).json()
+        z_once = _logits(client, "once", probe := rng.standard_normal((5, 12)).astype(np.float32))
+        assert client.delete("/v1/classes/once").status_code == 204
         client.put("/v1/classes/grown", json={"inputs": x[:2].tolist()})
         client.post("/v1/classes/grown/examples", json={"inputs": x[2:4].tolist()})
         grown = client.post("/v1/classes/grown/examples", json={"inputs": x[4:].tolist()}).json()
-        probe = rng.standard_normal((5, 12)).astype(np.float32)
-        z_once, z_grown = _logits(client, "once", probe), _logits(client, "grown", probe)
+        z_grown = _logits(client, "grown", probe)
     assert once["rule"] == grown["rule"] and once["rule"].startswith(f"{rule}+")
-    assert grown["examples"] == once["examples"] == 6
+    assert grown["examples"] == once["examples"] == 6 and grown["lookalikes"] == once["lookalikes"]
     for key in ("threshold", "bias", "norm"):
         assert grown[key] == pytest.approx(once[key], rel=1e-6, abs=1e-6), key
     np.testing.assert_allclose(z_grown, z_once, rtol=1e-6, atol=1e-6)

@@ -37,6 +37,8 @@ from serving.bundle.names import class_name_problem, shown
 from serving.errors import InvalidInput
 
 RULE = "imprint"  # the name the answers and the store carry
+THRESHOLD_RULES = ("global", "negatives")
+NORM_CHUNK = 65_536  # rows per chunk when the trained norms are measured (the head stays mapped)
 
 # h [m, d] -> [m] float64 >= 0: on each input, the margin (logit - threshold) the new class must reach to be
 # its match as the server decides: the largest margin of the look-alikes it is decided against, floored at 0
@@ -49,8 +51,6 @@ Rival = Callable[[np.ndarray], np.ndarray]
 def no_rival(h: np.ndarray) -> np.ndarray:
     """A class with no look-alike: logit >= threshold alone."""
     return np.zeros(len(h))
-THRESHOLD_RULES = ("global", "negatives")
-NORM_CHUNK = 65_536  # rows per chunk when the trained norms are measured (the head stays mapped)
 
 
 def check_name(name: str) -> str:

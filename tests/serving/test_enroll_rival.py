@@ -37,8 +37,7 @@ def assert_lowest(t_got, z_pos, z_neg, r_pos, r_neg, weight) -> None:
     tp, p = precision(z_pos, z_neg, r_pos, r_neg, at_got, weight)
     assert tp > 0 and p >= TARGET - 1e-12
     got = np.concatenate([decided(z_pos, at_got, r_pos), decided(z_neg, at_got, r_neg)])
-    flips = np.unique(np.concatenate([z_pos, z_neg, (z_pos[:, None] - r_pos).ravel(), (z_neg[:, None] - r_neg).ravel()]))
-    between = np.concatenate([[flips[0] - 1.0], 0.5 * (flips[1:] + flips[:-1])])
+    between = between_flips(z_pos, z_neg, r_pos, r_neg)
     for s in between[between < at_got]:
         at = np.concatenate([decided(z_pos, s, r_pos), decided(z_neg, s, r_neg)])
         if (at != got).any():
@@ -47,9 +46,15 @@ def assert_lowest(t_got, z_pos, z_neg, r_pos, r_neg, weight) -> None:
 
 def reaches(z_pos, z_neg, r_pos, r_neg, weight) -> bool:
     """Whether some threshold reaches the target with a true match, under the decision."""
+    return any(tp > 0 and p >= TARGET for tp, p in (precision(z_pos, z_neg, r_pos, r_neg, s, weight)
+                                                    for s in between_flips(z_pos, z_neg, r_pos, r_neg)))
+
+
+def between_flips(z_pos, z_neg, r_pos, r_neg) -> np.ndarray:
+    """One threshold inside each interval where the decision is constant: it changes only at t = z or
+    t = z - a look-alike's margin."""
     flips = np.unique(np.concatenate([z_pos, z_neg, (z_pos[:, None] - r_pos).ravel(), (z_neg[:, None] - r_neg).ravel()]))
-    between = np.concatenate([[flips[0] - 1.0], 0.5 * (flips[1:] + flips[:-1])])
-    return any(tp > 0 and p >= TARGET for tp, p in (precision(z_pos, z_neg, r_pos, r_neg, s, weight) for s in between))
+    return np.concatenate([[flips[0] - 1.0], 0.5 * (flips[1:] + flips[:-1])])
 
 
 @pytest.mark.parametrize("seed", range(6))
